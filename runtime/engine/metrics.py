@@ -1,0 +1,158 @@
+"""Prometheus metrics for a replica, under vLLM's names so one scraper serves both backends.
+
+Latency histograms are observed per request by the server. Gauges and engine counters are read
+from the engine's `stats()` at scrape time by a custom collector, so a scrape always sees the
+current value and the engine never has to push anything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# vLLM 0.32's default buckets (shared/fixtures/vllm-0.32-cpu/metrics.txt).
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+DEFAULT_BUCKETS: dict[str, tuple[float, ...]] = {
+    "ttft": (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+             7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0),
+    "itl": _TOKEN_GAP_BUCKETS,
+    "tpot": _TOKEN_GAP_BUCKETS,
+    "e2e": _LATENCY_BUCKETS,
+    "queue": _LATENCY_BUCKETS,
+}
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# (metric name without _total, help, attribute of engine.stats())
+_ENGINE_COUNTERS = (
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens_total"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.",
+     "generation_tokens_total"),
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+     "num_preemptions_total"),
+    ("vllm:prefix_cache_queries",
+     "Prefix cache queries, in terms of number of queried tokens.", "prefix_cache_queries_total"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+     "prefix_cache_hits_total"),
+)
+_ENGINE_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.",
+     "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+)
+
+LABEL_NAMES = ("engine", "model_name")
+
+
+class EngineStatsCollector(Collector):
+    """Reads the engine's gauges and counters when Prometheus scrapes."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], Any | None]) -> None:
+        self.labels = ["0", model_name]
+        self.read_stats = read_stats
+
+    def collect(self) -> Iterable[Metric]:
+        # Before the model has loaded there are no stats; report zeros so series exist early.
+        stats = self.read_stats()
+        for name, help_text, attribute in _ENGINE_GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=LABEL_NAMES)
+            family.add_metric(self.labels, float(getattr(stats, attribute, 0) or 0))
+            yield family
+        for name, help_text, attribute in _ENGINE_COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=LABEL_NAMES)
+            family.add_metric(self.labels, float(getattr(stats, attribute, 0) or 0))
+            yield family
+
+
+class ServerMetrics:
+    """The replica's private registry: request histograms plus the engine collector."""
+
+    def __init__(self, model_name: str, read_stats: Callable[[], Any | None],
+                 buckets: dict[str, tuple[float, ...]] | None = None) -> None:
+        chosen = {**DEFAULT_BUCKETS, **(buckets or {})}
+        self.registry = CollectorRegistry()
+        labels = {"engine": "0", "model_name": model_name}
+
+        def histogram(name: str, help_text: str, key: str) -> Histogram:
+            return Histogram(name, help_text, labelnames=LABEL_NAMES, buckets=chosen[key],
+                             registry=self.registry).labels(**labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", "ttft")
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Histogram of inter-token latency in seconds.", "itl")
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", "tpot")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Histogram of e2e request latency in seconds.", "e2e")
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", "queue")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labelnames=("engine", "finished_reason", "model_name"),
+                          registry=self.registry)
+        # Pre-create every reason so rate() over a reason that has not happened yet is 0.
+        self.request_success = {
+            reason: success.labels(engine="0", finished_reason=reason, model_name=model_name)
+            for reason in FINISH_REASONS}
+        self.registry.register(EngineStatsCollector(model_name, read_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def start_request(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Timestamps of one request, turned into histogram observations as they happen.
+
+    Definitions follow `vllm bench serve`: TTFT from arrival to the first output token, ITL
+    between output chunks, TPOT = (E2E - TTFT) / (output tokens - 1).
+    """
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrived_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.num_output_tokens = 0
+        self.finished = False
+
+    def on_scheduled(self, step_started_at: float) -> None:
+        """The first engine step that produced output for this request began at this time."""
+        if self.first_token_at is None:
+            self.metrics.queue.observe(max(0.0, step_started_at - self.arrived_at))
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.observe(now - self.arrived_at)
+        else:
+            self.metrics.itl.observe(now - (self.last_token_at or now))
+        self.last_token_at = now
+        self.num_output_tokens += num_tokens
+
+    def on_finished(self, reason: str) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        now = time.monotonic()
+        self.metrics.request_success[reason if reason in FINISH_REASONS else "stop"].inc()
+        if reason in ("abort", "error"):
+            return
+        self.metrics.e2e.observe(now - self.arrived_at)
+        if self.first_token_at is not None and self.num_output_tokens > 1:
+            self.metrics.tpot.observe(
+                (now - self.first_token_at) / (self.num_output_tokens - 1))

@@ -1,0 +1,707 @@
+"""`inferops serve`: an OpenAI-compatible replica around the built-in engine.
+
+The process binds at once and answers /health 503 while the model loads in a background
+thread, so an orchestrator can watch it come up. SIGTERM drains: /health and new requests get
+503, in-flight requests finish (bounded by --drain-timeout), then the process exits 0.
+
+Fault injection (extra TTFT, extra time per output token, a fraction of requests answered
+500) is off by default and exists for tests and game days; the delays are applied per request
+in the async layer, so they never slow the engine loop or other requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import random
+import re
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runtime.engine.async_engine import (
+    FAILED,
+    LOADING,
+    READY,
+    AsyncEmbedder,
+    AsyncEngine,
+    EngineEvent,
+    EngineUnavailableError,
+)
+from runtime.engine.metrics import DEFAULT_BUCKETS, RequestTimer, ServerMetrics
+from runtime.engine.openai_protocol import (
+    ChoiceResult,
+    GenerationRequest,
+    OpenAIError,
+    ResponseShapes,
+    bad_request,
+    embedding_response,
+    new_request_id,
+    parse_chat_request,
+    parse_completion_request,
+    parse_embedding_request,
+    usage_body,
+)
+
+logger = logging.getLogger("inferops.serve")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings"})
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings and run-time state
+
+
+@dataclass
+class FaultSettings:
+    """Injected faults; changeable at run time through POST /admin/faults."""
+
+    fault_ttft_ms: float = 0.0
+    fault_tpot_ms: float = 0.0
+    fault_error_rate: float = 0.0
+
+    def update(self, body: Any) -> None:
+        """Validate every field first so a bad update changes nothing."""
+        if not isinstance(body, dict):
+            raise bad_request("The request body must be a JSON object.", "body")
+        unknown = set(body) - set(asdict(self))
+        if unknown:
+            name = sorted(unknown)[0]
+            raise bad_request(f"Unrecognized fault setting `{name}`.", name)
+        changes = {}
+        for name, value in body.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise bad_request(f"`{name}` must be a number.", name)
+            if value < 0 or (name == "fault_error_rate" and value > 1):
+                limit = "between 0 and 1" if name == "fault_error_rate" else ">= 0"
+                raise bad_request(f"`{name}` must be {limit}, got {value}.", name)
+            changes[name] = float(value)
+        for name, value in changes.items():
+            setattr(self, name, value)
+
+    def draw_error(self) -> bool:
+        return self.fault_error_rate > 0 and random.random() < self.fault_error_rate
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    model_root: str
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    admin_token: str | None = None
+    faults: FaultSettings = field(default_factory=FaultSettings)
+    histogram_buckets: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+
+class Lifecycle:
+    """Counts requests in flight and knows whether the replica is draining."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting; wait for in-flight requests. True when all of them finished."""
+        self.draining = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        return self.in_flight == 0
+
+
+class AdmissionMiddleware:
+    """Refuses model requests while draining and counts the admitted ones until the last byte
+    of their response is sent (a streamed response outlives its endpoint function)."""
+
+    def __init__(self, app: ASGIApp, lifecycle: Lifecycle) -> None:
+        self.app = app
+        self.lifecycle = lifecycle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATION_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.lifecycle.draining:
+            error = OpenAIError(503, "The server is shutting down; retry on another replica.")
+            await error_response(error)(scope, receive, send)
+            return
+        self.lifecycle.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.lifecycle.leave()
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def read_json_body(request: Request, limit: int) -> Any:
+    """Reads the body, refusing it as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    too_large = OpenAIError(413, f"The request body exceeds the limit of {limit} bytes.", "body")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a missing or lying Content-Length must not get past the limit
+            raise too_large
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"Malformed JSON body: {exc}", "body") from None
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Runs `work`, cancelling it if the client disconnects first (aborting its request)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientDisconnected()
+    return task.result()
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# The application
+
+
+class ReplicaServer:
+    """The HTTP endpoints of one replica serving one model."""
+
+    def __init__(self, backend: AsyncEngine | AsyncEmbedder, settings: ServerSettings) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.faults = settings.faults
+        self.lifecycle = Lifecycle()
+        self.metrics = ServerMetrics(settings.served_model_name, backend.stats,
+                                     settings.histogram_buckets)
+        self.started_at = int(time.time())
+
+    def build_app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/admin/faults", self.admin_faults, methods=["GET", "POST"]),
+        ]
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            self.backend.start(asyncio.get_running_loop())
+            yield
+            await asyncio.to_thread(self.backend.stop)
+
+        app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+            OpenAIError: self._openai_error,
+            HTTPException: self._http_error,
+            Exception: self._unexpected_error,
+        })
+        app.add_middleware(AdmissionMiddleware, lifecycle=self.lifecycle)
+        return app
+
+    # -- error handlers -------------------------------------------------------------------
+
+    async def _openai_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return error_response(exc)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        message = "Not found." if exc.status_code == 404 else str(exc.detail)
+        return error_response(OpenAIError(exc.status_code, message))
+
+    async def _unexpected_error(self, request: Request, exc: Exception) -> Response:
+        logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(OpenAIError(500, "Internal server error."))
+
+    # -- operational endpoints ------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        if self.lifecycle.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if self.backend.state != READY:
+            body = {"status": self.backend.state}
+            if self.backend.error:
+                body["error"] = self.backend.error
+            return JSONResponse(body, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(self.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def models(self, request: Request) -> Response:
+        max_model_len = None
+        if isinstance(self.backend, AsyncEngine) and self.backend.ready:
+            max_model_len = self.backend.max_model_len
+        card = {
+            "id": self.settings.served_model_name, "object": "model",
+            "created": self.started_at, "owned_by": "inferops",
+            "root": self.settings.model_root, "parent": None, "max_model_len": max_model_len,
+            "permission": [{
+                "id": f"modelperm-{self.settings.served_model_name}",
+                "object": "model_permission", "created": self.started_at,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": False,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False}],
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def admin_faults(self, request: Request) -> Response:
+        self._authorize_admin(request)
+        if request.method == "POST":
+            self.faults.update(await read_json_body(request, self.settings.max_body_bytes))
+            logger.warning("fault injection changed: %s", asdict(self.faults))
+        return JSONResponse(asdict(self.faults))
+
+    def _authorize_admin(self, request: Request) -> None:
+        token = self.settings.admin_token
+        if not token:
+            raise OpenAIError(404, "The admin API is disabled (no admin token configured).")
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            raise OpenAIError(401, "A valid admin bearer token is required.")
+
+    # -- model endpoints ------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_completion_request)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, parse_chat_request)
+
+    async def embeddings(self, request: Request) -> Response:
+        body = await read_json_body(request, self.settings.max_body_bytes)
+        parsed = parse_embedding_request(body)
+        self._check_model(parsed.model)
+        if not isinstance(self.backend, AsyncEmbedder):
+            raise bad_request("This model does not support the Embeddings API.", "model")
+        self._check_ready()
+        self._maybe_inject_error()
+        try:
+            vectors, counts = await self.backend.embed(parsed.inputs)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), "input") from None
+        except EngineUnavailableError as exc:
+            raise OpenAIError(500, str(exc)) from None
+        return JSONResponse(embedding_response(self.settings.served_model_name, vectors, counts,
+                                               parsed.encoding_format))
+
+    async def _generate(self, request: Request,
+                        parse: Callable[[Any], GenerationRequest]) -> Response:
+        body = await read_json_body(request, self.settings.max_body_bytes)
+        parsed = parse(body)
+        self._check_model(parsed.model)
+        if not isinstance(self.backend, AsyncEngine):
+            raise bad_request("This model only supports the Embeddings API.", "model")
+        self._check_ready()
+        self._maybe_inject_error()
+        prompt_ids = self._prompt_token_ids(parsed)
+        max_tokens = self._checked_max_tokens(parsed, len(prompt_ids))
+        params = parsed.sampling_params(max_tokens)
+        request_id = new_request_id(parsed.kind)
+        shapes = ResponseShapes(parsed.kind, request_id, self.settings.served_model_name)
+        run = GenerationRun(self, request_id, prompt_ids, params, parsed.priority)
+        headers = {"X-Request-Id": request_id}
+        if parsed.stream:
+            return StreamingResponse(run.stream(shapes, parsed.include_usage),
+                                     media_type="text/event-stream",
+                                     headers={**SSE_HEADERS, **headers})
+        try:
+            choices = await cancel_on_disconnect(request, run.collect())
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody is listening; nginx's "client closed"
+        except EngineUnavailableError as exc:
+            raise OpenAIError(500, str(exc)) from None
+        except ValueError as exc:  # the engine refused the request
+            raise bad_request(str(exc)) from None
+        usage = usage_body(len(prompt_ids), sum(c.num_output_tokens for c in choices))
+        return JSONResponse(shapes.response(choices, usage), headers=headers)
+
+    def _check_model(self, model: str | None) -> None:
+        name = self.settings.served_model_name
+        if model is not None and model != name:
+            raise OpenAIError(404, f"The model `{model}` does not exist. Available: {name}.",
+                              "model")
+
+    def _check_ready(self) -> None:
+        state = self.backend.state
+        if state == LOADING:
+            raise OpenAIError(503, "The model is still loading; retry shortly.")
+        if state != READY:
+            raise OpenAIError(500, str(EngineUnavailableError(state, self.backend.error)))
+
+    def _maybe_inject_error(self) -> None:
+        if self.faults.draw_error():
+            self.metrics.request_success["error"].inc()
+            raise OpenAIError(500, "Injected fault: this request was failed on purpose "
+                                   "(fault_error_rate).")
+
+    def _prompt_token_ids(self, parsed: GenerationRequest) -> list[int]:
+        assert isinstance(self.backend, AsyncEngine)
+        tokenizer = self.backend.tokenizer
+        if parsed.prompt_token_ids is not None:
+            return parsed.prompt_token_ids
+        if parsed.prompt_text is not None:
+            return list(tokenizer.encode(parsed.prompt_text, add_special_tokens=True))
+        # OpenAI's "developer" role is the newer name for "system"; templates know the latter.
+        messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]}
+                    for m in parsed.messages or []]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 raise_exception and template errors are input errors
+            raise bad_request(f"The chat template rejected the messages: {exc}",
+                              "messages") from None
+        # The template writes the special tokens (BOS) itself.
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def _checked_max_tokens(self, parsed: GenerationRequest, num_prompt_tokens: int) -> int:
+        assert isinstance(self.backend, AsyncEngine)
+        max_model_len = self.backend.max_model_len
+        if num_prompt_tokens == 0:
+            raise bad_request("The prompt is empty.", "prompt")
+        if parsed.max_tokens is None:  # chat default: whatever room the context leaves
+            if num_prompt_tokens >= max_model_len:
+                raise self._too_long(max_model_len, num_prompt_tokens, 1, "messages")
+            return max_model_len - num_prompt_tokens
+        if num_prompt_tokens + parsed.max_tokens > max_model_len:
+            raise self._too_long(max_model_len, num_prompt_tokens, parsed.max_tokens,
+                                 "max_tokens")
+        return parsed.max_tokens
+
+    @staticmethod
+    def _too_long(max_model_len: int, prompt: int, completion: int, param: str) -> OpenAIError:
+        return bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt + completion} tokens ({prompt} in the prompt, {completion} in "
+            f"the completion). Please reduce the prompt or max_tokens.", param)
+
+
+class GenerationRun:
+    """One admitted generation request: engine events with faults and metrics applied."""
+
+    def __init__(self, server: ReplicaServer, request_id: str, prompt_ids: list[int],
+                 params: Any, priority: int) -> None:
+        self.server = server
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.priority = priority
+        self.timer: RequestTimer = server.metrics.start_request()
+        self.choices = [ChoiceResult(index=i) for i in range(params.n)]
+
+    async def events(self) -> AsyncIterator[EngineEvent]:
+        engine = self.server.backend
+        assert isinstance(engine, AsyncEngine)
+        faults = self.server.faults
+        outcome: str | None = "abort"  # unless the loop below runs to its end
+        try:
+            async for event in engine.generate(self.request_id, self.prompt_ids, self.params,
+                                               self.priority):
+                output = event.output
+                num_new = len(output.new_token_ids)
+                if num_new:
+                    self.timer.on_scheduled(event.step_started_at)
+                    delay_ms = (faults.fault_ttft_ms if self.timer.first_token_at is None
+                                else faults.fault_tpot_ms * num_new)
+                    if delay_ms > 0:
+                        await asyncio.sleep(delay_ms / 1000)
+                    self.timer.on_tokens(num_new)
+                choice = self.choices[output.index]
+                choice.text += output.new_text
+                choice.num_output_tokens += num_new
+                if output.finished:
+                    choice.finish_reason = output.finish_reason
+                yield event
+            reasons = [c.finish_reason or "stop" for c in self.choices]
+            outcome = "length" if "length" in reasons else reasons[0]
+        except EngineUnavailableError:
+            outcome = "error"
+            raise
+        except ValueError:
+            outcome = None  # refused by the engine as bad input: it never ran
+            raise
+        finally:
+            if outcome is not None:
+                self.timer.on_finished(outcome)
+
+    async def collect(self) -> list[ChoiceResult]:
+        async for _ in self.events():
+            pass
+        return self.choices
+
+    async def stream(self, shapes: ResponseShapes, include_usage: bool) -> AsyncIterator[str]:
+        opened: set[int] = set()
+        try:
+            async for event in self.events():
+                output = event.output
+                if output.index not in opened:
+                    opened.add(output.index)
+                    role_chunk = shapes.stream_role_chunk(output.index)
+                    if role_chunk is not None:
+                        yield sse(role_chunk)
+                if output.new_text or output.finished:
+                    yield sse(shapes.stream_chunk(output.index, output.new_text,
+                                                  output.finish_reason if output.finished
+                                                  else None))
+        except (EngineUnavailableError, ValueError) as exc:
+            # Headers are gone already; vLLM reports mid-stream failures as an error event.
+            status = 500 if isinstance(exc, EngineUnavailableError) else 400
+            yield sse(OpenAIError(status, str(exc)).body())
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            completion_tokens = sum(c.num_output_tokens for c in self.choices)
+            yield sse(shapes.stream_usage_chunk(usage_body(len(self.prompt_ids),
+                                                           completion_tokens)))
+        yield "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Process: loading, serving, draining
+
+
+def is_encoder_checkpoint(model_dir: str | Path) -> bool:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # the loader reports a missing or broken config with a better message
+    architectures = config.get("architectures") or []
+    return config.get("model_type") == "bert" or any(
+        str(a).startswith("Bert") for a in architectures)
+
+
+def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
+    """The model is loaded later, in the backend's thread, so the server can bind first."""
+    if is_encoder_checkpoint(args.model):
+        def load_encoder() -> Any:
+            from runtime.engine.encoder import EmbeddingModel
+            return EmbeddingModel.load(args.model, args.dtype)
+        return AsyncEmbedder(load_encoder)
+
+    def load_engine() -> Any:
+        from runtime.engine.config import EngineConfig
+        from runtime.engine.engine import LLMEngine
+        return LLMEngine(EngineConfig(
+            model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
+            block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed))
+    return AsyncEngine(load_engine)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains before shutting down; a second one
+    stops at once. A model that fails to load ends the process with exit code 1."""
+
+    def __init__(self, config: uvicorn.Config, replica: ReplicaServer,
+                 drain_timeout: float) -> None:
+        super().__init__(config)
+        self.replica = replica
+        self.drain_timeout = drain_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._spawn(self._exit_if_load_fails())
+        await super().serve(sockets)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        # Unlike uvicorn's handler this does not re-raise the signal after shutdown: a
+        # drained replica exits 0.
+        if self.replica.lifecycle.draining or not self.started or self._loop is None:
+            if self.should_exit:
+                self.force_exit = True
+            self.should_exit = True
+            return
+        logger.info("received %s: draining (up to %.0f s)", signal.Signals(sig).name,
+                    self.drain_timeout)
+        self.replica.lifecycle.draining = True  # /health says 503 from this instant
+        self._loop.call_soon_threadsafe(self._spawn, self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        lifecycle = self.replica.lifecycle
+        if not await lifecycle.drain(self.drain_timeout):
+            logger.warning("drain timeout: %d request(s) still in flight are cancelled",
+                           lifecycle.in_flight)
+        self.should_exit = True
+
+    async def _exit_if_load_fails(self) -> None:
+        backend = self.replica.backend
+        while backend.state == LOADING:
+            await asyncio.sleep(0.1)
+        if backend.state == FAILED:
+            logger.error("model failed to load: %s", backend.error)
+            self.exit_code = 1
+            self.should_exit = True
+
+
+def _size_in_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1000)")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper().rstrip("B")
+    powers = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "KI": 1, "MI": 2, "GI": 3, "TI": 4}
+    base = 1024 if unit.endswith("I") or unit == "" else 1000
+    return int(number * base ** powers[unit])
+
+
+def _buckets(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of seconds: {text!r}") from None
+    if not values or list(values) != sorted(set(values)) or values[0] <= 0:
+        raise argparse.ArgumentTypeError("buckets must be positive and strictly increasing")
+    return values
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="HF checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--served-model-name", default=None,
+                        help="name clients send as `model` (default: the directory name)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                           "float16"])
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
+    engine.add_argument("--num-kv-blocks", type=int, default=None)
+    engine.add_argument("--kv-cache-memory", type=_size_in_bytes, default=None,
+                        help="KV cache size, e.g. 512MiB (default: the engine's)")
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--no-prefix-caching", action="store_true")
+    engine.add_argument("--seed", type=int, default=0)
+    server = parser.add_argument_group("server")
+    server.add_argument("--max-body-bytes", type=_size_in_bytes, default=DEFAULT_MAX_BODY_BYTES)
+    server.add_argument("--drain-timeout", type=_non_negative, default=30.0,
+                        help="seconds SIGTERM waits for in-flight requests")
+    server.add_argument("--admin-token", default=os.environ.get("INFEROPS_ADMIN_TOKEN"),
+                        help="bearer token for /admin/* (default: $INFEROPS_ADMIN_TOKEN; "
+                             "without one the admin API is off)")
+    server.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    for key, default in DEFAULT_BUCKETS.items():
+        server.add_argument(f"--histogram-buckets-{key}", type=_buckets, default=None,
+                            metavar="S1,S2,...",
+                            help=f"{key} histogram bucket edges in seconds "
+                                 f"(default: vLLM's, {default[0]}..{default[-1]})")
+    faults = parser.add_argument_group("fault injection (tests and game days; off by default)")
+    faults.add_argument("--fault-ttft-ms", type=_non_negative, default=0.0,
+                        help="extra delay before each request's first token")
+    faults.add_argument("--fault-tpot-ms", type=_non_negative, default=0.0,
+                        help="extra delay per output token after the first")
+    faults.add_argument("--fault-error-rate", type=_fraction, default=0.0,
+                        help="fraction of requests answered with a 500")
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    model_root = str(Path(args.model).resolve())
+    return ServerSettings(
+        served_model_name=args.served_model_name or Path(model_root).name,
+        model_root=model_root,
+        max_body_bytes=args.max_body_bytes,
+        admin_token=args.admin_token or None,
+        faults=FaultSettings(args.fault_ttft_ms, args.fault_tpot_ms, args.fault_error_rate),
+        histogram_buckets={key: getattr(args, f"histogram_buckets_{key}")
+                           for key in DEFAULT_BUCKETS
+                           if getattr(args, f"histogram_buckets_{key}") is not None},
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not Path(args.model, "config.json").is_file():
+        logger.error("no config.json in %s", args.model)
+        return 2
+    settings = settings_from_args(args)
+    replica = ReplicaServer(build_backend(args), settings)
+    config = uvicorn.Config(replica.build_app(), host=args.host, port=args.port,
+                            log_level=args.log_level, lifespan="on",
+                            # Our own drain waited already; what is left after it is cut.
+                            timeout_graceful_shutdown=1, timeout_keep_alive=5)
+    server = DrainingServer(config, replica, args.drain_timeout)
+    logger.info("serving %s as %r on http://%s:%d (loading in the background)",
+                settings.model_root, settings.served_model_name, args.host, args.port)
+    server.run()
+    return server.exit_code

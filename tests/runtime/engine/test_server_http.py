@@ -1,0 +1,407 @@
+"""HTTP-layer tests of the replica server against a scripted engine.
+
+The engine here is a stand-in that follows LLMEngine's API (tokenizer, add_request, step,
+abort_request, stats) so these tests can pin exact response shapes, error bodies and the
+loop-thread failure paths in-process and in milliseconds. Everything model-related is proven
+end to end against the real engine in test_server_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.server import FaultSettings, ReplicaServer, ServerSettings
+
+MODEL = "fake"
+
+
+class ScriptedTokenizer:
+    """One token per character; id 1 is BOS, id 2 is EOS."""
+
+    eos_token_ids = [2]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [ord(c) + 10 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i - 10) for i in ids if i > 2)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+
+class ScriptedEngine:
+    """Every running choice emits the letter 'a' + index per step until max_tokens."""
+
+    max_model_len = 64
+
+    def __init__(self, step_seconds: float = 0.0, fail_on_step: bool = False) -> None:
+        self.tokenizer = ScriptedTokenizer()
+        self.step_seconds = step_seconds
+        self.fail_on_step = fail_on_step
+        self.running: dict[tuple[str, int], dict] = {}
+        self.aborted: list[str] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    def add_request(self, request_id, prompt_token_ids, params, priority=0) -> None:
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError("too long")
+        self.prompt_tokens_total += len(prompt_token_ids)
+        for index in range(params.n):
+            self.running[(request_id, index)] = {"params": params, "count": 0,
+                                                 "prompt": len(prompt_token_ids)}
+
+    def abort_request(self, request_id) -> None:
+        self.aborted.append(request_id)
+        for key in [k for k in self.running if k[0] == request_id]:
+            del self.running[key]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def step(self):
+        if self.fail_on_step:
+            raise RuntimeError("simulated CUDA error")
+        time.sleep(self.step_seconds)
+        outputs = []
+        for (request_id, index), seq in list(self.running.items()):
+            seq["count"] += 1
+            self.generation_tokens_total += 1
+            finished = seq["count"] >= seq["params"].max_tokens
+            if finished:
+                del self.running[(request_id, index)]
+            outputs.append(SimpleNamespace(
+                request_id=request_id, index=index, new_token_ids=[ord("a") + index + 10],
+                new_text=chr(ord("a") + index), finished=finished,
+                finish_reason="length" if finished else None,
+                num_prompt_tokens=seq["prompt"], num_output_tokens=seq["count"],
+                num_cached_tokens=0))
+        return outputs
+
+    def stats(self):
+        return SimpleNamespace(num_running=len(self.running), num_waiting=0, kv_cache_usage=0.0,
+                               num_preemptions_total=0, prefix_cache_queries_total=0,
+                               prefix_cache_hits_total=0,
+                               prompt_tokens_total=self.prompt_tokens_total,
+                               generation_tokens_total=self.generation_tokens_total)
+
+
+def make_client(load, **settings) -> tuple[TestClient, ReplicaServer]:
+    replica = ReplicaServer(AsyncEngine(load),
+                            ServerSettings(served_model_name=MODEL, model_root="/models/fake",
+                                           **settings))
+    return TestClient(replica.build_app(), raise_server_exceptions=False), replica
+
+
+def wait_ready(client: TestClient) -> None:
+    deadline = time.monotonic() + 5
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "engine never became ready"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def engine() -> ScriptedEngine:
+    return ScriptedEngine()
+
+
+@pytest.fixture
+def client(engine):
+    test_client, _ = make_client(lambda: engine, admin_token="s3cret", max_body_bytes=2048)
+    with test_client:
+        wait_ready(test_client)
+        yield test_client
+
+
+def sse_events(text: str) -> list:
+    assert text.endswith("data: [DONE]\n\n")
+    frames = [f for f in text.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames)
+    return [json.loads(f[len("data: "):]) for f in frames[:-1]]
+
+
+def test_completion_shape_and_usage(client):
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                     "max_tokens": 3})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == MODEL and isinstance(body["created"], int)
+    assert body["choices"] == [{"index": 0, "text": "aaa", "logprobs": None,
+                                "finish_reason": "length", "stop_reason": None}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert response.headers["x-request-id"] == body["id"]
+
+
+def test_prompt_as_token_ids_and_n(client):
+    body = client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 2,
+                                                "n": 2}).json()
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, "aa"), (1, "bb")]
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+
+
+def test_chat_stream_with_usage(client):
+    response = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "yo"}], "max_tokens": 2,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.text)
+    assert {e["id"] for e in events} == {events[0]["id"]}
+    assert events[0]["id"].startswith("chatcmpl-")
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    contents = [e["choices"][0]["delta"]["content"] for e in events[1:-1]]
+    assert "".join(contents) == "aa"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    prompt_len = len("<user>yo<assistant>")
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": 2,
+                                   "total_tokens": prompt_len + 2}
+
+
+def test_completion_stream_without_usage(client):
+    response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                    "stream": True})
+    events = sse_events(response.text)
+    assert [e["choices"][0]["text"] for e in events] == ["a", "a"]
+    assert all("usage" not in e for e in events)
+
+
+def test_chat_defaults_max_tokens_to_remaining_context(client, engine):
+    body = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}]
+    }).json()
+    prompt_len = len("<system>d<user>u<assistant>")
+    assert body["usage"]["completion_tokens"] == engine.max_model_len - prompt_len
+    assert body["choices"][0]["message"] == {"role": "assistant",
+                                             "content": "a" * (64 - prompt_len)}
+
+
+@pytest.mark.parametrize("payload, param, fragment", [
+    ({"prompt": 5}, "prompt", "string or an array of token ids"),
+    ({"prompt": "x", "max_tokens": "3"}, "max_tokens", "must be an integer"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"prompt": "x", "temperature": True}, "temperature", "must be a number"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p", "<= 1.0"),
+    ({"prompt": "x", "stop": [1]}, "stop", "`stop`"),
+    ({"prompt": "x", "n": 99}, "n", "<= 16"),
+    ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ({"prompt": "x", "bogus": 1}, "bogus", "Unrecognized"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ({"prompt": ["a", "b"]}, "prompt", "Batched prompts"),
+    ({}, "prompt", "required"),
+    ([1, 2], "body", "JSON object"),
+])
+def test_completion_bad_input_names_the_field(client, payload, param, fragment):
+    response = client.post("/v1/completions", json=payload)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and fragment in error["message"]
+    assert error["type"] == "BadRequestError" and error["code"] == 400
+
+
+@pytest.mark.parametrize("payload, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+      "max_completion_tokens": 2}, "max_completion_tokens"),
+])
+def test_chat_bad_input(client, payload, param):
+    response = client.post("/v1/chat/completions", json=payload)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_harmless_parameters_are_accepted(client):
+    response = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "max_completion_tokens": 1, "user": "alice", "logprobs": False, "presence_penalty": 0,
+        "top_k": -1, "seed": 3, "priority": -2})
+    assert response.status_code == 200, response.text
+
+
+def test_malformed_json(client):
+    response = client.post("/v1/completions", content=b"{'prompt': 1}",
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "body" and "Malformed JSON" in error["message"]
+
+
+def test_context_length_error_names_both_lengths(client):
+    response = client.post("/v1/completions", json={"prompt": "x" * 40, "max_tokens": 30})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "64" in message and "41 in the prompt" in message and "30 in the completion" in message
+
+
+def test_unknown_model_is_404(client):
+    response = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+    assert response.status_code == 404
+    assert response.json()["error"] == {
+        "message": "The model `nope` does not exist. Available: fake.",
+        "type": "NotFoundError", "param": "model", "code": 404}
+
+
+def test_body_over_limit_is_413_with_or_without_content_length(client):
+    big = json.dumps({"prompt": "x" * 4000}).encode()
+    assert client.post("/v1/completions", content=big).status_code == 413
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for i in range(0, len(big), 500):
+            yield big[i:i + 500]
+    response = client.post("/v1/completions", content=chunks())
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == 413
+
+
+def test_unknown_route_and_method_are_openai_errors(client):
+    assert client.get("/v1/nothing").json()["error"]["code"] == 404
+    assert client.get("/v1/completions").json()["error"]["code"] == 405
+
+
+def test_embeddings_on_a_generative_model_is_refused(client):
+    response = client.post("/v1/embeddings", json={"input": "x"})
+    assert response.status_code == 400 and "Embeddings" in response.json()["error"]["message"]
+
+
+def test_models_card(client):
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert card["max_model_len"] == 64 and card["root"] == "/models/fake"
+
+
+def test_metrics_follow_vllm_names(client):
+    client.post("/v1/completions", json={"prompt": "hey", "max_tokens": 4})
+    families = {f.name: f for f in text_string_to_metric_families(
+        client.get("/metrics").text)}
+    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:request_time_per_output_token_seconds",
+                 "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds"):
+        assert families[name].type == "histogram"
+    samples = {(s.name, s.labels.get("finished_reason")): s for f in families.values()
+               for s in f.samples}
+    assert samples[("vllm:generation_tokens_total", None)].value == 4
+    assert samples[("vllm:prompt_tokens_total", None)].value == 4
+    assert samples[("vllm:request_success_total", "length")].value == 1
+    assert samples[("vllm:request_success_total", "abort")].value == 0
+    assert samples[("vllm:time_to_first_token_seconds_count", None)].value == 1
+    assert samples[("vllm:inter_token_latency_seconds_count", None)].value == 3
+    assert samples[("vllm:num_requests_running", None)].labels == {"engine": "0",
+                                                                   "model_name": MODEL}
+
+
+def test_histogram_buckets_are_configurable(engine):
+    test_client, _ = make_client(lambda: engine, histogram_buckets={"ttft": (0.5, 2.0)})
+    with test_client:
+        text = test_client.get("/metrics").text
+    edges = [line.split('le="')[1].split('"')[0] for line in text.splitlines()
+             if line.startswith("vllm:time_to_first_token_seconds_bucket")]
+    assert edges == ["0.5", "2.0", "+Inf"]
+
+
+def test_health_is_503_while_loading_then_200(engine):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(5)
+        return engine
+
+    test_client, _ = make_client(slow_load)
+    with test_client:
+        response = test_client.get("/health")
+        assert response.status_code == 503 and response.json()["status"] == "loading"
+        busy = test_client.post("/v1/completions", json={"prompt": "x"})
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == 503
+        release.set()
+        wait_ready(test_client)
+
+
+def test_failed_load_reports_the_error():
+    def broken_load():
+        raise FileNotFoundError("no weights")
+
+    test_client, replica = make_client(broken_load)
+    with test_client:
+        deadline = time.monotonic() + 5
+        while replica.backend.state == "loading" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        health = test_client.get("/health")
+        assert health.status_code == 503 and "no weights" in health.json()["error"]
+        assert test_client.post("/v1/completions", json={"prompt": "x"}).status_code == 500
+
+
+def test_dead_loop_fails_requests_and_health_instead_of_hanging():
+    engine = ScriptedEngine(fail_on_step=True)
+    test_client, _ = make_client(lambda: engine)
+    with test_client:
+        wait_ready(test_client)
+        response = test_client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert response.status_code == 500
+        assert "engine loop has stopped" in response.json()["error"]["message"]
+        assert "Traceback" not in response.text
+        assert test_client.get("/health").status_code == 503
+        assert test_client.post("/v1/completions", json={"prompt": "x"}).status_code == 500
+
+
+def test_dead_loop_mid_stream_sends_an_error_event():
+    engine = ScriptedEngine(fail_on_step=True)
+    test_client, _ = make_client(lambda: engine)
+    with test_client:
+        wait_ready(test_client)
+        response = test_client.post("/v1/completions",
+                                    json={"prompt": "x", "max_tokens": 2, "stream": True})
+        events = sse_events(response.text)
+        assert events[-1]["error"]["code"] == 500
+
+
+def test_admin_faults_requires_the_token(client):
+    assert client.get("/admin/faults").status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert client.post("/admin/faults", json={"fault_ttft_ms": 5}, headers=wrong).status_code \
+        == 401
+    good = {"Authorization": "Bearer s3cret"}
+    assert client.get("/admin/faults", headers=good).json() == {
+        "fault_ttft_ms": 0.0, "fault_tpot_ms": 0.0, "fault_error_rate": 0.0}
+    response = client.post("/admin/faults", json={"fault_error_rate": 1}, headers=good)
+    assert response.json()["fault_error_rate"] == 1.0
+    failed = client.post("/v1/completions", json={"prompt": "x"})
+    assert failed.status_code == 500 and "Injected fault" in failed.json()["error"]["message"]
+    bad = client.post("/admin/faults", json={"fault_error_rate": 2, "fault_ttft_ms": 1},
+                      headers=good)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "fault_error_rate"
+    assert client.get("/admin/faults", headers=good).json()["fault_ttft_ms"] == 0.0
+
+
+def test_admin_api_is_off_without_a_token(engine):
+    test_client, _ = make_client(lambda: engine)
+    with test_client:
+        assert test_client.get("/admin/faults",
+                               headers={"Authorization": "Bearer x"}).status_code == 404
+
+
+def test_fault_ttft_delays_the_first_token(engine):
+    test_client, _ = make_client(lambda: engine,
+                                 faults=FaultSettings(fault_ttft_ms=300, fault_tpot_ms=0))
+    with test_client:
+        wait_ready(test_client)
+        started = time.monotonic()
+        test_client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert time.monotonic() - started >= 0.3
