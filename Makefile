@@ -1,0 +1,38 @@
+# inferops: `make run` starts everything, `make test` runs the whole suite.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Where a CPU build of torch 2.13.0 lies on the development and CI machines. Elsewhere pip
+# takes torch from the index; point PIP_EXTRA_INDEX_URL at a CPU wheel index to skip CUDA.
+TORCH_WHEELS ?= /opt/wheels
+TORCH_SOURCE := $(if $(wildcard $(TORCH_WHEELS)/torch-2.13.0*),--find-links $(TORCH_WHEELS),)
+
+.PHONY: install run test lint clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch==2.13.0 first, on its own: the CPU wheel, never a multi-GB CUDA build.
+	$(BIN)/pip install --quiet "torch==2.13.0" $(TORCH_SOURCE)
+	$(BIN)/pip install --quiet $(TORCH_SOURCE) -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/inferops run
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/python manage.py check --fail-level WARNING
+	$(BIN)/python manage.py makemigrations --check --dry-run
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint:
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,121 @@
+"""`inferops run`: the whole platform in one terminal, on embedded defaults.
+
+Starts (or reuses) Postgres and Redis, migrates, creates the first admin, then runs the web
+app under uvicorn, a Celery worker and Celery beat as child processes. Ctrl-C stops every
+process it started, then the embedded servers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from inferops import embedded
+
+STOP_GRACE_S = 15
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    process: subprocess.Popen | None = None
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="web app address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="web app port (default 8000)")
+    parser.add_argument("--worker-concurrency", type=int, default=2)
+
+
+def prepare() -> str | None:
+    """Migrate and bootstrap in this process; returns the new admin password, if one was made."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", interactive=False, verbosity=0)
+    from inferops.bootstrap import ensure_admin
+
+    return ensure_admin()
+
+
+def children(args) -> list[Child]:
+    python = sys.executable
+    beat_schedule = embedded.data_dir() / "celerybeat-schedule"
+    return [
+        Child("web", [python, "-m", "uvicorn", "inferops.asgi:application", "--host", args.host,
+                      "--port", str(args.port), "--no-access-log"]),
+        Child("worker", [python, "-m", "celery", "-A", "inferops.celery", "worker", "--loglevel", "INFO",
+                         "--concurrency", str(args.worker_concurrency), "--hostname", "worker@%h"]),
+        Child("beat", [python, "-m", "celery", "-A", "inferops.celery", "beat", "--loglevel", "INFO",
+                       "--schedule", str(beat_schedule)]),
+    ]
+
+
+def stop_all(started: list[Child]) -> None:
+    for child in started:
+        if child.process and child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in started:
+        if not child.process:
+            continue
+        try:
+            child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.process.kill()
+            child.process.wait()
+
+
+def main(args) -> int:
+    exported = embedded.ensure_services()
+    if exported:
+        print(f"Embedded Postgres and Redis under {embedded.data_dir()} "
+              f"({', '.join(sorted(exported))} not set).", flush=True)
+    password = prepare()
+    started: list[Child] = []
+    stopping = False
+    crashed: Child | None = None
+
+    def request_stop(signum, frame):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        for child in children(args):
+            child.process = subprocess.Popen(child.argv, env=os.environ.copy())
+            started.append(child)
+        base = f"http://{args.host}:{args.port}"
+        lines = [
+            "",
+            "inferops is running:",
+            f"  console   {base}/",
+            f"  REST API  {base}/api/v1/   (OpenAPI schema {base}/api/schema/, docs {base}/api/docs/)",
+            f"  health    {base}/healthz",
+        ]
+        if password:
+            lines.append(f"  log in as 'admin' with password {password}   (shown once; keep it)")
+        else:
+            lines.append("  log in with your existing admin user")
+        lines.append("Press Ctrl-C to stop everything.\n")
+        print("\n".join(lines), flush=True)
+        while not stopping:
+            for child in started:
+                if child.process.poll() is not None:
+                    print(f"{child.name} exited with code {child.process.returncode}; stopping.", flush=True)
+                    crashed = child
+                    stopping = True
+                    break
+            time.sleep(0.5)
+    finally:
+        print("Stopping...", flush=True)
+        stop_all(started)
+    return 1 if crashed else 0

@@ -1,0 +1,49 @@
+from django.conf import settings
+from django.db.utils import InterfaceError, OperationalError
+from django.http import HttpResponse, JsonResponse
+from django.template.loader import render_to_string
+
+
+class BodySizeLimitMiddleware:
+    """Refuse an API body over the limit before anything reads it (413, DRF-style JSON).
+
+    DRF reads the request stream itself, which skips Django's DATA_UPLOAD_MAX_MEMORY_SIZE.
+    """
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            return JsonResponse({"detail": "Content-Length is not a number."}, status=400)
+        if limit is not None and length > limit:
+            return JsonResponse(
+                {"detail": f"Request body is {length} bytes; the limit is {limit} bytes."},
+                status=413,
+            )
+        return self.get_response(request)
+
+
+class DatabaseUnavailableMiddleware:
+    """When Postgres is down, say so with a 503 instead of a 500 traceback page."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exception):
+        if not isinstance(exception, (OperationalError, InterfaceError)):
+            return None
+        if request.path.startswith("/api/"):
+            return JsonResponse(
+                {"detail": "The database is unavailable; retry shortly.", "code": "db_unavailable"},
+                status=503,
+                headers={"Retry-After": "5"},
+            )
+        body = render_to_string("db_unavailable.html")
+        return HttpResponse(body, status=503, headers={"Retry-After": "5"})

@@ -1,0 +1,25 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from django.views.generic import RedirectView
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from inferops import views
+from registry.urls import api_urlpatterns as registry_api
+
+urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="registry:model-list", permanent=False)),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("models/", include("registry.urls")),
+    path("audit/", views.audit_log, name="audit"),
+    path("healthz", views.healthz, name="healthz"),
+    path("admin/", admin.site.urls),
+    path("api/v1/", include(registry_api)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+]
+urlpatterns += [
+    path(f"{section}/", views.upcoming, {"section": section}, name=section)
+    for section in views.UPCOMING_SECTIONS
+]

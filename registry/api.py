@@ -1,0 +1,280 @@
+"""REST API for CI pipelines: models, versions, aliases and the audit log."""
+
+from __future__ import annotations
+
+from django.db.models import Prefetch, Q
+from django.shortcuts import get_object_or_404
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import generics, serializers, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from inferops.api import ErrorSerializer
+from inferops.roles import ADMIN
+from registry import services
+from registry.checkpoint import CheckpointError
+from registry.models import Alias, AuditEvent, ModelVersion, RegisteredModel, slug_validator
+
+ERRORS = {
+    400: OpenApiResponse(ErrorSerializer, description="Invalid input; each field names its reason."),
+    401: OpenApiResponse(ErrorSerializer, description="No or bad credentials."),
+    403: OpenApiResponse(ErrorSerializer, description="Your role does not allow this."),
+    404: OpenApiResponse(ErrorSerializer, description="Unknown model, version or alias."),
+}
+CONFLICT = {409: OpenApiResponse(ErrorSerializer, description="Already exists.")}
+TOO_LARGE = {413: OpenApiResponse(ErrorSerializer, description="Request body too large.")}
+
+
+class VersionSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name", read_only=True)
+    aliases = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ModelVersion
+        fields = [
+            "model", "number", "artifact_uri", "status", "digest", "description", "aliases",
+            "architecture", "parameter_count", "hidden_size", "num_layers",
+            "num_attention_heads", "num_kv_heads", "head_dim", "vocab_size", "max_context",
+            "dtype", "weight_bytes", "kv_cache_bytes_per_token", "has_tokenizer",
+            "has_chat_template", "manifest", "created_at",
+        ]
+        read_only_fields = fields
+
+    def get_aliases(self, version) -> list[str]:
+        return sorted(alias.name for alias in version.aliases.all())
+
+
+class VersionCreateSerializer(serializers.Serializer):
+    artifact_uri = serializers.CharField(max_length=1024)
+    sha256 = serializers.RegexField(
+        r"^[0-9a-fA-F]{64}$", required=False, allow_null=True,
+        error_messages={"invalid": "sha256 must be 64 hexadecimal characters."},
+    )
+    description = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class ModelSerializer(serializers.ModelSerializer):
+    name = serializers.CharField(max_length=63, validators=[slug_validator])
+    tags = serializers.ListField(
+        child=serializers.CharField(max_length=63, validators=[slug_validator]),
+        required=False, max_length=50,
+    )
+    latest_version = serializers.SerializerMethodField()
+    aliases = serializers.SerializerMethodField()
+
+    class Meta:
+        model = RegisteredModel
+        fields = ["name", "task", "description", "owner", "tags", "latest_version", "aliases",
+                  "created_at", "updated_at"]
+        read_only_fields = ["created_at", "updated_at"]
+
+    def get_latest_version(self, model) -> int | None:
+        versions = model.versions.all()
+        return max((v.number for v in versions), default=None)
+
+    def get_aliases(self, model) -> dict[str, int]:
+        return {alias.name: alias.version.number for alias in model.aliases.all()}
+
+
+class ModelUpdateSerializer(serializers.ModelSerializer):
+    tags = serializers.ListField(
+        child=serializers.CharField(max_length=63, validators=[slug_validator]),
+        required=False, max_length=50,
+    )
+
+    class Meta:
+        model = RegisteredModel
+        fields = ["description", "owner", "tags"]
+
+
+class AliasSerializer(serializers.Serializer):
+    alias = serializers.CharField(source="name", read_only=True)
+    model = serializers.CharField(source="model.name", read_only=True)
+    version = serializers.IntegerField(source="version.number", read_only=True)
+    updated_at = serializers.DateTimeField(read_only=True)
+
+
+class AliasSetSerializer(serializers.Serializer):
+    version = serializers.IntegerField(min_value=1)
+
+
+class AliasSetResponseSerializer(AliasSerializer):
+    previous_version = serializers.IntegerField(allow_null=True, read_only=True)
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AuditEvent
+        fields = ["id", "actor_name", "action", "object_type", "object_id", "object_repr",
+                  "before", "after", "created_at"]
+
+
+def model_queryset():
+    return RegisteredModel.objects.prefetch_related(
+        "versions", Prefetch("aliases", queryset=Alias.objects.select_related("version"))
+    )
+
+
+def get_model(name: str) -> RegisteredModel:
+    return get_object_or_404(model_queryset(), name=name)
+
+
+def checkpoint_error_response(exc: CheckpointError) -> Response:
+    return Response({exc.field: [str(exc)]}, status=status.HTTP_400_BAD_REQUEST)
+
+
+@extend_schema(tags=["models"])
+class ModelListCreate(generics.ListCreateAPIView):
+    serializer_class = ModelSerializer
+
+    @extend_schema(parameters=[
+        OpenApiParameter("search", OpenApiTypes.STR, description="Substring of name, description or owner."),
+        OpenApiParameter("task", OpenApiTypes.STR, enum=["generate", "embed"]),
+        OpenApiParameter("tag", OpenApiTypes.STR, description="Only models carrying this tag."),
+        OpenApiParameter("owner", OpenApiTypes.STR),
+    ], responses={200: ModelSerializer(many=True), **ERRORS})
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
+    def get_queryset(self):
+        queryset = model_queryset()
+        params = self.request.query_params
+        if search := params.get("search"):
+            queryset = queryset.filter(
+                Q(name__icontains=search) | Q(description__icontains=search) | Q(owner__icontains=search)
+            )
+        if task := params.get("task"):
+            queryset = queryset.filter(task=task)
+        if tag := params.get("tag"):
+            queryset = queryset.filter(tags__contains=[tag])
+        if owner := params.get("owner"):
+            queryset = queryset.filter(owner=owner)
+        return queryset
+
+    @extend_schema(responses={201: ModelSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
+    def post(self, request, *args, **kwargs):
+        serializer = ModelSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        model = services.model_create(actor=request.user, **serializer.validated_data)
+        return Response(ModelSerializer(get_model(model.name)).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(tags=["models"])
+class ModelDetail(APIView):
+    @extend_schema(responses={200: ModelSerializer, **ERRORS})
+    def get(self, request, name: str):
+        return Response(ModelSerializer(get_model(name)).data)
+
+    @extend_schema(request=ModelUpdateSerializer, responses={200: ModelSerializer, **ERRORS})
+    def patch(self, request, name: str):
+        model = get_model(name)
+        serializer = ModelUpdateSerializer(model, data=request.data, partial=True)
+        serializer.is_valid(raise_exception=True)
+        services.model_update(model=model, actor=request.user, **serializer.validated_data)
+        return Response(ModelSerializer(get_model(name)).data)
+
+
+@extend_schema(tags=["versions"])
+class VersionListCreate(generics.GenericAPIView):
+    serializer_class = VersionSerializer
+
+    @extend_schema(
+        parameters=[OpenApiParameter("status", OpenApiTypes.STR, enum=["ready", "deprecated", "archived"])],
+        responses={200: VersionSerializer(many=True), **ERRORS},
+    )
+    def get(self, request, name: str):
+        model = get_model(name)
+        queryset = model.versions.prefetch_related("aliases").select_related("model").order_by("-number")
+        if version_status := request.query_params.get("status"):
+            queryset = queryset.filter(status=version_status)
+        page = self.paginate_queryset(queryset)
+        return self.get_paginated_response(VersionSerializer(page, many=True).data)
+
+    @extend_schema(request=VersionCreateSerializer,
+                   responses={201: VersionSerializer, **ERRORS, **TOO_LARGE})
+    def post(self, request, name: str):
+        model = get_model(name)
+        serializer = VersionCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        try:
+            version = services.version_register(
+                model=model, artifact_uri=data["artifact_uri"], actor=request.user,
+                expected_sha256=data.get("sha256"), description=data["description"],
+            )
+        except CheckpointError as exc:
+            return checkpoint_error_response(exc)
+        return Response(VersionSerializer(version).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(tags=["versions"])
+class VersionDetail(APIView):
+    @extend_schema(responses={200: VersionSerializer, **ERRORS})
+    def get(self, request, name: str, number: int):
+        model = get_model(name)
+        version = get_object_or_404(model.versions.prefetch_related("aliases"), number=number)
+        return Response(VersionSerializer(version).data)
+
+
+@extend_schema(tags=["aliases"])
+class AliasList(APIView):
+    @extend_schema(responses={200: AliasSerializer(many=True), **ERRORS})
+    def get(self, request, name: str):
+        model = get_model(name)
+        return Response(AliasSerializer(model.aliases.all(), many=True).data)
+
+
+@extend_schema(tags=["aliases"])
+class AliasDetail(APIView):
+    @extend_schema(responses={200: VersionSerializer, **ERRORS},
+                   description="The version the alias points at.")
+    def get(self, request, name: str, alias: str):
+        model = get_model(name)
+        found = get_object_or_404(Alias.objects.select_related("version"), model=model, name=alias)
+        return Response(VersionSerializer(found.version).data)
+
+    @extend_schema(request=AliasSetSerializer, responses={200: AliasSetResponseSerializer, **ERRORS},
+                   description="Point the alias at a version; answers the previous version.")
+    def put(self, request, name: str, alias: str):
+        model = get_model(name)
+        try:
+            slug_validator(alias)
+        except Exception as exc:  # django ValidationError; answer in DRF's field shape
+            return Response({"alias": list(exc.messages)}, status=status.HTTP_400_BAD_REQUEST)
+        serializer = AliasSetSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        version = get_object_or_404(model.versions, number=serializer.validated_data["version"])
+        found, previous = services.alias_set(model=model, name=alias, version=version, actor=request.user)
+        body = AliasSerializer(found).data
+        body["previous_version"] = previous.number if previous else None
+        return Response(body)
+
+    @extend_schema(responses={204: None, **ERRORS})
+    def delete(self, request, name: str, alias: str):
+        model = get_model(name)
+        found = get_object_or_404(Alias.objects.select_related("version", "model"), model=model, name=alias)
+        services.alias_delete(alias=found, actor=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+@extend_schema(tags=["audit"])
+class AuditList(generics.ListAPIView):
+    serializer_class = AuditEventSerializer
+    read_role = ADMIN
+
+    @extend_schema(parameters=[
+        OpenApiParameter("action", OpenApiTypes.STR, description="e.g. version.register"),
+        OpenApiParameter("object_type", OpenApiTypes.STR, description="e.g. registry.modelversion"),
+        OpenApiParameter("actor", OpenApiTypes.STR, description="username"),
+    ], responses={200: AuditEventSerializer(many=True), **ERRORS})
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
+    def get_queryset(self):
+        queryset = AuditEvent.objects.all()
+        params = self.request.query_params
+        for param, field in (("action", "action"), ("object_type", "object_type"), ("actor", "actor_name")):
+            if value := params.get(param):
+                queryset = queryset.filter(**{field: value})
+        return queryset

@@ -1,0 +1,129 @@
+"""Registry operations. Each owns its transaction and records one audit event per write."""
+
+from __future__ import annotations
+
+import json
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.db import IntegrityError, transaction
+from django.db.models import Max
+from django.forms.models import model_to_dict
+
+from inferops.api import Conflict
+from registry import checkpoint
+from registry.models import Alias, AuditEvent, ModelVersion, RegisteredModel
+
+# Left out of audit snapshots: bulky and already fixed by the digest.
+SNAPSHOT_EXCLUDE = {"manifest"}
+
+
+def snapshot(obj) -> dict:
+    data = model_to_dict(obj, exclude=list(SNAPSHOT_EXCLUDE))
+    return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
+
+
+def audit_record(*, actor, action: str, obj, before: dict | None = None, after: dict | None = None):
+    return AuditEvent.objects.create(
+        actor=actor if getattr(actor, "pk", None) else None,
+        actor_name=getattr(actor, "username", None) or "system",
+        action=action,
+        object_type=obj._meta.label_lower,
+        object_id=str(obj.pk),
+        object_repr=str(obj)[:255],
+        before=before,
+        after=after,
+    )
+
+
+def model_create(*, name: str, task: str, actor, description: str = "", owner: str = "",
+                 tags: list[str] | None = None) -> RegisteredModel:
+    model = RegisteredModel(
+        name=name, task=task, description=description, owner=owner, tags=tags or [],
+        created_by=actor if getattr(actor, "pk", None) else None,
+    )
+    model.full_clean(validate_unique=False)
+    try:
+        with transaction.atomic():
+            model.save()
+            audit_record(actor=actor, action="model.create", obj=model, after=snapshot(model))
+    except IntegrityError:
+        raise Conflict(f"A model named {name!r} already exists.") from None
+    return model
+
+
+def model_update(*, model: RegisteredModel, actor, **changes) -> RegisteredModel:
+    with transaction.atomic():
+        locked = RegisteredModel.objects.select_for_update().get(pk=model.pk)
+        before = snapshot(locked)
+        for field, value in changes.items():
+            setattr(locked, field, value)
+        locked.full_clean(validate_unique=False)
+        locked.save()
+        audit_record(actor=actor, action="model.update", obj=locked, before=before, after=snapshot(locked))
+    return locked
+
+
+def version_register(*, model: RegisteredModel, artifact_uri: str, actor,
+                     expected_sha256: str | None = None, description: str = "") -> ModelVersion:
+    """Validate the checkpoint, digest it, and add it as the model's next version.
+
+    Reading and hashing happen before the transaction: a multi-GB checkpoint must not hold a
+    row lock for minutes. Any failure raises CheckpointError and stores nothing.
+    """
+    root = checkpoint.artifact_path(artifact_uri)
+    facts = checkpoint.read_facts(root, task=model.task)
+    manifest = checkpoint.artifact_manifest(root)
+    digest = checkpoint.manifest_digest(manifest)
+    if expected_sha256 and expected_sha256.lower() != digest:
+        raise checkpoint.CheckpointError(
+            f"digest mismatch: expected {expected_sha256.lower()}, the artifact's manifest digest "
+            f"is {digest}; the checkpoint changed or the wrong directory was given.",
+            field="sha256",
+        )
+    with transaction.atomic():
+        # Locking the model row serialises concurrent registrations, so numbers never collide.
+        RegisteredModel.objects.select_for_update().get(pk=model.pk)
+        latest = model.versions.aggregate(latest=Max("number"))["latest"] or 0
+        version = ModelVersion.objects.create(
+            model=model, number=latest + 1, artifact_uri=artifact_uri, digest=digest,
+            manifest=manifest, description=description,
+            created_by=actor if getattr(actor, "pk", None) else None,
+            **facts.as_dict(),
+        )
+        audit_record(actor=actor, action="version.register", obj=version, after=snapshot(version))
+    return version
+
+
+def alias_set(*, model: RegisteredModel, name: str, version: ModelVersion, actor):
+    """Point alias `name` at `version`; returns (alias, previous version or None)."""
+    if version.model_id != model.pk:
+        raise Conflict(f"Version {version.number} belongs to another model.")
+    with transaction.atomic():
+        RegisteredModel.objects.select_for_update().get(pk=model.pk)
+        alias = Alias.objects.filter(model=model, name=name).select_related("version").first()
+        previous = alias.version if alias else None
+        before = snapshot(alias) if alias else None
+        if alias is None:
+            alias = Alias(model=model, name=name, version=version)
+            alias.full_clean(validate_unique=False)
+        alias.version = version
+        alias.save()
+        audit_record(actor=actor, action="alias.set", obj=alias, before=before,
+                     after={**snapshot(alias), "version_number": version.number,
+                            "previous_version_number": previous.number if previous else None})
+    return alias, previous
+
+
+def alias_delete(*, alias: Alias, actor) -> None:
+    with transaction.atomic():
+        before = {**snapshot(alias), "version_number": alias.version.number}
+        audit_record(actor=actor, action="alias.delete", obj=alias, before=before)
+        alias.delete()
+
+
+def resolve_version(model: RegisteredModel, *, number: int | None = None,
+                    alias: str | None = None) -> ModelVersion:
+    """The version a number or alias names (used by deployments and rollouts too)."""
+    if alias is not None:
+        return Alias.objects.select_related("version").get(model=model, name=alias).version
+    return model.versions.get(number=number)

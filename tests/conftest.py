@@ -1,0 +1,72 @@
+"""Fixtures shared by every suite: checkpoints, users with roles, API clients."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoints import CHAT_TEMPLATE, save_random_model, tiny_config, train_tokenizer
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """Build (once per name) a tiny checkpoint with tokenizer files; returns its directory."""
+    built: dict[str, Path] = {}
+
+    def build(name: str, kind: str = "llama", seed: int = 0, dtype=torch.float32, **overrides) -> Path:
+        if name not in built:
+            directory = tmp_path_factory.mktemp(name)
+            vocab = train_tokenizer(directory, chat_template=CHAT_TEMPLATE)
+            assert vocab <= overrides.get("vocab_size", 320)
+            save_random_model(tiny_config(kind, **overrides), directory, seed=seed, dtype=dtype)
+            built[name] = directory
+        return built[name]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(checkpoint_factory) -> Path:
+    """A tiny fp32 Llama checkpoint (2 layers, hidden 64, 4 heads / 2 KV heads) with a chat template."""
+    return checkpoint_factory("tiny-llama", "llama")
+
+
+@pytest.fixture
+def make_user(db):
+    from django.contrib.auth.models import Group, User
+
+    def make(role: str | None, username: str | None = None) -> User:
+        name = username or f"{role or 'nobody'}-user"
+        user = User.objects.create_user(username=name, password="pw-12345678")
+        if role:
+            user.groups.add(Group.objects.get(name=role))
+        return user
+
+    return make
+
+
+@pytest.fixture
+def api(make_user):
+    """`api(role)` -> a DRF test client authenticated with that role's token."""
+    from rest_framework.authtoken.models import Token
+    from rest_framework.test import APIClient
+
+    def client_for(role: str | None) -> APIClient:
+        client = APIClient()
+        if role is not None:
+            token, _ = Token.objects.get_or_create(user=make_user(role, username=f"{role}-api"))
+            client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+        return client
+
+    return client_for
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
