@@ -1,0 +1,148 @@
+"""Engine options (`EngineConfig`) and the model facts read from a checkpoint's config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class EngineConfig:
+    model: str  # checkpoint directory
+    served_model_name: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    # bytes; when both this and num_kv_blocks are None: 512 MiB, capped at what
+    # max_num_seqs sequences of max_model_len tokens could ever use.
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: config max_position_embeddings
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPE_BYTES):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
+            )
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture facts the forward pass needs, normalised across transformers versions."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+    checkpoint_dtype: str
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint directory {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        architecture = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+        if architecture is None:
+            raise ValueError(
+                f"unsupported architectures {architectures}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        num_heads = raw["num_attention_heads"]
+        hidden = raw["hidden_size"]
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        sliding_window = None
+        # Qwen2 checkpoints ship sliding_window but only honour it with use_sliding_window.
+        if architecture == "MistralForCausalLM" or (is_qwen2 and raw.get("use_sliding_window")):
+            sliding_window = raw.get("sliding_window")
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope=_parse_rope(raw),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+            sliding_window=sliding_window,
+            checkpoint_dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_as_id_list(raw.get("eos_token_id")),
+        )
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _parse_rope(raw: dict) -> RopeConfig:
+    # transformers >= 5 writes "rope_parameters" (theta inside); older checkpoints write
+    # "rope_theta" plus an optional "rope_scaling" whose kind is "rope_type" or legacy "type".
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    if kind not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    return RopeConfig(
+        theta=float(theta),
+        kind=kind,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    )

@@ -1,0 +1,290 @@
+"""The engine loop: add_request -> step (schedule, forward, sample, detokenize) -> outputs.
+
+Synchronous and single-threaded by design; the replica server drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.config import EngineConfig, ModelConfig
+from runtime.engine.loader import resolve_dtype
+from runtime.engine.model_runner import ModelRunner, num_kv_blocks_for
+from runtime.engine.sampling import Sampler, SamplingParams
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.sequence import Sequence
+from runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    """One step's news for one of the n sequences of a request."""
+
+    request_id: str
+    index: int  # 0..n-1
+    new_token_ids: list[int]
+    new_text: str  # text delta (stop strings already cut)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    num_running: int  # sequences (a request with n=4 counts 4)
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # tokens
+    prefix_cache_hits_total: int  # tokens
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_kv_blocks: int = 0
+    block_size: int = 0
+
+
+@dataclass
+class _SequenceState:
+    """What the engine keeps beside the scheduler's Sequence: sampling and text state."""
+
+    seq: Sequence
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+
+
+@dataclass
+class _Request:
+    request_id: str
+    params: SamplingParams
+    states: list[_SequenceState]
+    pending_siblings: list[Sequence] = field(default_factory=list)
+    num_unfinished: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.served_model_name = config.served_model_name or config.model
+        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.num_kv_blocks = num_kv_blocks_for(
+            config, self.model_config, self.max_model_len, self.dtype
+        )
+        self.runner = ModelRunner(
+            config, self.model_config, self.dtype, self.max_model_len, self.num_kv_blocks
+        )
+        self.block_manager = BlockManager(
+            self.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(
+            self.model_config.eos_token_ids
+        )
+        self._seed_source = random.Random(config.seed)
+        self._arrivals = count()
+        self._requests: dict[str, _Request] = {}
+        self._states: dict[int, _SequenceState] = {}  # by seq_id
+        self._aborted_outputs: list[CompletionOutput] = []
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> None:
+        self._validate(request_id, prompt_token_ids, params)
+        arrival = next(self._arrivals)
+        request = _Request(request_id, params, states=[], num_unfinished=params.n)
+        for index in range(params.n):
+            seq = Sequence(
+                request_id,
+                prompt_token_ids,
+                index=index,
+                priority=priority,
+                arrival=arrival,
+                max_tokens=params.max_tokens,
+            )
+            state = _SequenceState(
+                seq,
+                self._generator(params, index),
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop),
+            )
+            request.states.append(state)
+            self._states[seq.seq_id] = state
+        # Siblings wait until the first sequence has computed the prompt: they then take its
+        # blocks from the prefix cache instead of computing the same prompt n times.
+        first, *siblings = [s.seq for s in request.states]
+        request.pending_siblings = siblings if self.config.enable_prefix_caching else []
+        self._requests[request_id] = request
+        self.scheduler.add(first)
+        if not self.config.enable_prefix_caching:
+            for seq in siblings:
+                self.scheduler.add(seq)
+        self._prompt_tokens_total += len(prompt_token_ids)
+
+    def _validate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} exceeds the model's maximum context length ({self.max_model_len})"
+            )
+        blocks = self.block_manager.blocks_for_tokens(total)
+        if blocks > self.num_kv_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the cache "
+                f"only has {self.num_kv_blocks} blocks of {self.config.block_size} tokens"
+            )
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        # A request seed makes each of its n sequences reproducible (seed + index); without
+        # one the engine's own seeded stream picks, so a whole run is reproducible too.
+        seed = params.seed + index if params.seed is not None else self._seed_source.getrandbits(63)
+        return torch.Generator().manual_seed(seed)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request now and free its blocks; the next step() reports it as aborted."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.abort(request_id)
+        for state in request.states:
+            seq = state.seq
+            if seq.finish_reason is None or seq.finish_reason == "abort":
+                self._aborted_outputs.append(self._output(state, [], "", "abort"))
+            self._states.pop(seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._aborted_outputs)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[CompletionOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return outputs
+        logits = self.runner.execute(scheduled)
+        self.scheduler.on_chunks_computed(scheduled)
+        sampled = [c.seq for c in scheduled.chunks if c.completes_sequence]
+        states = [self._states[seq.seq_id] for seq in sampled]
+        params = [self._requests[seq.request_id].params for seq in sampled]
+        token_ids = self.sampler(logits, params, [s.generator for s in states])
+        for state, token_id in zip(states, token_ids, strict=True):
+            outputs.append(self._append_token(state, token_id))
+        return outputs
+
+    def _append_token(self, state: _SequenceState, token_id: int) -> CompletionOutput:
+        seq = state.seq
+        request = self._requests[seq.request_id]
+        params = request.params
+        seq.append_token(token_id)
+        self._generation_tokens_total += 1
+        if seq.index == 0 and request.pending_siblings:
+            for sibling in request.pending_siblings:
+                self.scheduler.add(sibling)
+            request.pending_siblings = []
+        reason = None
+        if token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        ):
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens:
+            reason = "length"
+        text, hit_stop_string = state.detokenizer.update(seq.output_token_ids, reason is not None)
+        if hit_stop_string:
+            reason = "stop"
+        if reason is not None:
+            self._finish(request, state, reason)
+        return self._output(state, [token_id], text, reason)
+
+    def _finish(self, request: _Request, state: _SequenceState, reason: str) -> None:
+        self.scheduler.finish(state.seq, reason)
+        self._states.pop(state.seq.seq_id, None)
+        request.num_unfinished -= 1
+        if request.num_unfinished == 0:
+            del self._requests[request.request_id]
+
+    def _output(
+        self, state: _SequenceState, new_token_ids: list[int], text: str, reason: str | None
+    ) -> CompletionOutput:
+        seq = state.seq
+        return CompletionOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            new_token_ids=new_token_ids,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # -- reporting and offline use --------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        counters = self.scheduler.counters
+        pending = sum(len(r.pending_siblings) for r in self._requests.values())
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + pending,
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions_total=counters.num_preemptions,
+            prefix_cache_queries_total=counters.prefix_cache_queries,
+            prefix_cache_hits_total=counters.prefix_cache_hits,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.block_size,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion; output token ids per prompt, in prompt order.
+
+        With n > 1 a prompt contributes its n sequences one after another.
+        """
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one SamplingParams per prompt")
+        ids = [f"generate-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
+        for request_id, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(request_id, prompt, p)
+        results: dict[tuple[str, int], list[int]] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                results.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+        return [
+            results.get((rid, i), [])
+            for rid, p in zip(ids, params_list, strict=True)
+            for i in range(p.n)
+        ]

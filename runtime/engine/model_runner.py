@@ -1,0 +1,128 @@
+"""All tensor work of a step: the KV cache pool, batch inputs, the forward pass, logits."""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
+from runtime.engine.loader import load_state_dict
+from runtime.engine.model import AttentionMetadata, CausalLM, PrefillAttention
+from runtime.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+
+def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * dtype_bytes
+
+
+def num_kv_blocks_for(
+    config: EngineConfig, model: ModelConfig, max_model_len: int, dtype: torch.dtype
+) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_block(model, config.block_size, dtype)
+    if config.kv_cache_memory is not None:
+        blocks = config.kv_cache_memory // per_block
+    else:
+        blocks_per_seq = -(-max_model_len // config.block_size)
+        blocks = min(DEFAULT_KV_CACHE_MEMORY // per_block, config.max_num_seqs * blocks_per_seq)
+    if blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={config.kv_cache_memory} bytes holds no block of {per_block} bytes"
+        )
+    return int(blocks)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        max_model_len: int,
+        num_blocks: int,
+    ):
+        self.block_size = config.block_size
+        self.dtype = dtype
+        state = load_state_dict(config.model, dtype)
+        self.model = CausalLM(model_config, state, max_model_len, dtype)
+        shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(model_config.num_layers)
+        ]
+        self.sliding_window = model_config.sliding_window
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Run every scheduled chunk; return logits [chunks that complete their sequence, vocab]
+        in `out.chunks` order."""
+        input_ids, positions, meta, sample_rows = self.prepare(out)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def prepare(self, out: SchedulerOutput):
+        token_ids: list[int] = []
+        position_list: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        bs = self.block_size
+        for chunk in out.decodes:
+            seq, pos = chunk.seq, chunk.start
+            token_ids.append(seq.token_ids[pos])
+            position_list.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            sample_rows.append(len(token_ids) - 1)
+        prefill_rows: list[tuple[ScheduledChunk, int]] = []
+        for chunk in out.prefills:
+            seq = chunk.seq
+            first_row = len(token_ids)
+            token_ids.extend(seq.token_ids[chunk.start : chunk.end])
+            table = seq.block_table
+            for pos in range(chunk.start, chunk.end):
+                position_list.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+            prefill_rows.append((chunk, first_row))
+            if chunk.completes_sequence:
+                sample_rows.append(len(token_ids) - 1)
+        positions = torch.tensor(position_list, dtype=torch.long)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
+        if out.decodes:
+            self._decode_metadata(out.decodes, meta)
+        meta.prefills = [self._prefill_metadata(chunk, row) for chunk, row in prefill_rows]
+        return (
+            torch.tensor(token_ids, dtype=torch.long),
+            positions,
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long),
+        )
+
+    def _decode_metadata(self, decodes: list[ScheduledChunk], meta: AttentionMetadata) -> None:
+        bs = self.block_size
+        lengths = [c.end for c in decodes]
+        max_blocks = -(-max(lengths) // bs)
+        tables = [c.seq.block_table[:max_blocks] for c in decodes]
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        key_positions = torch.arange(max_blocks * bs)
+        length_tensor = torch.tensor(lengths).unsqueeze(1)
+        allowed = key_positions.unsqueeze(0) < length_tensor
+        if self.sliding_window is not None:
+            allowed &= key_positions.unsqueeze(0) > length_tensor - 1 - self.sliding_window
+        meta.num_decodes = len(decodes)
+        meta.decode_blocks = torch.tensor(padded, dtype=torch.long)
+        meta.decode_mask = allowed[:, None, None, :]
+
+    def _prefill_metadata(self, chunk: ScheduledChunk, first_row: int) -> PrefillAttention:
+        rows = (first_row, first_row + chunk.num_tokens)
+        window = self.sliding_window
+        if chunk.start == 0 and (window is None or chunk.num_tokens <= window):
+            return PrefillAttention(*rows, context_blocks=None, mask=None)
+        bs = self.block_size
+        num_blocks = -(-chunk.end // bs)
+        blocks = torch.tensor(chunk.seq.block_table[:num_blocks], dtype=torch.long)
+        query_positions = torch.arange(chunk.start, chunk.end).unsqueeze(1)
+        key_positions = torch.arange(num_blocks * bs).unsqueeze(0)
+        mask = key_positions <= query_positions
+        if window is not None:
+            mask &= key_positions > query_positions - window
+        return PrefillAttention(*rows, context_blocks=blocks, mask=mask)

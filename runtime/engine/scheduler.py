@@ -1,0 +1,182 @@
+"""What runs next: continuous batching with chunked prefill, priorities and preemption.
+
+Pure Python, no torch. Each step spends a token budget (`max_num_batched_tokens`):
+
+1. running sequences with one token to compute (decodes) go first, one token each;
+2. running sequences still in their prompt get the next chunk of it;
+3. waiting sequences are admitted (higher priority first, first come first served within a
+   priority), using the prefix cache, with a first chunk that fits what is left.
+
+When a running sequence needs a block and none is free, the lowest-priority, newest running
+sequence not yet scheduled this step is preempted (blocks freed, sent back to waiting to be
+recomputed later); if that is the sequence itself, it waits.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step (== seq.num_computed_tokens at scheduling)
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this chunk every token has KV, so the model's output here is sampled."""
+        return self.end == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass
+class SchedulerCounters:
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Both kept sorted by Sequence.schedule_key: front = highest priority, oldest.
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.counters = SchedulerCounters()
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take a sequence out of the batch for good and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        aborted = [s for s in self.running + self.waiting if s.request_id == request_id]
+        for seq in aborted:
+            self.finish(seq, "abort")
+        return aborted
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        for want_decode in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
+                    continue
+                if (seq.num_uncomputed_tokens == 1) != want_decode:
+                    continue
+                num_tokens = self._make_room(
+                    seq, min(seq.num_uncomputed_tokens, budget), scheduled, out
+                )
+                if num_tokens == 0:
+                    continue
+                chunk = self._allocate(seq, num_tokens)
+                (out.decodes if want_decode else out.prefills).append(chunk)
+                scheduled.add(seq.seq_id)
+                budget -= num_tokens
+        budget -= self._admit_waiting(budget, out)
+        return out
+
+    def on_chunks_computed(self, out: SchedulerOutput) -> None:
+        """The model wrote KV for every scheduled chunk: advance and publish full blocks."""
+        for chunk in out.chunks:
+            chunk.seq.num_computed_tokens = chunk.end
+            self.block_manager.register_computed_blocks(chunk.seq)
+
+    def _allocate(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        self.block_manager.allocate_slots(seq, num_tokens)
+        return ScheduledChunk(seq, seq.num_computed_tokens, num_tokens)
+
+    def _make_room(
+        self, seq: Sequence, wanted: int, scheduled: set[int], out: SchedulerOutput
+    ) -> int:
+        """Tokens of `seq` that can run now (up to `wanted`), preempting others if needed.
+
+        Returns 0 when `seq` itself had to be preempted.
+        """
+        while True:
+            fits = min(wanted, self.block_manager.max_tokens_allocatable(seq))
+            if fits >= 1:
+                return fits
+            victim = next(s for s in reversed(self.running) if s.seq_id not in scheduled)
+            self._preempt(victim, out)
+            if victim is seq:
+                return 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        self.add(seq)
+        self.counters.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        spent = 0
+        bm = self.block_manager
+        while self.waiting and spent < budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            num_cached_tokens = len(cached) * bm.block_size
+            free_after_prefix = bm.num_free_blocks - bm.num_free_needed_for_prefix(cached)
+            room = (len(cached) + free_after_prefix) * bm.block_size - num_cached_tokens
+            num_tokens = min(len(seq) - num_cached_tokens, budget - spent, room)
+            if num_tokens < 1:
+                break  # strict order: nobody overtakes the head of the queue
+            self.waiting.pop(0)
+            if bm.enable_prefix_caching:
+                self.counters.prefix_cache_queries += len(seq)
+                self.counters.prefix_cache_hits += num_cached_tokens
+            bm.allocate_prefix(seq, cached)
+            if not seq.was_admitted:
+                seq.num_cached_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
+                seq.was_admitted = True
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
+            out.prefills.append(self._allocate(seq, num_tokens))
+            spent += num_tokens
+        return spent
