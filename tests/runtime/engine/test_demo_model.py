@@ -1,0 +1,106 @@
+"""`inferops demo-model`: a deterministic checkpoint that transformers loads and runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from runtime.engine.demo_model import PRESETS, build_demo_tokenizer, main, write_demo_model
+
+torch.set_num_threads(2)
+
+EXPECTED_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+
+
+def file_digests(directory) -> dict[str, str]:
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.iterdir())
+    }
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("demo") / "tiny", preset="tiny", seed=7)
+
+
+def test_writes_the_hf_file_set_with_tiny_shapes(demo_dir):
+    assert {path.name for path in demo_dir.iterdir()} == EXPECTED_FILES
+    config = json.loads((demo_dir / "config.json").read_text())
+    tiny = PRESETS["tiny"]
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["hidden_size"] == tiny.hidden_size == 256
+    assert config["num_hidden_layers"] == 4
+    assert config["num_key_value_heads"] == tiny.num_key_value_heads
+    assert config["vocab_size"] == 30522
+    assert config["max_position_embeddings"] == 2048
+    tokenizer_config = json.loads((demo_dir / "tokenizer_config.json").read_text())
+    assert tokenizer_config["bos_token"] == "<s>" and tokenizer_config["eos_token"] == "</s>"
+    assert "chat_template" in tokenizer_config
+
+
+def test_same_seed_gives_byte_identical_files(demo_dir, tmp_path):
+    again = write_demo_model(tmp_path / "again", preset="tiny", seed=7)
+    other_seed = write_demo_model(tmp_path / "other", preset="tiny", seed=8)
+    assert file_digests(again) == file_digests(demo_dir)
+    assert (
+        file_digests(other_seed)["model.safetensors"] != file_digests(demo_dir)["model.safetensors"]
+    )
+    assert file_digests(other_seed)["tokenizer.json"] == file_digests(demo_dir)["tokenizer.json"]
+
+
+def test_loads_and_generates_with_transformers(demo_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir)
+    model = AutoModelForCausalLM.from_pretrained(demo_dir).eval()
+    parameters = sum(parameter.numel() for parameter in model.parameters())
+    assert 9_000_000 < parameters < 14_000_000
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "How fast is the replica?"}],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    assert prompt[0] == tokenizer.bos_token_id
+    assert tokenizer.convert_ids_to_tokens(prompt[:2]) == ["<s>", "<|user|>"]
+    assert tokenizer.convert_ids_to_tokens(prompt[-1:]) == ["<|assistant|>"]
+    output = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)
+    assert output.shape == (1, len(prompt) + 5)
+
+
+def test_tokenizer_round_trips_lower_case_english_also_when_streamed():
+    from tokenizers.decoders import DecodeStream
+
+    tokenizer = build_demo_tokenizer()
+    text = "the replica is slow (again), is it? we serve 42 requests: 97% of them fast; fine!"
+    encoding = tokenizer.encode(text)
+    assert encoding.ids[0] == tokenizer.token_to_id("<s>")
+    assert "<unk>" not in encoding.tokens
+    assert tokenizer.decode(encoding.ids) == text
+    stream = DecodeStream(skip_special_tokens=True)
+    assert "".join(stream.step(tokenizer, i) or "" for i in encoding.ids) == text
+    # Chat markers are single tokens even inside text.
+    assert tokenizer.encode("<|user|> hi", add_special_tokens=False).tokens == ["<|user|>", "hi"]
+
+
+def test_unknown_preset_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="preset"):
+        write_demo_model(tmp_path, preset="huge")
+
+
+def test_cli_main_reports_parameter_count(tmp_path, capsys):
+    import argparse
+
+    args = argparse.Namespace(out_dir=str(tmp_path / "cli"), preset="tiny", seed=1, train_steps=0)
+    assert main(args) == 0
+    assert "10,715,904 parameters" in capsys.readouterr().out
