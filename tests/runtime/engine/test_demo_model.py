@@ -82,7 +82,7 @@ def test_tokenizer_round_trips_lower_case_english_also_when_streamed():
     from tokenizers.decoders import DecodeStream
 
     tokenizer = build_demo_tokenizer()
-    text = "the replica is slow (again), is it? we serve 42 requests: 97% of them fast; fine!"
+    text = "the replica is slow again), is it? we serve 42 requests: 97% of them fast; fine!"
     encoding = tokenizer.encode(text)
     assert encoding.ids[0] == tokenizer.token_to_id("<s>")
     assert "<unk>" not in encoding.tokens
