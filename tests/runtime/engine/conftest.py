@@ -1,118 +1,28 @@
-"""Tiny random HF checkpoints for the engine tests, built once per session under a tmp dir.
+"""Engine test fixtures.
 
-`tiny_llama_dir` is shared with the replica-server tests: a Llama checkpoint (fp32, 2 layers,
-hidden 64, 4 heads / 2 KV heads) with a byte-level BPE `tokenizer.json` trained on a few
-sentences and a `tokenizer_config.json` carrying a chat template, bos `<s>` (id 1) and
-eos `</s>` (id 2).
+The tiny checkpoint builders live in tests/checkpoints.py and the session-scoped fixtures
+`checkpoint_factory` and `tiny_llama_dir` in tests/conftest.py (shared with the registry and
+server tests); this file only adds what the engine suites need on top.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
+from runtime.engine.config import EngineConfig
+from runtime.engine.engine import LLMEngine
+
 torch.set_num_threads(2)
 
-TRAINING_SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Hello world! This is a tiny tokenizer for engine tests.",
-    "Service level objectives keep latency honest: p50, p90, p99.",
-    "Paged attention stores keys and values in fixed-size blocks.",
-    "Continuous batching mixes prefill chunks with decode steps.",
-    "Grüße aus Köln — naïve café, 東京 and emoji 🙂 are multi-byte.",
-]
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role ' + message['role']) }}{% endif %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 
+@pytest.fixture
+def make_engine(tiny_llama_dir):
+    """LLMEngine over the tiny Llama (or another checkpoint dir) with small test defaults."""
 
-def train_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str | None = None):
-    """Write tokenizer.json + tokenizer_config.json; return the tokenizer's vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    def make(model_dir=None, **options) -> LLMEngine:
+        defaults = {"block_size": 4, "num_kv_blocks": 128, "max_num_batched_tokens": 64}
+        defaults.update(options)
+        return LLMEngine(EngineConfig(model=str(model_dir or tiny_llama_dir), **defaults))
 
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(TRAINING_SENTENCES, trainer=trainer)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    tokenizer_config = {
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "model_max_length": 2048,
-    }
-    if chat_template is not None:
-        tokenizer_config["chat_template"] = chat_template
-    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    return tokenizer.get_vocab_size()
-
-
-def save_random_model(config, directory: Path, seed: int = 0, dtype=torch.float32) -> None:
-    """Random weights for `config` saved as safetensors (the HF class picks the layout)."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
-    model.eval()
-    model.save_pretrained(str(directory), safe_serialization=True)
-
-
-def tiny_config(kind: str = "llama", **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
-
-    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
-    base = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 320,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": False,
-    }
-    base.update(overrides)
-    return classes[kind](**base)
-
-
-@pytest.fixture(scope="session")
-def checkpoint_factory(tmp_path_factory):
-    """Build (once per distinct spec) a tiny checkpoint; returns its directory."""
-    built: dict[str, Path] = {}
-
-    def build(name: str, kind: str = "llama", seed: int = 0, dtype=torch.float32, **overrides):
-        if name in built:
-            return built[name]
-        directory = tmp_path_factory.mktemp(name)
-        vocab = train_tokenizer(directory, chat_template=CHAT_TEMPLATE)
-        assert vocab <= overrides.get("vocab_size", 320)
-        save_random_model(tiny_config(kind, **overrides), directory, seed=seed, dtype=dtype)
-        built[name] = directory
-        return directory
-
-    return build
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_dir(checkpoint_factory) -> Path:
-    """A tiny fp32 Llama checkpoint with tokenizer files and a chat template."""
-    return checkpoint_factory("tiny-llama", "llama")
+    return make
