@@ -118,12 +118,50 @@ class _ModelThread:
 
 
 class _RequestChannel:
-    """Where the loop thread's outputs for one request land on the event loop."""
+    """Where the loop thread's news for one request lands on the event loop."""
 
-    def __init__(self, num_choices: int) -> None:
+    def __init__(self, num_choices: int, accepted: asyncio.Future[None]) -> None:
+        self.accepted = accepted  # resolved once the engine took (or refused) the request
         self.queue: asyncio.Queue[EngineEvent | BaseException] = asyncio.Queue()
         self.num_choices = num_choices
         self.finished_choices: set[int] = set()
+
+
+class RequestStream:
+    """The outputs of one accepted request, until all of its `n` choices finish.
+
+    Leaving early (the consumer stops iterating, is cancelled, or calls `close()`) aborts the
+    request at once, which frees its KV blocks.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, channel: _RequestChannel) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.channel = channel
+        self.done = False
+
+    def __aiter__(self) -> AsyncIterator[EngineEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[EngineEvent]:
+        channel = self.channel
+        try:
+            while not self.done:
+                item = await channel.queue.get()
+                if isinstance(item, BaseException):
+                    self.done = True  # the engine is gone; nothing left to abort
+                    raise item
+                if item.output.finished:
+                    channel.finished_choices.add(item.output.index)
+                    self.done = len(channel.finished_choices) >= channel.num_choices
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Abort the request unless it already finished; safe to call more than once."""
+        self.engine._forget(self.request_id, abort=not self.done)
+        self.done = True
 
 
 class AsyncEngine(_ModelThread):
@@ -147,36 +185,41 @@ class AsyncEngine(_ModelThread):
     def stats(self) -> Any | None:
         return self.model.stats() if self.model is not None else None
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                       priority: int = 0) -> AsyncIterator[EngineEvent]:
-        """Yields every output of the request until all of its `params.n` choices finish.
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                     priority: int = 0) -> RequestStream:
+        """Hand a request to the engine; returns once the engine has accepted it.
 
-        Leaving early (the consumer stops iterating, is cancelled, or the client went away)
-        aborts the request at once, which frees its KV blocks.
+        Raises the engine's ValueError when it refuses the request, and
+        EngineUnavailableError when the model is not serving.
         """
-        self.check_ready()
         if request_id in self._channels:
             raise ValueError(f"duplicate request id {request_id}")
-        channel = _RequestChannel(max(1, int(getattr(params, "n", 1) or 1)))
+        assert self._loop is not None
+        channel = _RequestChannel(max(1, int(getattr(params, "n", 1) or 1)),
+                                  self._loop.create_future())
         self._channels[request_id] = channel
+        # Checked after registering: a loop that dies from here on fails this channel too.
+        if self.state != READY:
+            del self._channels[request_id]
+            raise EngineUnavailableError(self.state, self.error)
         self._submit("add", request_id, list(prompt_token_ids), params, priority)
-        finished = False
         try:
-            while True:
-                item = await channel.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine never accepted it, or is gone
-                    raise item
-                if item.output.finished:
-                    channel.finished_choices.add(item.output.index)
-                    finished = len(channel.finished_choices) >= channel.num_choices
-                yield item
-                if finished:
-                    return
-        finally:
-            self._channels.pop(request_id, None)
-            if not finished:
-                self._submit("abort", request_id)
+            await channel.accepted
+        except BaseException:
+            self._forget(request_id, abort=True)
+            raise
+        return RequestStream(self, request_id, channel)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                       priority: int = 0) -> AsyncIterator[EngineEvent]:
+        """`submit()` and iterate in one call."""
+        stream = await self.submit(request_id, prompt_token_ids, params, priority)
+        async for event in stream:
+            yield event
+
+    def _forget(self, request_id: str, abort: bool) -> None:
+        if self._channels.pop(request_id, None) is not None and abort:
+            self._submit("abort", request_id)
 
     def _submit(self, command: str, *args: Any) -> None:
         with self._wakeup:
@@ -209,12 +252,14 @@ class AsyncEngine(_ModelThread):
         try:
             engine.add_request(request_id, prompt_token_ids, params, priority=priority)
         except (ValueError, TypeError) as exc:  # the request is bad, the engine is fine
-            self._call_soon(self._reject, request_id, exc)
+            self._call_soon(self._settle_acceptance, request_id, exc)
+        else:
+            self._call_soon(self._settle_acceptance, request_id, None)
 
-    def _reject(self, request_id: str, exc: BaseException) -> None:
+    def _settle_acceptance(self, request_id: str, exc: BaseException | None) -> None:
         channel = self._channels.get(request_id)
         if channel is not None:
-            channel.queue.put_nowait(exc)
+            _settle(channel.accepted, None, exc)
 
     def _dispatch(self, outputs: list[Any], step_started_at: float) -> None:
         for output in outputs:
@@ -225,7 +270,9 @@ class AsyncEngine(_ModelThread):
 
     def _fail_all(self) -> None:
         for channel in self._channels.values():
-            channel.queue.put_nowait(EngineUnavailableError(self.state, self.error))
+            error = EngineUnavailableError(self.state, self.error)
+            _settle(channel.accepted, None, error)
+            channel.queue.put_nowait(error)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -43,6 +44,7 @@ from runtime.engine.async_engine import (
     AsyncEngine,
     EngineEvent,
     EngineUnavailableError,
+    RequestStream,
 )
 from runtime.engine.metrics import DEFAULT_BUCKETS, RequestTimer, ServerMetrics
 from runtime.engine.openai_protocol import (
@@ -342,6 +344,7 @@ class ReplicaServer:
 
     async def _generate(self, request: Request,
                         parse: Callable[[Any], GenerationRequest]) -> Response:
+        timer = self.metrics.start_request()  # TTFT and E2E count from arrival
         body = await read_json_body(request, self.settings.max_body_bytes)
         parsed = parse(body)
         self._check_model(parsed.model)
@@ -354,13 +357,17 @@ class ReplicaServer:
         params = parsed.sampling_params(max_tokens)
         request_id = new_request_id(parsed.kind)
         shapes = ResponseShapes(parsed.kind, request_id, self.settings.served_model_name)
-        run = GenerationRun(self, request_id, prompt_ids, params, parsed.priority)
+        run = GenerationRun(self, timer, request_id, prompt_ids, params, parsed.priority)
         headers = {"X-Request-Id": request_id}
-        if parsed.stream:
-            return StreamingResponse(run.stream(shapes, parsed.include_usage),
-                                     media_type="text/event-stream",
-                                     headers={**SSE_HEADERS, **headers})
         try:
+            if parsed.stream:
+                # Submitted before the headers go out, so a refusal is still a plain 400.
+                await run.start()
+                return StreamingResponse(run.stream(shapes, parsed.include_usage),
+                                         media_type="text/event-stream",
+                                         headers={**SSE_HEADERS, **headers},
+                                         # runs even when a disconnect cut the stream short
+                                         background=BackgroundTask(run.close))
             choices = await cancel_on_disconnect(request, run.collect())
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed"
@@ -433,24 +440,41 @@ class ReplicaServer:
 class GenerationRun:
     """One admitted generation request: engine events with faults and metrics applied."""
 
-    def __init__(self, server: ReplicaServer, request_id: str, prompt_ids: list[int],
-                 params: Any, priority: int) -> None:
+    def __init__(self, server: ReplicaServer, timer: RequestTimer, request_id: str,
+                 prompt_ids: list[int], params: Any, priority: int) -> None:
         self.server = server
+        self.timer = timer
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.priority = priority
-        self.timer: RequestTimer = server.metrics.start_request()
         self.choices = [ChoiceResult(index=i) for i in range(params.n)]
+        self.engine_stream: RequestStream | None = None
 
-    async def events(self) -> AsyncIterator[EngineEvent]:
+    async def start(self) -> None:
         engine = self.server.backend
         assert isinstance(engine, AsyncEngine)
-        faults = self.server.faults
-        outcome: str | None = "abort"  # unless the loop below runs to its end
         try:
-            async for event in engine.generate(self.request_id, self.prompt_ids, self.params,
-                                               self.priority):
+            self.engine_stream = await engine.submit(self.request_id, self.prompt_ids,
+                                                     self.params, self.priority)
+        except EngineUnavailableError:
+            self.timer.on_finished("error")
+            raise
+
+    def close(self) -> None:
+        """Abort the request if it is still running; counted as aborted."""
+        if self.engine_stream is not None and not self.engine_stream.done:
+            self.engine_stream.close()
+            self.timer.on_finished("abort")
+
+    async def events(self) -> AsyncIterator[EngineEvent]:
+        if self.engine_stream is None:
+            await self.start()
+        assert self.engine_stream is not None
+        faults = self.server.faults
+        outcome = "abort"  # unless the loop below runs to its end
+        try:
+            async for event in self.engine_stream:
                 output = event.output
                 num_new = len(output.new_token_ids)
                 if num_new:
@@ -471,12 +495,8 @@ class GenerationRun:
         except EngineUnavailableError:
             outcome = "error"
             raise
-        except ValueError:
-            outcome = None  # refused by the engine as bad input: it never ran
-            raise
         finally:
-            if outcome is not None:
-                self.timer.on_finished(outcome)
+            self.timer.on_finished(outcome)
 
     async def collect(self) -> list[ChoiceResult]:
         async for _ in self.events():

@@ -1,0 +1,338 @@
+"""`inferops serve` end to end: a real process, the real engine on a tiny checkpoint, real HTTP,
+and the official `openai` client.
+
+One server is started per module and shared; the SIGTERM test starts its own, since it ends
+the process. Tests that change run-time state (faults) put it back before they finish.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+MODEL = "tiny"
+ADMIN = {"Authorization": "Bearer test-admin"}
+MAX_MODEL_LEN = 512
+MAX_BODY_BYTES = 65536
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, log_path: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "inferops.cli", "serve", "--model", str(model_dir),
+                   "--port", str(self.port), "--served-model-name", MODEL,
+                   "--max-model-len", str(MAX_MODEL_LEN), "--admin-token", "test-admin",
+                   "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "warning", *extra]
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory):
+    process = ServerProcess(tiny_llama_dir, tmp_path_factory.mktemp("serve") / "server.log")
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+                         timeout=30)
+
+
+def scrape(server) -> dict[tuple[str, str | None], float]:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return {(s.name, s.labels.get("finished_reason")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_models_lists_the_served_model(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    raw = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]
+    assert raw["max_model_len"] == MAX_MODEL_LEN and raw["object"] == "model"
+
+
+def test_chat_completion(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello world!"}], max_tokens=8,
+        temperature=0)
+    assert response.id.startswith("chatcmpl-") and response.object == "chat.completion"
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert response.usage.prompt_tokens > 0
+    assert 1 <= response.usage.completion_tokens <= 8
+    assert response.usage.total_tokens == (response.usage.prompt_tokens
+                                           + response.usage.completion_tokens)
+
+
+def test_completion_with_token_id_prompt(client):
+    response = client.completions.create(model=MODEL, prompt=[1, 40, 41, 42], max_tokens=5,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert response.id.startswith("cmpl-") and response.object == "text_completion"
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.prompt_tokens == 4 and response.usage.completion_tokens == 5
+
+
+def test_streamed_completion_matches_the_non_streamed_one(client):
+    kwargs = dict(model=MODEL, prompt="The quick brown fox", max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0].text
+    chunks = list(client.completions.create(stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_streamed_chat_opens_with_the_role_and_ends_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be terse."},
+                               {"role": "user", "content": "Paged attention?"}],
+        max_tokens=6, temperature=0.8, seed=1, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 6
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_raw_stream_is_sse_ending_with_done(server):
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        body = response.read().decode()
+    frames = [f for f in body.split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    first = json.loads(frames[0][len("data: "):])
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_n_returns_independent_choices(client):
+    response = client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, n=2,
+                                         temperature=1.0, seed=7,
+                                         extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in response.choices) == [0, 1]
+    assert response.usage.completion_tokens == 12
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed: int) -> str:
+        return client.completions.create(
+            model=MODEL, prompt="Service level", max_tokens=12, temperature=1.0, seed=seed,
+            extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sample(123) == sample(123)
+    assert sample(123) != sample(321)
+
+
+def test_stop_string_cuts_the_text(client):
+    kwargs = dict(model=MODEL, prompt="Continuous batching", max_tokens=16, temperature=0,
+                  extra_body={"ignore_eos": True})
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop.strip(), f"unlucky greedy text {full!r}"
+    response = client.completions.create(stop=[stop], **kwargs)
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.text == full[:full.index(stop)]
+
+
+def test_metrics_count_the_tokens_sent_and_received(server, client):
+    before = scrape(server)
+    prompt = [1, 50, 51, 52, 53, 54, 55]
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                              extra_body={"ignore_eos": True})
+    after = scrape(server)
+
+    def delta(name, reason=None):
+        return after.get((name, reason), 0) - before.get((name, reason), 0)
+
+    assert delta("vllm:prompt_tokens_total") == len(prompt)
+    assert delta("vllm:generation_tokens_total") == 5
+    assert delta("vllm:request_success_total", "length") == 1
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:request_queue_time_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 4
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 1
+    assert delta("vllm:prefix_cache_queries_total") >= 0
+    assert after[("vllm:num_requests_running", None)] == 0
+    assert 0 <= after[("vllm:kv_cache_usage_perc", None)] <= 1
+
+
+@pytest.mark.parametrize("payload, status, param", [
+    ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ({"model": "nope", "prompt": "x"}, 404, "model"),
+])
+def test_bad_completion_requests(server, payload, status, param):
+    response = httpx.post(f"{server.base_url}/v1/completions", json=payload)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == status
+    assert "Traceback" not in response.text
+
+
+def test_context_length_error_has_both_lengths(server):
+    response = httpx.post(f"{server.base_url}/v1/completions", json={
+        "model": MODEL, "prompt": [5] * 500, "max_tokens": 100})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "500 in the prompt" in message and "100 in the completion" in message
+    assert str(MAX_MODEL_LEN) in message
+
+
+def test_malformed_json_and_oversized_body(server):
+    url = f"{server.base_url}/v1/chat/completions"
+    malformed = httpx.post(url, content=b'{"model": ', headers={"content-type":
+                                                                 "application/json"})
+    assert malformed.status_code == 400 and malformed.json()["error"]["param"] == "body"
+    big = httpx.post(url, json={"model": MODEL, "messages": [
+        {"role": "user", "content": "x" * MAX_BODY_BYTES}]})
+    assert big.status_code == 413 and big.json()["error"]["code"] == 413
+
+
+def test_openai_client_sees_typed_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user",
+                                                                 "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+
+
+def test_client_disconnect_aborts_the_request(server):
+    before = scrape(server)
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8,
+            "ignore_eos": True, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert scrape(server)[("vllm:num_requests_running", None)] == 1
+    # Leaving the block closed the connection mid-stream.
+    deadline = time.monotonic() + 3
+    while scrape(server)[("vllm:num_requests_running", None)] != 0:
+        assert time.monotonic() < deadline, "the aborted request kept running"
+        time.sleep(0.05)
+    after = scrape(server)
+    assert after[("vllm:request_success_total", "abort")] == \
+        before[("vllm:request_success_total", "abort")] + 1
+    assert after[("vllm:generation_tokens_total", None)] - \
+        before[("vllm:generation_tokens_total", None)] < MAX_MODEL_LEN - 8
+
+
+def set_faults(server, **faults) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/admin/faults", json=faults, headers=ADMIN)
+
+
+def first_token_seconds(client) -> float:
+    started = time.monotonic()
+    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, stream=True)
+    next(iter(stream))
+    elapsed = time.monotonic() - started
+    stream.close()
+    return elapsed
+
+
+def test_fault_injection_changes_ttft_and_error_rate(server, client):
+    assert httpx.get(f"{server.base_url}/admin/faults").status_code == 401
+    assert httpx.post(f"{server.base_url}/admin/faults", json={"fault_ttft_ms": 1},
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    baseline = first_token_seconds(client)
+    try:
+        assert set_faults(server, fault_ttft_ms=600).json()["fault_ttft_ms"] == 600
+        delayed = first_token_seconds(client)
+        assert delayed >= 0.6 and delayed > baseline
+        set_faults(server, fault_ttft_ms=0, fault_error_rate=1.0)
+        with pytest.raises(openai.InternalServerError, match="Injected fault"):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    finally:
+        set_faults(server, fault_ttft_ms=0, fault_tpot_ms=0, fault_error_rate=0)
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llama_dir, tmp_path):
+    # Slow tokens (fault_tpot) keep the request in flight long enough to send SIGTERM.
+    process = ServerProcess(tiny_llama_dir, tmp_path / "server.log", "--fault-tpot-ms", "40")
+    try:
+        process.wait_ready()
+        result: dict = {}
+
+        def stream_request() -> None:
+            with httpx.stream("POST", f"{process.base_url}/v1/completions", timeout=30, json={
+                    "model": MODEL, "prompt": "Hello", "max_tokens": 30, "ignore_eos": True,
+                    "stream": True, "stream_options": {"include_usage": True}}) as response:
+                result["frames"] = [line for line in response.iter_lines() if line]
+
+        worker = threading.Thread(target=stream_request)
+        worker.start()
+        time.sleep(0.5)  # in flight: 30 tokens at 40 ms take about 1.2 s
+        process.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        health = httpx.get(f"{process.base_url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        refused = httpx.post(f"{process.base_url}/v1/completions",
+                             json={"model": MODEL, "prompt": "x"})
+        assert refused.status_code == 503
+        worker.join(30)
+        assert process.proc.wait(30) == 0
+        frames = result["frames"]
+        assert frames[-1] == "data: [DONE]"
+        usage, last = (json.loads(f[len("data: "):]) for f in (frames[-2], frames[-3]))
+        assert usage["usage"]["completion_tokens"] == 30
+        assert last["choices"][0]["finish_reason"] == "length"
+    finally:
+        process.stop()
