@@ -1,0 +1,631 @@
+"""`inferops bench`: a load generator for any OpenAI-compatible endpoint.
+
+It sends synthetic streaming requests at a Poisson (or gamma, `--burstiness`) arrival rate, with an
+optional concurrency cap, and reports latency the way `vllm bench serve` defines it, so numbers
+from the built-in engine, vLLM and the gateway compare directly:
+
+- TTFT: from sending the request to the first streamed chunk that carries output text.
+- ITL: the gaps between successive chunks that carry output text.
+- E2EL: from sending the request to the end of its stream.
+- TPOT: (E2EL - TTFT) / (output tokens - 1), for requests with more than one output token.
+- goodput: requests per second that met every given SLO (ttft, tpot, e2el) at once.
+
+Output tokens come from the stream's `usage` (requested with `stream_options.include_usage`),
+falling back to the number of text chunks when a server sends no usage.
+
+Prompts are random words from a fixed list, drawn with `--seed`. Without `--tokenizer` the input
+length is counted in words (roughly one token each); with `--tokenizer DIR` (a folder holding
+tokenizer.json) prompts are built to exact token counts. `--shared-prefix-len` adds a prefix
+before the random part, as vLLM's `--random-prefix-len` does; `--shared-prefix-ratio` picks the
+fraction of requests that share one prefix, the others get a private prefix of the same length
+so that only cacheability differs.
+
+Python callers use `run_benchmark(BenchConfig(...)) -> dict`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+PERCENTILES = (50, 90, 95, 99)
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+SLO_METRICS = ("ttft", "tpot", "e2el")
+ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+# Common, short English words: nearly all are one token in any English vocabulary, so a word
+# count is a fair stand-in for a token count when no tokenizer is given.
+WORDS = tuple(
+    """
+    the of and to in is was for on are as with his they at be this from have or by one had not
+    but what all were when we there can an your which their said if do will each about how up
+    out them then she many some so these would other into has more her two like him see time
+    could no make than first been its who now people my made over did down only way find use
+    may water long little very after words called just where most know get through back much
+    before go good new write our used me man too any day same right look think also around
+    another came come work three word must because does part even place well such here take why
+    things help put years different away again off went old number great tell men say small
+    every found still between name should home big give air line set own under read last never
+    us left end along while might next sound below saw something thought both few those always
+    looked show large often together asked house world going want school important until form
+    food keep children feet land side without boy once animals life enough took sometimes four
+    head above kind began almost live page got earth need far hand high year mother light parts
+    country father let night following picture being study second eyes soon times story boys
+    since white days ever paper hard near sentence better best across during today others sure
+    means knew its try told young miles sun ways thing whole hear example heard several change
+    answer room sea against top turned learn point city play toward five using himself usually
+    """.split()
+)
+
+
+class BenchConfigError(ValueError):
+    """A benchmark option is invalid; the message names the option."""
+
+
+@dataclass(frozen=True)
+class LengthRange:
+    """A fixed length ("64") or an inclusive uniform range ("32-512")."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, text: str | int, option: str = "length") -> LengthRange:
+        try:
+            if isinstance(text, int):
+                low = high = text
+            elif "-" in text:
+                low_text, high_text = text.split("-", 1)
+                low, high = int(low_text), int(high_text)
+            else:
+                low = high = int(text)
+        except ValueError:
+            raise BenchConfigError(f"{option}={text!r}: expected N or LOW-HIGH") from None
+        if low < 1 or high < low:
+            raise BenchConfigError(f"{option}={text!r}: need 1 <= LOW <= HIGH")
+        return cls(low, high)
+
+    def sample(self, rng: random.Random) -> int:
+        return self.low if self.low == self.high else rng.randint(self.low, self.high)
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    model: str
+    api_key: str = "none"
+    endpoint: str = "completions"
+    num_prompts: int = 100
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    input_len: LengthRange = field(default_factory=lambda: LengthRange(64, 64))
+    output_len: LengthRange = field(default_factory=lambda: LengthRange(64, 64))
+    shared_prefix_len: int = 0
+    shared_prefix_ratio: float = 1.0
+    goodput_slos_ms: dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+    ignore_eos: bool = True
+    timeout_s: float = 600.0
+    tokenizer_dir: str | None = None
+    result_json: str | None = None
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        if self.endpoint not in ENDPOINT_PATHS:
+            raise BenchConfigError(f"endpoint={self.endpoint!r}: expected chat or completions")
+        if self.num_prompts < 1:
+            raise BenchConfigError("num_prompts: must be at least 1")
+        if not self.request_rate > 0:
+            raise BenchConfigError("request_rate: must be > 0 (or inf)")
+        if not self.burstiness > 0:
+            raise BenchConfigError("burstiness: must be > 0")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise BenchConfigError("max_concurrency: must be at least 1")
+        if self.shared_prefix_len < 0:
+            raise BenchConfigError("shared_prefix_len: must be 0 or more")
+        if not 0.0 <= self.shared_prefix_ratio <= 1.0:
+            raise BenchConfigError("shared_prefix_ratio: must lie in [0, 1]")
+        for name, limit in self.goodput_slos_ms.items():
+            if name not in SLO_METRICS:
+                raise BenchConfigError(f"goodput: unknown metric {name!r}; use ttft, tpot, e2el")
+            if not limit > 0:
+                raise BenchConfigError(f"goodput: {name} must be a positive number of ms")
+
+
+@dataclass
+class PlannedRequest:
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error_kind: str = ""
+    error_message: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    e2el_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_tokens <= 1:
+            return None
+        return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+class WordTokenizer:
+    """Counts words; used when no real tokenizer is given."""
+
+    def text_of_length(self, length: int, rng: random.Random) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(length))
+
+
+class ExactTokenizer:
+    """Builds texts that a tokenizer.json encodes to exactly the asked number of tokens."""
+
+    MAX_ADJUSTMENTS = 20
+
+    def __init__(self, tokenizer_dir: str | Path):
+        from tokenizers import Tokenizer
+
+        path = Path(tokenizer_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise BenchConfigError(f"tokenizer={tokenizer_dir}: no tokenizer.json there")
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def text_of_length(self, length: int, rng: random.Random) -> str:
+        # Decoding and re-encoding may merge or split tokens at the edges, so adjust until the
+        # re-encoded text has exactly `length` tokens.
+        ids = self.encode(" ".join(rng.choice(WORDS) for _ in range(length)))[:length]
+        text = self.tokenizer.decode(ids)
+        for _ in range(self.MAX_ADJUSTMENTS):
+            ids = self.encode(text)
+            if len(ids) == length:
+                return text
+            if len(ids) > length:
+                ids = ids[:length]
+            else:
+                ids = ids + self.encode(" " + rng.choice(WORDS))[: length - len(ids)]
+            text = self.tokenizer.decode(ids)
+        raise RuntimeError(f"could not build a prompt of exactly {length} tokens")
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+class PromptPlanner:
+    """Draws every request's prompt and lengths up front, so a seed fixes the whole workload."""
+
+    def __init__(self, config: BenchConfig):
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.lengths = ExactTokenizer(config.tokenizer_dir) if config.tokenizer_dir else None
+
+    def text_of_length(self, length: int) -> str:
+        if self.lengths is None:
+            return WordTokenizer().text_of_length(length, self.rng)
+        return self.lengths.text_of_length(length, self.rng)
+
+    def plan(self) -> list[PlannedRequest]:
+        config = self.config
+        prefix_len = config.shared_prefix_len
+        num_sharing = round(config.num_prompts * config.shared_prefix_ratio) if prefix_len else 0
+        sharing = set(self.rng.sample(range(config.num_prompts), num_sharing))
+        shared_prefix = self.text_of_length(prefix_len) if prefix_len else ""
+        planned = []
+        for index in range(config.num_prompts):
+            input_len = config.input_len.sample(self.rng)
+            output_len = config.output_len.sample(self.rng)
+            body = self.text_of_length(input_len)
+            if prefix_len:
+                prefix = shared_prefix if index in sharing else self.text_of_length(prefix_len)
+                body = f"{prefix} {body}"
+            planned.append(PlannedRequest(body, prefix_len + input_len, output_len))
+        return planned
+
+
+def arrival_gaps(
+    num_requests: int, request_rate: float, burstiness: float, rng: random.Random
+) -> list[float]:
+    """Seconds to wait before each request, as vllm bench serve draws them: gamma intervals
+    with shape `burstiness` and mean 1/rate (burstiness 1 is a Poisson process)."""
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    scale = 1.0 / (request_rate * burstiness)
+    # The first request goes at once; the clock starts with it.
+    return [0.0] + [rng.gammavariate(burstiness, scale) for _ in range(num_requests - 1)]
+
+
+class StreamingClient:
+    """Sends one streaming request and times its chunks."""
+
+    def __init__(self, client: httpx.AsyncClient, config: BenchConfig):
+        self.client = client
+        self.config = config
+        self.url = config.base_url.rstrip("/") + ENDPOINT_PATHS[config.endpoint]
+        self.headers = {"Authorization": f"Bearer {config.api_key}"}
+
+    def payload(self, request: PlannedRequest) -> dict:
+        body: dict = {
+            "model": self.config.model,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": 0.0,
+        }
+        if self.config.ignore_eos:
+            body["ignore_eos"] = True
+        if self.config.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": request.prompt}]
+            body["max_completion_tokens"] = request.output_len
+        else:
+            body["prompt"] = request.prompt
+            body["max_tokens"] = request.output_len
+        return body
+
+    async def send(self, request: PlannedRequest) -> RequestResult:
+        result = RequestResult(prompt_len=request.prompt_len)
+        text_chunks = 0
+        started = time.perf_counter()
+        last_text_at = started
+        first_choice_at = None
+        try:
+            async with self.client.stream(
+                "POST", self.url, json=self.payload(request), headers=self.headers
+            ) as response:
+                if response.status_code != 200:
+                    body = (await response.aread()).decode("utf-8", "replace")
+                    return self.failed(result, f"http_{response.status_code}", error_text(body))
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:") :].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:
+                        return self.failed(result, "stream_error", error_text(data))
+                    now = time.perf_counter()
+                    if event.get("choices") and first_choice_at is None:
+                        first_choice_at = now
+                    if chunk_text(event):
+                        if text_chunks == 0:
+                            result.ttft_s = now - started
+                        else:
+                            result.itls_s.append(now - last_text_at)
+                        text_chunks += 1
+                        last_text_at = now
+                    usage = event.get("usage") or {}
+                    if usage.get("completion_tokens") is not None:
+                        result.output_tokens = usage["completion_tokens"]
+                    if usage.get("prompt_tokens") is not None:
+                        result.prompt_len = usage["prompt_tokens"]
+        except httpx.TimeoutException as error:
+            return self.failed(result, "timeout", repr(error))
+        except httpx.TransportError as error:
+            return self.failed(result, "connection", repr(error))
+        except json.JSONDecodeError as error:
+            return self.failed(result, "bad_sse", repr(error))
+        result.e2el_s = time.perf_counter() - started
+        result.output_tokens = result.output_tokens or text_chunks
+        if result.output_tokens == 0 or first_choice_at is None:
+            return self.failed(result, "empty_output", "the stream carried no output")
+        if text_chunks == 0:
+            # Tokens were generated but all decoded to nothing visible (e.g. special tokens
+            # under ignore_eos); the first choice chunk is then the best first-token time.
+            result.ttft_s = first_choice_at - started
+        result.success = True
+        return result
+
+    @staticmethod
+    def failed(result: RequestResult, kind: str, message: str) -> RequestResult:
+        result.success, result.error_kind, result.error_message = False, kind, message
+        return result
+
+
+def chunk_text(event: dict) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:
+        return (choice["delta"] or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+def error_text(body: str) -> str:
+    try:
+        return json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return body[:500]
+
+
+def percentile_summary(name: str, values_s: list[float]) -> dict[str, float]:
+    """mean/median/std and percentiles in ms, with numpy's linear interpolation (as vLLM)."""
+    values_ms = np.asarray(values_s or [0.0], dtype=float) * 1000.0
+    summary = {
+        f"mean_{name}_ms": float(np.mean(values_ms)),
+        f"median_{name}_ms": float(np.median(values_ms)),
+        f"std_{name}_ms": float(np.std(values_ms)),
+    }
+    for percent in PERCENTILES:
+        summary[f"p{percent}_{name}_ms"] = float(np.percentile(values_ms, percent))
+    return summary
+
+
+def meets_every_slo(result: RequestResult, slos_ms: dict[str, float]) -> bool:
+    if not result.success:
+        return False
+    measured_ms = {
+        "ttft": result.ttft_s * 1000.0,
+        "e2el": result.e2el_s * 1000.0,
+        # A one-token answer has no time per output token, so it cannot miss a TPOT SLO.
+        "tpot": (result.tpot_s or 0.0) * 1000.0,
+    }
+    return all(measured_ms[name] <= limit for name, limit in slos_ms.items())
+
+
+def summarize(results: list[RequestResult], duration_s: float, slos_ms: dict[str, float]) -> dict:
+    succeeded = [result for result in results if result.success]
+    input_tokens = sum(result.prompt_len for result in succeeded)
+    output_tokens = sum(result.output_tokens for result in succeeded)
+    good = sum(1 for result in succeeded if meets_every_slo(result, slos_ms))
+    metrics: dict = {
+        "completed": len(succeeded),
+        "failed": len(results) - len(succeeded),
+        "duration": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(succeeded) / duration_s,
+        "request_goodput": good / duration_s if slos_ms else None,
+        "good_requests": good if slos_ms else None,
+        "output_throughput": output_tokens / duration_s,
+        "total_token_throughput": (input_tokens + output_tokens) / duration_s,
+        "errors": dict(sorted(Counter(r.error_kind for r in results if not r.success).items())),
+    }
+    samples = {
+        "ttft": [result.ttft_s for result in succeeded],
+        "tpot": [result.tpot_s for result in succeeded if result.tpot_s is not None],
+        "itl": [gap for result in succeeded for gap in result.itls_s],
+        "e2el": [result.e2el_s for result in succeeded],
+    }
+    for name in LATENCY_METRICS:
+        metrics.update(percentile_summary(name, samples[name]))
+    return metrics
+
+
+async def drive(config: BenchConfig, planned: list[PlannedRequest]) -> tuple[list, float]:
+    gaps = arrival_gaps(
+        len(planned), config.request_rate, config.burstiness, random.Random(config.seed + 1)
+    )
+    limit = config.max_concurrency
+    semaphore = asyncio.Semaphore(limit) if limit else None
+    # One pool for the whole run; no cap on it without --max-concurrency, so the pool never
+    # queues requests that the benchmark meant to have in flight.
+    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
+    timeout = httpx.Timeout(config.timeout_s)
+    progress = tqdm(
+        total=len(planned), desc="requests", unit="req", disable=not config.show_progress
+    )
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        sender = StreamingClient(client, config)
+
+        async def one(request: PlannedRequest) -> RequestResult:
+            if semaphore is None:
+                result = await sender.send(request)
+            else:
+                async with semaphore:
+                    result = await sender.send(request)
+            progress.update(1)
+            return result
+
+        started = time.perf_counter()
+        tasks = []
+        send_at = started
+        for gap, request in zip(gaps, planned, strict=True):
+            # Sleep to an absolute schedule so per-request overhead does not slow the rate.
+            send_at += gap
+            delay = send_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(request)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
+    progress.close()
+    return list(results), duration
+
+
+def run_benchmark(config: BenchConfig) -> dict:
+    """Run the whole benchmark and return its metrics (also written to result_json if set)."""
+    config.validate()
+    planned = PromptPlanner(config).plan()
+    results, duration = asyncio.run(drive(config, planned))
+    metrics = summarize(results, duration, config.goodput_slos_ms)
+    metrics["config"] = config_summary(config)
+    metrics["error_messages"] = first_error_messages(results)
+    metrics["input_lens"] = [result.prompt_len for result in results]
+    metrics["output_lens"] = [result.output_tokens for result in results]
+    metrics["ttfts"] = [result.ttft_s for result in results]
+    metrics["e2els"] = [result.e2el_s for result in results]
+    if config.result_json:
+        Path(config.result_json).write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def config_summary(config: BenchConfig) -> dict:
+    summary = asdict(config)
+    summary.pop("api_key")
+    summary.pop("show_progress")
+    summary["request_rate"] = "inf" if math.isinf(config.request_rate) else config.request_rate
+    summary["input_len"] = f"{config.input_len.low}-{config.input_len.high}"
+    summary["output_len"] = f"{config.output_len.low}-{config.output_len.high}"
+    return summary
+
+
+def first_error_messages(results: list[RequestResult]) -> dict[str, str]:
+    messages: dict[str, str] = {}
+    for result in results:
+        if not result.success:
+            messages.setdefault(result.error_kind, result.error_message)
+    return messages
+
+
+def format_report(metrics: dict) -> str:
+    rows: list[tuple[str, str]] = [
+        ("Successful requests:", f"{metrics['completed']}"),
+        ("Failed requests:", f"{metrics['failed']}"),
+        ("Benchmark duration (s):", f"{metrics['duration']:.2f}"),
+        ("Total input tokens:", f"{metrics['total_input_tokens']}"),
+        ("Total generated tokens:", f"{metrics['total_output_tokens']}"),
+        ("Request throughput (req/s):", f"{metrics['request_throughput']:.2f}"),
+    ]
+    if metrics["request_goodput"] is not None:
+        rows.append(("Request goodput (req/s):", f"{metrics['request_goodput']:.2f}"))
+    rows += [
+        ("Output token throughput (tok/s):", f"{metrics['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s):", f"{metrics['total_token_throughput']:.2f}"),
+    ]
+    lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
+    lines += [f"{label:<44}{value:>16}" for label, value in rows]
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
+    for name in LATENCY_METRICS:
+        lines.append("{s:{c}^60}".format(s=f" {titles[name]} ", c="-"))
+        for statistic in ("mean", "median", *(f"p{p}" for p in PERCENTILES)):
+            label = f"{statistic.capitalize() if statistic[0] != 'p' else statistic.upper()} "
+            label += f"{name.upper()} (ms):"
+            lines.append(f"{label:<44}{metrics[f'{statistic}_{name}_ms']:>16.2f}")
+    if metrics["errors"]:
+        lines.append("{s:{c}^60}".format(s=" Errors ", c="-"))
+        lines += [f"{kind:<44}{count:>16}" for kind, count in metrics["errors"].items()]
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    slos: dict[str, float] = {}
+    for item in items or []:
+        name, _, value = item.partition(":")
+        try:
+            slos[name.strip().lower()] = float(value)
+        except ValueError:
+            raise BenchConfigError(f"goodput: {item!r} is not METRIC:MS") from None
+    return slos
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8001")
+    parser.add_argument("--model", required=True, help="model name sent in each request")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY", "none"),
+        help="bearer token (default: $OPENAI_API_KEY or 'none')",
+    )
+    parser.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS), default="completions")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second, or inf to send all at once (default inf)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of arrival gaps; 1.0 is Poisson, lower is burstier",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--input-len", default="64", help="N or LOW-HIGH (default 64)")
+    parser.add_argument("--output-len", default="64", help="N or LOW-HIGH (default 64)")
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="length of a prefix put before each prompt's random part",
+    )
+    parser.add_argument(
+        "--shared-prefix-ratio",
+        type=float,
+        default=1.0,
+        help="fraction of requests that share the prefix (default 1.0)",
+    )
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="folder with tokenizer.json: build prompts to exact token lengths",
+    )
+    parser.add_argument("--result-json", default=None, metavar="FILE")
+    parser.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask the server to ignore EOS so outputs have the asked length",
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-request seconds")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        base_url=args.base_url,
+        model=args.model,
+        api_key=args.api_key,
+        endpoint=args.endpoint,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        input_len=LengthRange.parse(args.input_len, "input-len"),
+        output_len=LengthRange.parse(args.output_len, "output-len"),
+        shared_prefix_len=args.shared_prefix_len,
+        shared_prefix_ratio=args.shared_prefix_ratio,
+        goodput_slos_ms=parse_goodput(args.goodput),
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+        timeout_s=args.timeout,
+        tokenizer_dir=args.tokenizer,
+        result_json=args.result_json,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        metrics = run_benchmark(config)
+    except BenchConfigError as error:
+        raise SystemExit(f"inferops bench: {error}") from None
+    print(format_report(metrics))
+    if config.result_json:
+        print(f"results written to {config.result_json}")
+    return 0 if metrics["completed"] else 1
