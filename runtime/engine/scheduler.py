@@ -26,15 +26,12 @@ class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed_tokens at scheduling)
     num_tokens: int
+    # After this chunk every token has KV, so the model's last output row here is sampled.
+    completes_sequence: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def completes_sequence(self) -> bool:
-        """After this chunk every token has KV, so the model's output here is sampled."""
-        return self.end == len(self.seq)
 
 
 @dataclass
@@ -130,7 +127,8 @@ class Scheduler:
 
     def _allocate(self, seq: Sequence, num_tokens: int) -> ScheduledChunk:
         self.block_manager.allocate_slots(seq, num_tokens)
-        return ScheduledChunk(seq, seq.num_computed_tokens, num_tokens)
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq, start, num_tokens, start + num_tokens == len(seq))
 
     def _make_room(
         self, seq: Sequence, wanted: int, scheduled: set[int], out: SchedulerOutput
