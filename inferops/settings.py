@@ -74,6 +74,8 @@ INSTALLED_APPS = [
     "django.contrib.postgres",
     "inferops",
     "registry",
+    "deployments",
+    "runtime",
 ]
 
 MIDDLEWARE = [
