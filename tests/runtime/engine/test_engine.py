@@ -1,0 +1,232 @@
+"""LLMEngine end to end on the tiny Llama: stops, n, seeds, preemption, abort, priorities,
+prefix cache, validation, stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from runtime.engine.engine import CompletionOutput, LLMEngine
+from runtime.engine.model_runner import kv_bytes_per_block
+from runtime.engine.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
+def run_all(engine: LLMEngine, max_steps: int = 500) -> dict[tuple[str, int], Result]:
+    results: dict[tuple[str, int], Result] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return results
+        for out in engine.step():
+            result = results.setdefault((out.request_id, out.index), Result())
+            assert result.finish_reason is None, "no output after a sequence finished"
+            result.token_ids += out.new_token_ids
+            result.text += out.new_text
+            result.finish_reason = out.finish_reason
+            result.outputs.append(out)
+    raise AssertionError("engine did not finish")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama_dir):
+    from runtime.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(tiny_llama_dir)
+    texts = ["Hello world", "The quick brown fox jumps over the lazy dog.", "Paged", "Köln 東京"]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def test_streamed_text_is_the_decoded_output_and_counts_add_up(make_engine, prompts):
+    engine = make_engine()
+    engine.add_request("r", prompts[1], GREEDY)
+    result = run_all(engine)[("r", 0)]
+    assert len(result.token_ids) == 12 and result.finish_reason == "length"
+    assert result.text == engine.tokenizer.decode(result.token_ids)
+    last = result.outputs[-1]
+    assert last.finished and last.num_prompt_tokens == len(prompts[1])
+    assert last.num_output_tokens == 12
+    assert [o.num_output_tokens for o in result.outputs] == list(range(1, 13))
+
+
+def test_stop_string_ends_the_output_and_is_not_in_the_text(make_engine, prompts):
+    engine = make_engine()
+    engine.add_request("free", prompts[0], GREEDY)
+    full = run_all(engine)[("free", 0)]
+    visible = full.text.strip()
+    assert len(visible) >= 4, f"need some text to cut: {full.text!r}"
+    stop = visible[len(visible) // 2 : len(visible) // 2 + 2]
+    engine.add_request("stopped", prompts[0], SamplingParams(**{**vars(GREEDY), "stop": [stop]}))
+    result = run_all(engine)[("stopped", 0)]
+    assert result.finish_reason == "stop"
+    assert result.text == full.text[: full.text.index(stop)]
+    assert result.token_ids == full.token_ids[: len(result.token_ids)]
+
+
+def test_stop_token_ids_and_eos(make_engine, prompts):
+    engine = make_engine()
+    engine.add_request("free", prompts[1], GREEDY)
+    free = run_all(engine)[("free", 0)].token_ids
+    stop_id = free[3]
+    first = free.index(stop_id)
+    stop_params = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id])
+    engine.add_request("stop-id", prompts[1], stop_params)
+    result = run_all(engine)[("stop-id", 0)]
+    assert result.token_ids == free[: first + 1] and result.finish_reason == "stop"
+    # The same token as EOS stops too, unless ignore_eos.
+    engine.eos_token_ids = {stop_id}
+    engine.add_request("eos", prompts[1], SamplingParams(max_tokens=12, temperature=0))
+    engine.add_request("ignore", prompts[1], GREEDY)
+    results = run_all(engine)
+    assert results[("eos", 0)].token_ids == free[: first + 1]
+    assert results[("eos", 0)].finish_reason == "stop"
+    assert results[("ignore", 0)].token_ids == free
+
+
+def test_n_sequences_share_the_prompt_and_seeds_reproduce(make_engine, prompts):
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, n=3)
+    engine = make_engine()
+    engine.add_request("a", prompts[1], params)
+    first = run_all(engine)
+    assert sorted(first) == [("a", 0), ("a", 1), ("a", 2)]
+    outputs = [first[("a", i)].token_ids for i in range(3)]
+    assert len({tuple(o) for o in outputs}) > 1, "each sequence samples on its own"
+    # Siblings start once the first sequence computed the prompt and take its full blocks.
+    cached = [first[("a", i)].outputs[-1].num_cached_tokens for i in range(3)]
+    assert cached[0] == 0
+    assert cached[1] == cached[2] == (len(prompts[1]) - 1) // 4 * 4
+    engine.add_request("b", prompts[1], params)
+    again = run_all(engine)
+    assert [again[("b", i)].token_ids for i in range(3)] == outputs
+    other = make_engine()
+    other.add_request("c", prompts[1], SamplingParams(**{**vars(params), "seed": 99}))
+    reseeded = run_all(other)
+    assert [reseeded[("c", i)].token_ids for i in range(3)] != outputs
+
+
+def test_unseeded_runs_reproduce_with_the_engine_seed(make_engine, prompts):
+    params = SamplingParams(max_tokens=8, temperature=1.0)
+    outputs = [make_engine(seed=5).generate(prompts, params) for _ in range(2)]
+    assert outputs[0] == outputs[1]
+    assert make_engine(seed=6).generate(prompts, params) != outputs[0]
+
+
+def test_preemption_under_block_pressure_still_gives_the_same_greedy_output(make_engine, prompts):
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    expected = make_engine().generate(prompts, params)
+    tight = make_engine(num_kv_blocks=16, max_num_batched_tokens=16)
+    assert tight.generate(prompts, params) == expected
+    stats = tight.stats()
+    assert stats.num_preemptions_total > 0
+    assert stats.kv_cache_usage == 0.0 and stats.num_running == stats.num_waiting == 0
+
+
+def test_abort_frees_blocks_at_once_and_reports_abort(make_engine, prompts):
+    engine = make_engine()
+    engine.add_request("keep", prompts[0], GREEDY)
+    engine.add_request("drop", prompts[1], SamplingParams(max_tokens=12, n=2))
+    for _ in range(3):
+        engine.step()
+    used_before = engine.block_manager.num_free_blocks
+    engine.abort_request("drop")
+    assert engine.block_manager.num_free_blocks > used_before
+    outputs = engine.step()
+    aborted = [o for o in outputs if o.request_id == "drop"]
+    assert sorted(o.index for o in aborted) == [0, 1]
+    assert all(o.finished and o.finish_reason == "abort" for o in aborted)
+    results = run_all(engine)
+    assert results[("keep", 0)].finish_reason == "length"
+    assert ("drop", 0) not in results
+    engine.abort_request("unknown")  # no error
+    assert engine.block_manager.usage == 0.0
+
+
+def test_higher_priority_runs_first(make_engine, prompts):
+    engine = make_engine(max_num_seqs=1)
+    engine.add_request("low", prompts[0], GREEDY, priority=0)
+    engine.add_request("high", prompts[0], GREEDY, priority=10)
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    assert order == ["high", "low"]
+
+
+def test_decodes_keep_going_while_a_long_prompt_prefills(make_engine, prompts):
+    engine = make_engine(max_num_batched_tokens=6)
+    engine.add_request("short", prompts[2], GREEDY)
+    engine.step()
+    engine.add_request("long", prompts[1] * 2, GREEDY)
+    for _ in range(3):
+        produced = {o.request_id for o in engine.step()}
+        assert "short" in produced and "long" not in produced
+
+
+def test_repeated_prompt_hits_the_prefix_cache(make_engine, prompts):
+    engine = make_engine()
+    long_prompt = prompts[1] * 2
+    engine.add_request("first", long_prompt, GREEDY)
+    first = run_all(engine)[("first", 0)]
+    engine.add_request("second", long_prompt, GREEDY)
+    second = run_all(engine)[("second", 0)]
+    assert second.outputs[0].num_cached_tokens == (len(long_prompt) - 1) // 4 * 4
+    assert second.token_ids == first.token_ids
+    stats = engine.stats()
+    assert stats.prefix_cache_hits_total == second.outputs[0].num_cached_tokens
+    assert stats.prefix_cache_queries_total == 2 * len(long_prompt)
+    uncached = make_engine(enable_prefix_caching=False)
+    uncached.add_request("x", long_prompt, GREEDY)
+    result = run_all(uncached)[("x", 0)]
+    assert result.token_ids == first.token_ids and result.outputs[0].num_cached_tokens == 0
+    assert uncached.stats().prefix_cache_hits_total == 0
+
+
+def test_stats_count_tokens(make_engine, prompts):
+    engine = make_engine()
+    engine.add_request("a", prompts[0], GREEDY)
+    engine.add_request("b", prompts[1], GREEDY)
+    engine.step()
+    stats = engine.stats()
+    assert stats.num_running == 2 and stats.num_waiting == 0
+    assert 0 < stats.kv_cache_usage < 1
+    assert stats.prompt_tokens_total == len(prompts[0]) + len(prompts[1])
+    assert stats.generation_tokens_total == 2
+    run_all(engine)
+    assert engine.stats().generation_tokens_total == 24
+
+
+def test_invalid_requests_are_rejected_clearly(make_engine, prompts):
+    engine = make_engine(max_model_len=40, num_kv_blocks=8)
+    with pytest.raises(ValueError, match="maximum context length"):
+        engine.add_request("long", [1] * 30, SamplingParams(max_tokens=11))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("big", [1] * 30, SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add_request("empty", [], GREEDY)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.add_request("oov", [1, 100000], GREEDY)
+    engine.add_request("ok", prompts[0], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", prompts[0], GREEDY)
+
+
+def test_kv_pool_is_sized_from_memory_or_blocks(make_engine):
+    engine = make_engine(num_kv_blocks=None, kv_cache_memory=1_000_000, block_size=16)
+    per_block = kv_bytes_per_block(engine.model_config, 16, engine.dtype)
+    assert per_block == 2 * 2 * 16 * 2 * 16 * 4
+    assert engine.num_kv_blocks == 1_000_000 // per_block
+    k_cache = engine.runner.kv_caches[0][0]
+    assert tuple(k_cache.shape) == (engine.num_kv_blocks, 16, 2, 16)
+    default = make_engine(num_kv_blocks=None, max_num_seqs=2, max_model_len=64, block_size=16)
+    assert default.num_kv_blocks == 2 * 4  # capped at max_num_seqs full-length sequences
+    assert default.max_model_len == 64
+    with pytest.raises(ValueError, match="holds no block"):
+        make_engine(num_kv_blocks=None, kv_cache_memory=10)
