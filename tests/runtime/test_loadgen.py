@@ -100,12 +100,13 @@ def responder_server():
         Route("/v1/completions", responder.handle, methods=["POST"]),
         Route("/v1/chat/completions", responder.handle, methods=["POST"]),
     ]
-    port = free_port()
-    config = uvicorn.Config(
-        Starlette(routes=routes), host="127.0.0.1", port=port, log_level="error"
-    )
+    # Bind here and hand the socket over, so no other process can take the port in between.
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    config = uvicorn.Config(Starlette(routes=routes), log_level="error")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started and time.monotonic() < deadline:
@@ -144,7 +145,7 @@ def make_config(responder_server):
 
 def test_counts_and_latencies_follow_the_stream(responder, make_config):
     metrics = run_benchmark(make_config(num_prompts=6))
-    assert metrics["completed"] == 6 and metrics["failed"] == 0
+    assert metrics["completed"] == 6, metrics["error_messages"]
     assert metrics["total_input_tokens"] == 6 * 10
     assert metrics["total_output_tokens"] == 6 * 5
     assert metrics["errors"] == {}
@@ -223,10 +224,11 @@ def test_request_rate_paces_the_arrivals(responder, make_config):
     metrics = run_benchmark(config)
     gaps = arrival_gaps(8, 20.0, 1.0, random.Random(config.seed + 1))
     assert len(responder.payloads) == 8 and metrics["completed"] == 8
+    # The run lasts at least until the last scheduled send plus that request's own streaming.
+    assert metrics["duration"] >= sum(gaps) + TTFT_S
+    # Arrivals keep the schedule's spacing; the slack covers connection set-up jitter.
     arrivals = np.array(responder.arrivals) - responder.arrivals[0]
-    # Each request leaves no earlier than its scheduled time (a little clock slack allowed).
-    assert np.all(arrivals >= np.cumsum(gaps) - 0.005)
-    assert metrics["duration"] >= sum(gaps)
+    assert np.all(arrivals >= np.cumsum(gaps) - 0.03)
 
 
 def test_arrival_gaps_have_the_asked_rate_and_burstiness():
