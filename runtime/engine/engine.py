@@ -99,6 +99,8 @@ class LLMEngine:
         self._aborted_outputs: list[CompletionOutput] = []
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        # A plain counter so stats() never iterates what the stepping thread mutates.
+        self._num_pending_siblings = 0
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -132,6 +134,7 @@ class LLMEngine:
         # blocks from the prefix cache instead of computing the same prompt n times.
         first, *siblings = [s.seq for s in request.states]
         request.pending_siblings = siblings if self.config.enable_prefix_caching else []
+        self._num_pending_siblings += len(request.pending_siblings)
         self._requests[request_id] = request
         self.scheduler.add(first)
         if not self.config.enable_prefix_caching:
@@ -175,6 +178,7 @@ class LLMEngine:
         if request is None:
             return
         self.scheduler.abort(request_id)
+        self._num_pending_siblings -= len(request.pending_siblings)
         for state in request.states:
             seq = state.seq
             if seq.finish_reason is None or seq.finish_reason == "abort":
@@ -210,6 +214,7 @@ class LLMEngine:
         if seq.index == 0 and request.pending_siblings:
             for sibling in request.pending_siblings:
                 self.scheduler.add(sibling)
+            self._num_pending_siblings -= len(request.pending_siblings)
             request.pending_siblings = []
         reason = None
         if token_id in params.stop_token_ids or (
@@ -252,10 +257,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters
-        pending = sum(len(r.pending_siblings) for r in self._requests.values())
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + pending,
+            num_waiting=len(self.scheduler.waiting) + self._num_pending_siblings,
             kv_cache_usage=self.block_manager.usage,
             num_preemptions_total=counters.num_preemptions,
             prefix_cache_queries_total=counters.prefix_cache_queries,

@@ -96,6 +96,7 @@ def test_n_sequences_share_the_prompt_and_seeds_reproduce(make_engine, prompts):
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, n=3)
     engine = make_engine()
     engine.add_request("a", prompts[1], params)
+    assert engine.stats().num_waiting == 3
     first = run_all(engine)
     assert sorted(first) == [("a", 0), ("a", 1), ("a", 2)]
     outputs = [first[("a", i)].token_ids for i in range(3)]
