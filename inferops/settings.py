@@ -187,6 +187,22 @@ CELERY_BEAT_SCHEDULE: dict[str, dict] = {
     },
 }
 
+# Runtime: replicas and their drivers.
+INFEROPS_DATA_DIR = embedded.data_dir()
+INFEROPS_NODE_NAME = env_str("INFEROPS_NODE_NAME")  # default: the host name
+INFEROPS_VLLM_PYTHON = env_str("INFEROPS_VLLM_PYTHON")  # a Python with vLLM installed
+INFEROPS_RECONCILE_INTERVAL_S = float(env_str("INFEROPS_RECONCILE_INTERVAL_S", "2"))
+INFEROPS_K8S_NAMESPACE = env_str("INFEROPS_K8S_NAMESPACE", "inferops")
+CELERY_BEAT_SCHEDULE["reconcile-replicas"] = {
+    "task": "runtime.reconcile_all",
+    "schedule": INFEROPS_RECONCILE_INTERVAL_S,
+    "options": {"expires": INFEROPS_RECONCILE_INTERVAL_S},
+}
+
+# Replica metrics retention (runtime/retention.py prunes older rows).
+INFEROPS_METRICS_MINUTE_RETENTION_DAYS = env_int("INFEROPS_METRICS_MINUTE_RETENTION_DAYS", 14)
+INFEROPS_METRICS_HOUR_RETENTION_DAYS = env_int("INFEROPS_METRICS_HOUR_RETENTION_DAYS", 400)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,

@@ -10,7 +10,6 @@ from registry.models import AuditEvent
 
 # Console sections that later issues fill; until then each says plainly what will be there.
 UPCOMING_SECTIONS = {
-    "deployments": "Deployments: what serves each route, its replicas and live charts.",
     "slos": "SLOs: objectives, error budgets and burn rates for every deployment.",
     "alerts": "Alerts: burn-rate alerts that are firing or resolved, with their deliveries.",
     "costs": "Costs: price books, usage ledgers and monthly reports per tenant.",
@@ -37,3 +36,16 @@ def healthz(request):
     facts = health.status()
     ok = facts["database"] == "ok" and facts["redis"] == "ok"
     return JsonResponse(facts, status=200 if ok else 503)
+
+
+def plotly_js(request):
+    """plotly.js from the installed plotly package: charts work without internet access."""
+    from pathlib import Path
+
+    import plotly
+    from django.http import FileResponse
+
+    path = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    response = FileResponse(path.open("rb"), content_type="application/javascript")
+    response["Cache-Control"] = f"public, max-age={7 * 24 * 3600}"
+    return response

@@ -1,0 +1,247 @@
+"""REST API for deployments: CRUD, replicas, and metrics series for CI and the console."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import generics, serializers, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from deployments import services
+from deployments.choices import Backend, DriverName
+from deployments.models import Deployment
+from registry.api import CONFLICT, ERRORS, TOO_LARGE
+from registry.models import RegisteredModel, slug_validator
+from runtime.choices import ReplicaState
+from runtime.models import Replica
+
+SERIES_UNITS = {
+    "requests_per_s": "requests/s", "output_tokens_per_s": "tokens/s", "ttft_p50": "ms", "ttft_p95": "ms",
+    "ttft_p99": "ms", "itl_p95": "ms", "kv_cache_usage": "fraction", "queue_depth": "requests",
+}
+SERIES = list(SERIES_UNITS)
+MAX_POINTS = 5000
+
+
+class ReplicaSerializer(serializers.ModelSerializer):
+    version = serializers.IntegerField(source="version.number")
+
+    class Meta:
+        model = Replica
+        fields = ["id", "version", "state", "url", "restarts", "crash_looping", "started_at", "ready_at",
+                  "last_health_at", "last_health_ok", "last_error", "node", "driver"]
+        read_only_fields = fields
+
+
+class DeploymentSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.name")
+    version = serializers.IntegerField(source="version.number")
+    ready_replicas = serializers.SerializerMethodField(
+        help_text="Ready replicas of the pinned version: CI waits until it equals `replicas` "
+                  "and `up_to_date` is true.")
+    up_to_date = serializers.SerializerMethodField(
+        help_text="True when exactly the desired replicas of the pinned version are ready and no "
+                  "replica of another version or spec is still serving.")
+
+    class Meta:
+        model = Deployment
+        fields = ["name", "model", "version", "alias", "backend", "driver", "engine_args", "replicas",
+                  "min_replicas", "max_replicas", "autoscale", "resources", "paused", "ready_replicas",
+                  "up_to_date", "status", "status_message", "created_at", "updated_at"]
+        read_only_fields = fields
+
+    def _live(self, deployment) -> list[Replica]:
+        cache = self.context.setdefault("_live", {})
+        if deployment.pk not in cache:
+            cache[deployment.pk] = [r for r in deployment.replica_set.all()
+                                    if r.state not in (ReplicaState.STOPPED,)]
+        return cache[deployment.pk]
+
+    def get_ready_replicas(self, deployment) -> int:
+        return sum(r.state == ReplicaState.READY and r.version_id == deployment.version_id
+                   for r in self._live(deployment))
+
+    def get_up_to_date(self, deployment) -> bool:
+        live = self._live(deployment)
+        others = [r for r in live if r.version_id != deployment.version_id or r.engine_args != deployment.engine_args]
+        return not others and self.get_ready_replicas(deployment) == deployment.replicas and not deployment.paused
+
+
+class DeploymentCreateSerializer(serializers.Serializer):
+    name = serializers.CharField(max_length=63, validators=[slug_validator])
+    model = serializers.CharField(max_length=63)
+    version = serializers.IntegerField(min_value=1, required=False, allow_null=True)
+    alias = serializers.CharField(max_length=63, required=False, allow_blank=True)
+    backend = serializers.ChoiceField(Backend.choices, default=Backend.BUILTIN)
+    driver = serializers.ChoiceField(DriverName.choices, default=DriverName.LOCAL)
+    replicas = serializers.IntegerField(min_value=0, max_value=256, default=1)
+    min_replicas = serializers.IntegerField(min_value=0, max_value=256, required=False)
+    max_replicas = serializers.IntegerField(min_value=0, max_value=256, required=False)
+    autoscale = serializers.BooleanField(default=False)
+    engine_args = serializers.DictField(required=False, default=dict)
+    resources = serializers.DictField(required=False, default=dict)
+
+    def validate_model(self, value: str) -> RegisteredModel:
+        model = RegisteredModel.objects.filter(name=value).first()
+        if model is None:
+            raise serializers.ValidationError(f"No registered model named {value!r}.")
+        return model
+
+
+class DeploymentUpdateSerializer(serializers.Serializer):
+    version = serializers.IntegerField(min_value=1, required=False)
+    alias = serializers.CharField(max_length=63, required=False)
+    replicas = serializers.IntegerField(min_value=0, max_value=256, required=False)
+    min_replicas = serializers.IntegerField(min_value=0, max_value=256, required=False)
+    max_replicas = serializers.IntegerField(min_value=0, max_value=256, required=False)
+    autoscale = serializers.BooleanField(required=False)
+    paused = serializers.BooleanField(required=False)
+    engine_args = serializers.DictField(required=False)
+    resources = serializers.DictField(required=False)
+
+    def validate(self, attrs):
+        unknown = set(self.initial_data) - set(self.fields)
+        if unknown:
+            raise serializers.ValidationError(
+                {key: ["Not a field that can be changed."] for key in sorted(unknown)})
+        return attrs
+
+
+def deployment_queryset():
+    return Deployment.objects.select_related("model", "version").prefetch_related("replica_set")
+
+
+def get_deployment(name: str) -> Deployment:
+    return get_object_or_404(deployment_queryset(), name=name)
+
+
+@extend_schema(tags=["deployments"])
+class DeploymentListCreate(generics.ListAPIView):
+    serializer_class = DeploymentSerializer
+
+    def get_queryset(self):
+        queryset = deployment_queryset()
+        if model := self.request.query_params.get("model"):
+            queryset = queryset.filter(model__name=model)
+        if state := self.request.query_params.get("status"):
+            queryset = queryset.filter(status=state)
+        return queryset
+
+    @extend_schema(parameters=[OpenApiParameter("model", OpenApiTypes.STR),
+                               OpenApiParameter("status", OpenApiTypes.STR)],
+                   responses={200: DeploymentSerializer(many=True), **ERRORS})
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
+    @extend_schema(request=DeploymentCreateSerializer,
+                   responses={201: DeploymentSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
+    def post(self, request):
+        serializer = DeploymentCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = dict(serializer.validated_data)
+        deployment = services.deployment_create(actor=request.user, **data)
+        return Response(DeploymentSerializer(get_deployment(deployment.name)).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(tags=["deployments"])
+class DeploymentDetail(APIView):
+    @extend_schema(responses={200: DeploymentSerializer, **ERRORS})
+    def get(self, request, name: str):
+        return Response(DeploymentSerializer(get_deployment(name)).data)
+
+    @extend_schema(request=DeploymentUpdateSerializer, responses={200: DeploymentSerializer, **ERRORS})
+    def patch(self, request, name: str):
+        deployment = get_deployment(name)
+        serializer = DeploymentUpdateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        services.deployment_update(deployment=deployment, actor=request.user, **serializer.validated_data)
+        return Response(DeploymentSerializer(get_deployment(name)).data)
+
+    @extend_schema(responses={202: DeploymentSerializer, **ERRORS},
+                   description="Drains and stops every replica, then removes the deployment.")
+    def delete(self, request, name: str):
+        deployment = services.deployment_delete(deployment=get_deployment(name), actor=request.user)
+        return Response(DeploymentSerializer(get_deployment(deployment.name)).data, status=status.HTTP_202_ACCEPTED)
+
+
+@extend_schema(tags=["deployments"])
+class ReplicaList(APIView):
+    @extend_schema(parameters=[OpenApiParameter("all", OpenApiTypes.BOOL,
+                                                description="Include stopped replicas.")],
+                   responses={200: ReplicaSerializer(many=True), **ERRORS})
+    def get(self, request, name: str):
+        deployment = get_deployment(name)
+        replicas = deployment.replica_set.select_related("version").order_by("id")
+        if request.query_params.get("all") not in ("1", "true"):
+            replicas = replicas.exclude(state=ReplicaState.STOPPED)
+        return Response(ReplicaSerializer(replicas, many=True).data)
+
+
+def parse_time(value: str | None, field: str, default: datetime) -> datetime:
+    if not value:
+        return default
+    try:
+        if value.replace(".", "", 1).isdigit():
+            return datetime.fromtimestamp(float(value), tz=UTC)
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        message = f"{value!r} is not an ISO 8601 time or a Unix timestamp."
+        raise serializers.ValidationError({field: [message]}) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def parse_step(value: str | None) -> int:
+    if not value:
+        return 60
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        seconds = int(value[:-1]) * units[value[-1]] if value[-1] in units else int(value)
+    except (ValueError, KeyError):
+        raise serializers.ValidationError({"step": [f"{value!r}: use seconds or 30s, 5m, 1h."]}) from None
+    if seconds < 15:
+        raise serializers.ValidationError({"step": ["step must be at least 15 seconds."]})
+    return seconds
+
+
+@extend_schema(tags=["deployments"])
+class DeploymentMetrics(APIView):
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("series", OpenApiTypes.STR, enum=SERIES, required=True),
+            OpenApiParameter("start", OpenApiTypes.STR, description="ISO 8601 or Unix time; default end - 1h"),
+            OpenApiParameter("end", OpenApiTypes.STR, description="ISO 8601 or Unix time; default now"),
+            OpenApiParameter("step", OpenApiTypes.STR, description="seconds or 30s/5m/1h; default 60s"),
+            OpenApiParameter("version", OpenApiTypes.INT, description="only this version's replicas"),
+        ],
+        responses={200: inline_serializer("MetricsSeries", {
+            "series": serializers.CharField(), "unit": serializers.CharField(),
+            "points": serializers.ListField(child=serializers.ListField()),
+        }), **ERRORS},
+    )
+    def get(self, request, name: str):
+        from runtime.metrics_query import deployment_series
+
+        deployment = get_deployment(name)
+        params = request.query_params
+        series = params.get("series")
+        if series not in SERIES:
+            return Response({"series": [f"One of: {', '.join(SERIES)}."]}, status=status.HTTP_400_BAD_REQUEST)
+        end = parse_time(params.get("end"), "end", timezone.now())
+        start = parse_time(params.get("start"), "start", end - timedelta(hours=1))
+        step = parse_step(params.get("step"))
+        if start >= end:
+            return Response({"start": ["start must be before end."]}, status=status.HTTP_400_BAD_REQUEST)
+        if (end - start).total_seconds() / step > MAX_POINTS:
+            return Response({"step": [f"More than {MAX_POINTS} points; use a larger step."]},
+                            status=status.HTTP_400_BAD_REQUEST)
+        version = params.get("version")
+        if version is not None and not version.isdigit():
+            return Response({"version": ["Must be a version number."]}, status=status.HTTP_400_BAD_REQUEST)
+        points = deployment_series(deployment, series, start, end, step,
+                                   version=int(version) if version else None)
+        return Response({"series": series, "unit": SERIES_UNITS[series], "points": points})

@@ -1,0 +1,148 @@
+"""Deployment operations: create, update (scale, change version, pause), delete.
+
+Each validates everything before writing, owns its transaction, records an audit event and
+asks the reconcile loop to act on commit. The loop does the slow work; these return at once.
+"""
+
+from __future__ import annotations
+
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from deployments.choices import Backend, DeploymentStatus, DriverName
+from deployments.models import Deployment
+from inferops.api import Conflict
+from registry.models import Alias, ModelVersion, RegisteredModel
+from registry.services import audit_record, snapshot
+from runtime import engine_args as engine_args_mod
+
+RESOURCE_KEYS = {"gpu_type": str, "gpu_count": int, "cpu": (int, float, str), "memory": str}
+
+
+def resolve_version(model: RegisteredModel, *, version: int | None, alias: str | None) -> ModelVersion:
+    if version is not None and alias:
+        raise ValidationError({"version": ["Give either version or alias, not both."]})
+    if alias:
+        found = Alias.objects.select_related("version").filter(model=model, name=alias).first()
+        if found is None:
+            raise ValidationError({"alias": [f"Model {model.name!r} has no alias {alias!r}."]})
+        return found.version
+    if version is None:
+        raise ValidationError({"version": ["Give the version number or an alias to deploy."]})
+    found = model.versions.filter(number=version).first()
+    if found is None:
+        raise ValidationError({"version": [f"Model {model.name!r} has no version {version}."]})
+    return found
+
+
+def validate_resources(resources) -> dict:
+    if not isinstance(resources, dict):
+        raise ValidationError({"resources": ["Must be an object, e.g. {\"gpu_type\": \"nvidia-h100\"}."]})
+    errors = []
+    for key, value in resources.items():
+        expected = RESOURCE_KEYS.get(key)
+        if expected is None:
+            errors.append(f"{key}: unknown; accepted: {', '.join(RESOURCE_KEYS)}")
+        elif not isinstance(value, expected) or isinstance(value, bool):
+            errors.append(f"{key}: wrong type")
+        elif key == "gpu_count" and value < 0:
+            errors.append("gpu_count: must be >= 0")
+    if errors:
+        raise ValidationError({"resources": errors})
+    return resources
+
+
+def validate_sizes(replicas: int, min_replicas: int, max_replicas: int) -> None:
+    if min_replicas > max_replicas:
+        message = f"min_replicas ({min_replicas}) exceeds max_replicas ({max_replicas})."
+        raise ValidationError({"min_replicas": [message]})
+    if not min_replicas <= replicas <= max_replicas:
+        raise ValidationError({"replicas": [
+            f"replicas ({replicas}) must lie between min_replicas ({min_replicas}) and max_replicas ({max_replicas})."
+        ]})
+
+
+def validate_engine_args(backend: str, engine_args) -> dict:
+    try:
+        return engine_args_mod.validate(backend, engine_args)
+    except engine_args_mod.EngineArgsError as exc:
+        raise ValidationError({"engine_args": [f"{k}: {v}" for k, v in exc.errors.items()]}) from None
+
+
+def request_reconcile(deployment: Deployment) -> None:
+    from runtime.tasks import reconcile_deployment
+
+    transaction.on_commit(lambda: reconcile_deployment.delay(deployment.pk))
+
+
+def deployment_create(*, name: str, model: RegisteredModel, actor, version: int | None = None,
+                      alias: str | None = None, backend: str = Backend.BUILTIN,
+                      driver: str = DriverName.LOCAL, replicas: int = 1, min_replicas: int | None = None,
+                      max_replicas: int | None = None, autoscale: bool = False,
+                      engine_args: dict | None = None, resources: dict | None = None) -> Deployment:
+    pinned = resolve_version(model, version=version, alias=alias)
+    min_replicas = replicas if min_replicas is None else min_replicas
+    max_replicas = max(replicas, min_replicas) if max_replicas is None else max_replicas
+    validate_sizes(replicas, min_replicas, max_replicas)
+    deployment = Deployment(
+        name=name, model=model, version=pinned, alias=alias or "", backend=backend, driver=driver,
+        replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas, autoscale=autoscale,
+        engine_args=validate_engine_args(backend, engine_args or {}),
+        resources=validate_resources(resources or {}),
+        created_by=actor if getattr(actor, "pk", None) else None,
+    )
+    deployment.full_clean(validate_unique=False)
+    try:
+        with transaction.atomic():
+            deployment.save()
+            audit_record(actor=actor, action="deployment.create", obj=deployment, after=snapshot(deployment))
+            request_reconcile(deployment)
+    except IntegrityError:
+        raise Conflict(f"A deployment named {name!r} already exists.") from None
+    return deployment
+
+
+def deployment_update(*, deployment: Deployment, actor, version: int | None = None, alias: str | None = None,
+                      **changes) -> Deployment:
+    """Scale, change version (number or alias: pinned now), engine args, autoscaling or pause."""
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().select_related("model").get(pk=deployment.pk)
+        if locked.deleted_at:
+            raise Conflict(f"Deployment {locked.name!r} is being deleted.")
+        before = snapshot(locked)
+        if version is not None or alias:
+            locked.version = resolve_version(locked.model, version=version, alias=alias)
+            locked.alias = alias or ""
+        if "engine_args" in changes:
+            changes["engine_args"] = validate_engine_args(locked.backend, changes["engine_args"])
+        if "resources" in changes:
+            changes["resources"] = validate_resources(changes["resources"])
+        for field, value in changes.items():
+            setattr(locked, field, value)
+        if "replicas" in changes and "min_replicas" not in changes and locked.replicas < locked.min_replicas:
+            locked.min_replicas = locked.replicas  # an explicit scale-down moves the floor with it
+        if "replicas" in changes and "max_replicas" not in changes and locked.replicas > locked.max_replicas:
+            locked.max_replicas = locked.replicas
+        validate_sizes(locked.replicas, locked.min_replicas, locked.max_replicas)
+        if locked.status == DeploymentStatus.READY and (version is not None or alias or "replicas" in changes):
+            locked.status = DeploymentStatus.PROGRESSING
+        locked.full_clean(validate_unique=False)
+        locked.save()
+        audit_record(actor=actor, action="deployment.update", obj=locked, before=before, after=snapshot(locked))
+        request_reconcile(locked)
+    return locked
+
+
+def deployment_delete(*, deployment: Deployment, actor) -> Deployment:
+    """Mark for deletion; the reconcile loop drains every replica, then removes the row."""
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        if locked.deleted_at is None:
+            before = snapshot(locked)
+            locked.deleted_at = timezone.now()
+            locked.status = DeploymentStatus.DELETING
+            locked.save(update_fields=["deleted_at", "status", "updated_at"])
+            audit_record(actor=actor, action="deployment.delete", obj=locked, before=before)
+            request_reconcile(locked)
+    return locked

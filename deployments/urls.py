@@ -1,0 +1,19 @@
+from django.urls import path
+
+from deployments import api, views
+
+app_name = "deployments"
+
+urlpatterns = [
+    path("", views.deployment_list, name="list"),
+    path("new/", views.deployment_create, name="create"),
+    path("<slug:name>/", views.deployment_detail, name="detail"),
+    path("<slug:name>/edit/", views.deployment_edit, name="edit"),
+]
+
+api_urlpatterns = [
+    path("deployments/", api.DeploymentListCreate.as_view(), name="api-deployment-list"),
+    path("deployments/<str:name>/", api.DeploymentDetail.as_view(), name="api-deployment-detail"),
+    path("deployments/<str:name>/replicas/", api.ReplicaList.as_view(), name="api-deployment-replicas"),
+    path("deployments/<str:name>/metrics/", api.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
+]

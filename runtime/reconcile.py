@@ -1,0 +1,352 @@
+"""The reconcile loop: make the replicas match what the deployment row says.
+
+One pass per deployment, under a Postgres advisory lock so two workers (or a beat tick that
+arrives while the last pass still runs) never act on the same deployment at once. Every pass is
+idempotent: it reads the world (process alive? /health?), compares with the row, and takes the
+next step — start what is missing, replace what failed (with exponential backoff and a
+crash-loop flag), surge one new replica before draining an old one when the version changes,
+drain and stop extras — then publishes the routing table.
+
+Rows are written before processes are touched (a replica is STARTING before its process
+exists), so a worker killed mid-pass leaves a row the next pass can finish, and the local
+driver can re-adopt the process instead of starting a twin.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import httpx
+from django.conf import settings
+from django.db import connection, transaction
+from django.utils import timezone
+
+from deployments.choices import DeploymentStatus
+from deployments.models import Deployment
+from registry.checkpoint import CheckpointError, artifact_path
+from runtime import routing
+from runtime.choices import ReplicaState
+from runtime.drivers import DriverError, driver_for
+from runtime.drivers.base import ReplicaSpec
+from runtime.models import Replica
+
+log = logging.getLogger(__name__)
+
+LOCK_NAMESPACE = 4242  # first key of pg_try_advisory_lock(int, int); the second is the deployment id
+
+
+@dataclass(frozen=True)
+class Timings:
+    """How patient the loop is. Settings override them (tests shorten them)."""
+
+    start_timeout_s: float = 300
+    health_timeout_s: float = 2
+    health_failures_to_fail: int = 3
+    # Between leaving the routing table and SIGTERM: gateways must see the new table first.
+    routing_propagation_s: float = 3
+    drain_timeout_s: float = 45
+    backoff_base_s: float = 2
+    backoff_max_s: float = 300
+    crash_loop_after: int = 3
+    # A replica that stays ready this long is healthy again: its failure count resets.
+    stable_after_s: float = 60
+
+    @classmethod
+    def from_settings(cls) -> Timings:
+        return cls(**getattr(settings, "INFEROPS_RECONCILE_TIMINGS", {}))
+
+
+def backoff_s(failures: int, timings: Timings) -> float:
+    """0 for the first failure (restart at once), then base, 2×base, 4×base ... up to max."""
+    if failures <= 1:
+        return 0
+    return min(timings.backoff_base_s * 2 ** (failures - 2), timings.backoff_max_s)
+
+
+@contextlib.contextmanager
+def deployment_lock(deployment_id: int):
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", [LOCK_NAMESPACE, deployment_id])
+        acquired = cursor.fetchone()[0]
+    try:
+        yield acquired
+    finally:
+        if acquired:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT pg_advisory_unlock(%s, %s)", [LOCK_NAMESPACE, deployment_id])
+
+
+def probe_health(url: str, timeout_s: float) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def replica_spec(deployment: Deployment, replica: Replica) -> ReplicaSpec:
+    version = replica.version
+    return ReplicaSpec(
+        deployment=deployment.name,
+        version=version.number,
+        model_path=str(artifact_path(version.artifact_uri)),
+        backend=deployment.backend,
+        engine_args=replica.engine_args,
+        resources=deployment.resources,
+    )
+
+
+class Reconciler:
+    def __init__(self, deployment: Deployment, now: datetime | None = None, timings: Timings | None = None,
+                 driver=None):
+        self.deployment = deployment
+        self.now = now or timezone.now()
+        self.timings = timings or Timings.from_settings()
+        self.driver = driver or driver_for(deployment.driver)
+        self.replicas = list(
+            deployment.replica_set.exclude(state=ReplicaState.STOPPED).select_related("version")
+        )
+
+    # -- one pass ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        for replica in self.replicas:
+            self.observe(replica)
+        if self.deployment.deleted_at:
+            self.drain_everything()
+        elif not self.deployment.paused:
+            self.converge()
+            self.start_due()
+        self.replicas = [r for r in self.replicas if r.state != ReplicaState.STOPPED]
+        self.update_status()
+        self.publish()
+
+    # -- observing ----------------------------------------------------------------------------
+
+    def save(self, replica: Replica, *fields: str) -> None:
+        replica.save(update_fields=[*fields, "updated_at"])
+
+    def fail(self, replica: Replica, reason: str) -> None:
+        replica.state = ReplicaState.FAILED
+        replica.consecutive_failures += 1
+        replica.crash_looping = replica.consecutive_failures >= self.timings.crash_loop_after
+        replica.not_before = self.now + timedelta(seconds=backoff_s(replica.consecutive_failures, self.timings))
+        tail = self.driver.log_tail(replica, lines=5).strip().splitlines()
+        replica.last_error = reason + (f" — last log line: {tail[-1][:500]}" if tail else "")
+        replica.last_health_ok = False
+        self.save(replica, "state", "consecutive_failures", "crash_looping", "not_before", "last_error",
+                  "last_health_ok")
+        log.warning("replica %s failed: %s", replica, reason)
+
+    def check_health(self, replica: Replica) -> bool:
+        healthy = probe_health(replica.url, self.timings.health_timeout_s)
+        failures = 0 if healthy else replica.identity.get("health_failures", 0) + 1
+        replica.identity = {**replica.identity, "health_failures": failures}
+        replica.last_health_at = self.now
+        replica.last_health_ok = healthy
+        self.save(replica, "identity", "last_health_at", "last_health_ok")
+        return healthy
+
+    def observe(self, replica: Replica) -> None:
+        state = replica.state
+        if state in (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING):
+            if not replica.identity.get("pid") and hasattr(self.driver, "adopt"):
+                # Started by a worker that died before it could save the pid.
+                if self.driver.adopt(replica):
+                    self.save(replica, "identity", "url", "port", "log_path")
+            alive = self.driver.is_alive(replica)
+        else:
+            return
+        if state == ReplicaState.DRAINING:
+            self.observe_draining(replica, alive)
+        elif not alive:
+            self.fail(replica, "process exited" if state == ReplicaState.READY else "process exited while starting")
+        elif state == ReplicaState.STARTING:
+            if self.check_health(replica):
+                replica.state = ReplicaState.READY
+                replica.ready_at = self.now
+                replica.last_error = ""
+                self.save(replica, "state", "ready_at", "last_error")
+            elif (self.now - replica.started_at).total_seconds() > self.timings.start_timeout_s:
+                self.driver.kill(replica)
+                self.fail(replica, f"not ready {self.timings.start_timeout_s:.0f}s after start")
+        else:  # READY
+            if self.check_health(replica):
+                ready_for = (self.now - replica.ready_at).total_seconds() if replica.ready_at else 0
+                stable = ready_for > self.timings.stable_after_s
+                if stable and replica.consecutive_failures:
+                    replica.consecutive_failures = 0
+                    replica.crash_looping = False
+                    self.save(replica, "consecutive_failures", "crash_looping")
+            elif replica.identity["health_failures"] >= self.timings.health_failures_to_fail:
+                self.driver.kill(replica)
+                self.fail(replica, f"/health failed {replica.identity['health_failures']} times in a row")
+
+    def observe_draining(self, replica: Replica, alive: bool) -> None:
+        if not alive:
+            self.mark_stopped(replica)
+            return
+        since = (self.now - replica.draining_since).total_seconds()
+        sigterm_at = replica.identity.get("sigterm_at")
+        if sigterm_at is None and since >= self.timings.routing_propagation_s:
+            self.driver.stop(replica, grace_s=self.timings.drain_timeout_s)
+            replica.identity = {**replica.identity, "sigterm_at": self.now.timestamp()}
+            self.save(replica, "identity")
+        elif sigterm_at is not None and self.now.timestamp() - sigterm_at > self.timings.drain_timeout_s:
+            self.driver.kill(replica)
+            self.mark_stopped(replica)
+
+    # -- acting -------------------------------------------------------------------------------
+
+    def mark_stopped(self, replica: Replica) -> None:
+        replica.state = ReplicaState.STOPPED
+        replica.stopped_at = self.now
+        self.save(replica, "state", "stopped_at")
+
+    def drain(self, replica: Replica) -> None:
+        """Ready replicas leave the routing table first and get SIGTERM later; others stop now."""
+        if replica.state == ReplicaState.READY:
+            replica.state = ReplicaState.DRAINING
+            replica.draining_since = self.now
+            self.save(replica, "state", "draining_since")
+        elif replica.state in (ReplicaState.STARTING, ReplicaState.PENDING, ReplicaState.FAILED):
+            if replica.state == ReplicaState.STARTING:
+                self.driver.kill(replica)
+            self.mark_stopped(replica)
+
+    def drain_everything(self) -> None:
+        for replica in self.replicas:
+            if replica.state != ReplicaState.DRAINING:
+                self.drain(replica)
+
+    def new_replica(self) -> Replica:
+        replica = Replica.objects.create(
+            deployment=self.deployment, version=self.deployment.version, driver=self.deployment.driver,
+            node=getattr(self.driver, "node", "") or _node_name(self.deployment.driver),
+            engine_args=self.deployment.engine_args, state=ReplicaState.PENDING,
+        )
+        self.replicas.append(replica)
+        return replica
+
+    def converge(self) -> None:
+        target = self.deployment.version_id
+        desired = self.deployment.replicas
+        live = [r for r in self.replicas if r.state in (ReplicaState.PENDING, ReplicaState.STARTING,
+                                                         ReplicaState.READY, ReplicaState.FAILED)]
+        # Spec drift: a replica started with other engine args is replaced like an old version.
+        current = [r for r in live if r.version_id == target and r.engine_args == self.deployment.engine_args]
+        outdated = [r for r in live if r not in current]
+        # Outdated replicas that serve nothing go at once; ready ones wait for their replacement.
+        for replica in [r for r in outdated if r.state != ReplicaState.READY]:
+            self.drain(replica)
+        outdated_ready = [r for r in outdated if r.state == ReplicaState.READY]
+
+        if outdated_ready:
+            # Surge one: never more than desired + 1 live replicas during a replacement.
+            room = desired + 1 - len(current) - len(outdated_ready)
+            for _ in range(max(0, min(room, desired - len(current)))):
+                current.append(self.new_replica())
+            ready_current = sum(r.state == ReplicaState.READY for r in current)
+            excess = ready_current + len(outdated_ready) - desired
+            for replica in outdated_ready[:max(0, excess)]:
+                self.drain(replica)
+            return
+        for _ in range(desired - len(current)):
+            current.append(self.new_replica())
+        if len(current) > desired:
+            # Drop the least useful first: not yet started, then failing, then the newest ready.
+            order = {ReplicaState.PENDING: 0, ReplicaState.FAILED: 1, ReplicaState.STARTING: 2,
+                     ReplicaState.READY: 3}
+            extras = sorted(current, key=lambda r: (order[r.state], -r.pk))[: len(current) - desired]
+            for replica in extras:
+                self.drain(replica)
+
+    def start_due(self) -> None:
+        for replica in self.replicas:
+            if replica.state not in (ReplicaState.PENDING, ReplicaState.FAILED):
+                continue
+            if replica.version_id != self.deployment.version_id:
+                continue
+            if replica.not_before and replica.not_before > self.now:
+                continue
+            self.start(replica)
+
+    def start(self, replica: Replica) -> None:
+        if replica.state == ReplicaState.FAILED:
+            replica.restarts += 1
+        replica.state = ReplicaState.STARTING
+        replica.started_at = self.now
+        replica.ready_at = None
+        replica.identity = {}
+        self.save(replica, "state", "started_at", "ready_at", "identity", "restarts")
+        try:
+            started = self.driver.start(replica, replica_spec(self.deployment, replica))
+        except (DriverError, CheckpointError) as exc:
+            self.fail(replica, f"could not start: {exc}")
+            return
+        replica.url, replica.port, replica.log_path = started.url, started.port, started.log_path
+        replica.identity = started.identity
+        self.save(replica, "url", "port", "log_path", "identity")
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def update_status(self) -> None:
+        deployment = self.deployment
+        if deployment.deleted_at:
+            return
+        target = [r for r in self.replicas if r.version_id == deployment.version_id]
+        ready = sum(r.state == ReplicaState.READY for r in target)
+        outdated = [r for r in self.replicas if r not in target and r.state != ReplicaState.DRAINING]
+        crash_looping = [r for r in target if r.crash_looping]
+        if deployment.paused:
+            status, message = DeploymentStatus.PAUSED, "Reconciliation paused by an operator."
+        elif crash_looping and ready == 0:
+            status = DeploymentStatus.FAILED
+            message = f"{len(crash_looping)} replica(s) crash-looping: {crash_looping[0].last_error}"
+        elif crash_looping:
+            status = DeploymentStatus.DEGRADED
+            message = f"{len(crash_looping)} replica(s) crash-looping: {crash_looping[0].last_error}"
+        elif ready >= deployment.replicas and not outdated:
+            status, message = DeploymentStatus.READY, ""
+        elif ready == 0 and not outdated:
+            status, message = DeploymentStatus.PENDING, "Waiting for replicas to become ready."
+        else:
+            status = DeploymentStatus.PROGRESSING
+            message = f"{ready}/{deployment.replicas} replicas of v{deployment.version.number} ready"
+        if (status, message) != (deployment.status, deployment.status_message):
+            Deployment.objects.filter(pk=deployment.pk).update(status=status, status_message=message)
+            deployment.status, deployment.status_message = status, message
+
+    def publish(self) -> None:
+        if self.deployment.deleted_at:
+            return
+        ready = [r for r in self.replicas if r.state == ReplicaState.READY]
+        routing.publish(routing.routing_entry(self.deployment, ready))
+
+
+def _node_name(driver: str) -> str:
+    if driver == "local":
+        from runtime.drivers.local import node_name
+
+        return node_name()
+    return getattr(settings, "INFEROPS_K8S_NAMESPACE", "inferops")
+
+
+def reconcile_deployment(deployment_id: int, now: datetime | None = None) -> str:
+    """One reconcile pass; returns what happened ("locked", "gone", "deleted", "ok")."""
+    with deployment_lock(deployment_id) as acquired:
+        if not acquired:
+            return "locked"
+        deployment = Deployment.objects.select_related("version", "model").filter(pk=deployment_id).first()
+        if deployment is None:
+            return "gone"
+        reconciler = Reconciler(deployment, now=now)
+        reconciler.run()
+        if deployment.deleted_at and not reconciler.replicas:
+            with transaction.atomic():
+                routing.unpublish(deployment.name)
+                deployment.delete()
+            return "deleted"
+        return "ok"
