@@ -80,6 +80,9 @@ class MetricsBucket(models.Model):
     class Meta:
         abstract = True
 
+    def __str__(self) -> str:
+        return f"replica {self.replica_id} @ {self.start:%Y-%m-%d %H:%M}"
+
 
 class ReplicaMetricsMinute(MetricsBucket):
     class Meta:
