@@ -15,9 +15,10 @@ import secrets
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from runtime.engine.sampling import SamplingParams
+if TYPE_CHECKING:
+    from runtime.engine.sampling import SamplingParams
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -109,6 +110,10 @@ class GenerationRequest:
     priority: int = 0
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
+        # Imported here: sampling.py pulls in torch, which the server must not wait for
+        # before it binds its port (it loads in the model thread).
+        from runtime.engine.sampling import SamplingParams
+
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,

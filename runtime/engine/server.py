@@ -549,7 +549,9 @@ def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
     if is_encoder_checkpoint(args.model):
         def load_encoder() -> Any:
             from runtime.engine.encoder import EmbeddingModel
-            return EmbeddingModel.load(args.model, args.dtype)
+            # Encoders are small; "auto" keeps them in float32 for exact vectors on CPU.
+            return EmbeddingModel.load(args.model,
+                                       "float32" if args.dtype == "auto" else args.dtype)
         return AsyncEmbedder(load_encoder)
 
     def load_engine() -> Any:

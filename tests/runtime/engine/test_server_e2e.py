@@ -336,3 +336,36 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llama_dir, tmp_p
         assert last["choices"][0]["finish_reason"] == "length"
     finally:
         process.stop()
+
+
+def test_embeddings_from_an_encoder_checkpoint(tmp_path):
+    from runtime.engine.encoder import EmbeddingModel, find_packaged_minilm
+
+    model_dir = find_packaged_minilm()
+    process = ServerProcess(model_dir, tmp_path / "server.log")
+    try:
+        process.wait_ready()
+        client = openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="x", max_retries=0)
+        texts = ["The cat sits on the mat.", "A cat is sitting on a mat.", "GPU prices rose."]
+        # The openai client asks for base64 and decodes it; the float form must agree.
+        response = client.embeddings.create(model=MODEL, input=texts)
+        as_floats = httpx.post(f"{process.base_url}/v1/embeddings", json={
+            "model": MODEL, "input": texts[0], "encoding_format": "float"}).json()
+        completions = httpx.post(f"{process.base_url}/v1/completions",
+                                 json={"model": MODEL, "prompt": "x"})
+    finally:
+        process.stop()
+    expected, counts = EmbeddingModel.load(model_dir).embed(texts)
+    vectors = [item.embedding for item in response.data]
+    assert [item.index for item in response.data] == [0, 1, 2]
+    assert response.usage.prompt_tokens == sum(counts)
+    for got, want in zip(vectors, expected, strict=True):
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(as_floats["data"][0]["embedding"], expected[0],
+                                          strict=True)) < 1e-6
+
+    def cosine(a, b):
+        return sum(x * y for x, y in zip(a, b, strict=True))
+
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
+    assert completions.status_code == 400

@@ -8,7 +8,9 @@ end to end against the real engine in test_server_e2e.py.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import threading
 import time
 from types import SimpleNamespace
@@ -17,10 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from runtime.engine.async_engine import AsyncEngine
+from runtime.engine.async_engine import AsyncEmbedder, AsyncEngine
 from runtime.engine.server import FaultSettings, ReplicaServer, ServerSettings
 
 MODEL = "fake"
+REFUSED_TOKEN = 999
 
 
 class ScriptedTokenizer:
@@ -56,6 +59,8 @@ class ScriptedEngine:
     def add_request(self, request_id, prompt_token_ids, params, priority=0) -> None:
         if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
             raise ValueError("too long")
+        if REFUSED_TOKEN in prompt_token_ids:
+            raise ValueError("the engine refuses token 999")
         self.prompt_tokens_total += len(prompt_token_ids)
         for index in range(params.n):
             self.running[(request_id, index)] = {"params": params, "count": 0,
@@ -252,6 +257,15 @@ def test_context_length_error_names_both_lengths(client):
     assert "64" in message and "41 in the prompt" in message and "30 in the completion" in message
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_refusal_is_a_400_even_when_streaming(client, engine, stream):
+    response = client.post("/v1/completions", json={"prompt": [5, REFUSED_TOKEN],
+                                                    "stream": stream})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "the engine refuses token 999"
+    assert not engine.running
+
+
 def test_unknown_model_is_404(client):
     response = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
     assert response.status_code == 404
@@ -405,3 +419,66 @@ def test_fault_ttft_delays_the_first_token(engine):
         started = time.monotonic()
         test_client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
         assert time.monotonic() - started >= 0.3
+
+
+class BlockingEncoder:
+    """Holds its first call until released, so later requests pile up into one batch."""
+
+    def __init__(self) -> None:
+        self.calls: list[list] = []
+        self.release = threading.Event()
+
+    def embed(self, inputs):
+        self.calls.append(list(inputs))
+        if len(self.calls) == 1:
+            self.release.wait(5)
+        if any(isinstance(x, str) and x == "bad" for x in inputs):
+            raise ValueError("bad input")
+        return [[float(len(x)), 0.5] for x in inputs], [len(x) for x in inputs]
+
+
+def test_concurrent_embedding_requests_share_a_batch():
+    encoder = BlockingEncoder()
+    replica = ReplicaServer(AsyncEmbedder(lambda: encoder),
+                            ServerSettings(served_model_name=MODEL, model_root="/m"))
+    with TestClient(replica.build_app()) as test_client:
+        wait_ready(test_client)
+        results: dict[str, dict] = {}
+
+        def post(text):
+            results[text] = test_client.post("/v1/embeddings", json={"input": text}).json()
+
+        first = threading.Thread(target=post, args=("a",))
+        first.start()
+        while not encoder.calls:
+            time.sleep(0.01)
+        others = [threading.Thread(target=post, args=(t,)) for t in ("bb", "ccc", "bad")]
+        for thread in others:
+            thread.start()
+        while replica.backend.stats().num_waiting < 3:
+            time.sleep(0.01)
+        encoder.release.set()
+        for thread in [first, *others]:
+            thread.join(5)
+    assert encoder.calls[0] == ["a"]
+    assert sorted(encoder.calls[1]) == ["bad", "bb", "ccc"]  # one batch for the three
+    assert results["ccc"]["data"][0]["embedding"] == [3.0, 0.5]
+    assert results["ccc"]["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+    # The bad input fails alone; its batch neighbours still get their vectors.
+    assert results["bad"]["error"]["code"] == 400
+    assert results["bb"]["data"][0]["embedding"] == [2.0, 0.5]
+
+
+def test_embedding_base64_encoding():
+    encoder = BlockingEncoder()
+    encoder.release.set()
+    replica = ReplicaServer(AsyncEmbedder(lambda: encoder),
+                            ServerSettings(served_model_name=MODEL, model_root="/m"))
+    with TestClient(replica.build_app()) as test_client:
+        wait_ready(test_client)
+        body = test_client.post("/v1/embeddings", json={
+            "input": ["xy"], "encoding_format": "base64"}).json()
+        assert struct.unpack("<2f", base64.b64decode(body["data"][0]["embedding"])) == (2.0, 0.5)
+        refused = test_client.post("/v1/completions", json={"prompt": "x"})
+        assert refused.status_code == 400 and "Embeddings API" in refused.text
+        assert test_client.post("/v1/embeddings", json={"input": []}).status_code == 400
