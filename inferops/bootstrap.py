@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
@@ -21,3 +22,33 @@ def ensure_admin(username: str = "admin") -> str | None:
         user = User.objects.create_superuser(username=username, email="", password=password)
         user.groups.add(Group.objects.get(name=ADMIN))
     return password
+
+
+DEMO_NAME = "demo"
+
+
+def ensure_demo(data_dir: Path, actor=None) -> bool:
+    """Once per database: a demo checkpoint, registered as model `demo` and deployed as `demo`.
+
+    Returns True when it created anything. Deleting the deployment is respected: it is only
+    created together with the model, never re-created behind an operator's back.
+    """
+    from deployments.services import deployment_create
+    from registry.models import RegisteredModel
+    from registry.services import alias_set, model_create, version_register
+    from runtime.engine.demo_model import write_demo_model
+
+    if RegisteredModel.objects.filter(name=DEMO_NAME).exists():
+        return False
+    checkpoint = data_dir / "models" / "demo-tiny"
+    if not (checkpoint / "model.safetensors").is_file():
+        write_demo_model(checkpoint, preset="tiny", seed=0)
+    actor = actor or get_user_model().objects.filter(is_superuser=True).order_by("pk").first()
+    model = model_create(name=DEMO_NAME, task="generate", actor=actor, owner="inferops",
+                         description="Demo Llama checkpoint (random weights) written by `make run`.",
+                         tags=["demo"])
+    version = version_register(model=model, artifact_uri=str(checkpoint), actor=actor)
+    alias_set(model=model, name="champion", version=version, actor=actor)
+    deployment_create(name=DEMO_NAME, model=model, alias="champion", replicas=1, actor=actor,
+                      engine_args={"max_num_seqs": 32})
+    return True

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -40,9 +41,33 @@ def prepare() -> str | None:
 
     django.setup()
     call_command("migrate", interactive=False, verbosity=0)
-    from inferops.bootstrap import ensure_admin
+    from inferops.bootstrap import ensure_admin, ensure_demo
 
-    return ensure_admin()
+    password = ensure_admin()
+    if ensure_demo(embedded.data_dir()):
+        print("Created the demo model and its `demo` deployment (1 replica).", flush=True)
+    return password
+
+
+def announce_demo_replica(stopping, timeout_s: float = 300) -> None:
+    """Print how to call the demo replica once it is ready (the reconcile loop starts it)."""
+    from deployments.models import Deployment
+    from runtime.choices import ReplicaState
+
+    deadline = time.monotonic() + timeout_s
+    while not stopping() and time.monotonic() < deadline:
+        deployment = Deployment.objects.filter(name="demo").first()
+        replica = deployment and deployment.replica_set.filter(state=ReplicaState.READY).first()
+        if replica:
+            print(
+                f"\nThe demo deployment is ready: replica {replica.url}\n"
+                f"  curl {replica.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+                f"       -d '{{\"model\": \"demo\", \"messages\": [{{\"role\": \"user\", "
+                f"\"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n",
+                flush=True,
+            )
+            return
+        time.sleep(1)
 
 
 def children(args) -> list[Child]:
@@ -71,6 +96,29 @@ def stop_all(started: list[Child]) -> None:
         except subprocess.TimeoutExpired:
             child.process.kill()
             child.process.wait()
+
+
+def stop_local_replicas() -> int:
+    """Replicas run in their own sessions (they outlive a worker restart); Ctrl-C on `inferops
+    run` means stop everything, so drain this node's replicas and mark them stopped."""
+    from django.utils import timezone
+
+    from runtime.choices import ReplicaState
+    from runtime.drivers.local import LocalProcessDriver, node_name
+    from runtime.models import Replica
+
+    driver = LocalProcessDriver()
+    replicas = list(Replica.objects.filter(driver="local", node=node_name()).exclude(state=ReplicaState.STOPPED))
+    for replica in replicas:
+        driver.stop(replica)
+    deadline = time.monotonic() + STOP_GRACE_S
+    while time.monotonic() < deadline and any(driver.is_alive(r) for r in replicas):
+        time.sleep(0.2)
+    for replica in replicas:
+        driver.kill(replica)
+    Replica.objects.filter(pk__in=[r.pk for r in replicas]).update(
+        state=ReplicaState.STOPPED, stopped_at=timezone.now(), last_error="stopped with inferops run")
+    return len(replicas)
 
 
 def main(args) -> int:
@@ -107,6 +155,7 @@ def main(args) -> int:
             lines.append("  log in with your existing admin user")
         lines.append("Press Ctrl-C to stop everything.\n")
         print("\n".join(lines), flush=True)
+        threading.Thread(target=announce_demo_replica, args=(lambda: stopping,), daemon=True).start()
         while not stopping:
             for child in started:
                 if child.process.poll() is not None:
@@ -118,4 +167,7 @@ def main(args) -> int:
     finally:
         print("Stopping...", flush=True)
         stop_all(started)
+        stopped = stop_local_replicas()
+        if stopped:
+            print(f"Stopped {stopped} replica(s).", flush=True)
     return 1 if crashed else 0

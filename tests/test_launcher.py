@@ -73,8 +73,20 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
         }, headers={"Referer": f"{base}/login/"}, timeout=5)
         assert response.status_code == 200 and "Models" in response.text
         assert response.url.rstrip("/").endswith("/models")
+
+        # The demo deployment: a real replica of the demo checkpoint, answering within a minute.
+        deadline = time.monotonic() + 120
+        while "The demo deployment is ready" not in "".join(output):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(output)
+            time.sleep(0.5)
+        replica_url = re.search(r"replica (http://\S+)", "".join(output)).group(1)
+        chat = requests.post(f"{replica_url}/v1/chat/completions", timeout=30, json={
+            "model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
+        assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+        detail = session.get(f"{base}/deployments/demo/", timeout=5)
+        assert detail.status_code == 200 and replica_url in detail.text
         children = descendants(process.pid)
-        assert len(children) >= 3
+        assert len(children) >= 4  # web, worker (+ its pool), beat, the demo replica
     finally:
         process.send_signal(signal.SIGINT)
         try:
