@@ -7,6 +7,7 @@ the process. Tests that change run-time state (faults) put it back before they f
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -40,6 +41,7 @@ class ServerProcess:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.health_seen: list[tuple[int, str]] = []
         command = [sys.executable, "-m", "inferops.cli", "serve", "--model", str(model_dir),
                    "--port", str(self.port), "--served-model-name", MODEL,
                    "--max-model-len", str(MAX_MODEL_LEN), "--admin-token", "test-admin",
@@ -55,7 +57,9 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log_path.read_text()}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                health = httpx.get(f"{self.base_url}/health", timeout=1)
+                self.health_seen.append((health.status_code, health.json()["status"]))
+                if health.status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -89,6 +93,12 @@ def scrape(server) -> dict[tuple[str, str | None], float]:
     text = httpx.get(f"{server.base_url}/metrics").text
     return {(s.name, s.labels.get("finished_reason")): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_health_says_loading_until_the_model_is_ready(server):
+    # The port binds before torch is even imported, so the first answers are "loading".
+    assert server.health_seen[0] == (503, "loading")
+    assert server.health_seen[-1] == (200, "ready")
 
 
 def test_models_lists_the_served_model(server, client):
@@ -272,6 +282,42 @@ def test_client_disconnect_aborts_the_request(server):
         before[("vllm:request_success_total", "abort")] + 1
     assert after[("vllm:generation_tokens_total", None)] - \
         before[("vllm:generation_tokens_total", None)] < MAX_MODEL_LEN - 8
+
+
+def test_disconnect_during_a_non_streamed_request_aborts_it(server):
+    before = scrape(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", timeout=0.5, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8,
+            "ignore_eos": True})
+    deadline = time.monotonic() + 3
+    while scrape(server)[("vllm:request_success_total", "abort")] == \
+            before[("vllm:request_success_total", "abort")]:
+        assert time.monotonic() < deadline, "the abandoned request was not aborted"
+        time.sleep(0.05)
+    after = scrape(server)
+    assert after[("vllm:num_requests_running", None)] == 0
+    assert after[("vllm:generation_tokens_total", None)] - \
+        before[("vllm:generation_tokens_total", None)] < MAX_MODEL_LEN - 8
+
+
+def test_concurrent_streams_are_batched_and_all_complete(server):
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, str]:
+        text = ""
+        async with client.stream("POST", "/v1/completions", json={
+                "model": MODEL, "prompt": f"Request {i}", "max_tokens": 20 + i,
+                "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    text = line
+        return i, json.loads(text[len("data: "):])["usage"]["completion_tokens"]
+
+    async def run_all():
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(6)))
+
+    assert sorted(asyncio.run(run_all())) == [(i, 20 + i) for i in range(6)]
 
 
 def set_faults(server, **faults) -> httpx.Response:
