@@ -514,11 +514,12 @@ class KubernetesDriver:
         deployment = self.renderer.deployment(spec, replicas=self.live_replicas(replica) + 1)
         self.cluster.apply_service(self.renderer.service(spec.deployment, spec.version))
         self.cluster.apply_deployment(deployment)
-        return Started(
-            url=service_url(objects.name, objects.namespace, self.config.cluster_domain),
-            port=PORT,
-            identity=objects.identity(),
-        )
+        return Started(url=self._url(objects), port=PORT, identity=objects.identity())
+
+    @property
+    def node(self) -> str:
+        """What the reconcile loop records as a replica's node: the namespace of its pods."""
+        return self.config.namespace
 
     def is_alive(self, replica) -> bool:
         """The version's Deployment exists and still wants pods (readiness is /health's job)."""
@@ -527,12 +528,17 @@ class KubernetesDriver:
         return bool(found and found.spec and (found.spec.replicas or 0) >= 1)
 
     def adopt(self, replica) -> str | None:
-        """The Deployment's name if it still runs this replica's version; fills a lost identity."""
-        if not self.is_alive(replica):
+        """Re-attach a row whose identity was lost (its worker died between start and saving).
+
+        If the version's Deployment still runs, fill identity, url and port and return the
+        Deployment's name. None when nothing was lost (no API call then, so the reconcile loop
+        may ask on every pass) or when there is nothing left to adopt.
+        """
+        if replica.identity.get("deployment") or not self.is_alive(replica):
             return None
         objects = self._objects(replica)
-        if not replica.identity:
-            replica.identity = objects.identity()
+        replica.identity = {**replica.identity, **objects.identity()}
+        replica.url, replica.port = self._url(objects), PORT
         return objects.name
 
     def stop(self, replica, grace_s: float = 30) -> None:
@@ -579,6 +585,17 @@ class KubernetesDriver:
             return str(exc)
         return "; ".join(problems) or f"Deployment {objects.namespace}/{objects.name} has no pods"
 
+    def ready_pod_urls(self, replica) -> list[str]:
+        """Base URLs of the version's ready pods.
+
+        The Service URL reaches one pod at random per request; a scraper that must see every
+        pod's own counters (and never mistake another pod's for a reset) asks for these instead.
+        """
+        objects = self._objects(replica)
+        pods = self.cluster.pods(objects.namespace, objects.selector)
+        return sorted(f"http://{pod.status.pod_ip}:{PORT}" for pod in pods
+                      if _pod_ready(pod) and pod.status.pod_ip)
+
     def live_replicas(self, replica) -> int:
         """Live rows of replica's deployment version on this driver, not counting replica itself."""
         return (
@@ -587,6 +604,9 @@ class KubernetesDriver:
                 driver=replica.driver, state__in=ReplicaState.live(),
             ).exclude(pk=replica.pk).count()
         )
+
+    def _url(self, objects: VersionObjects) -> str:
+        return service_url(objects.name, objects.namespace, self.config.cluster_domain)
 
     def _objects(self, replica) -> VersionObjects:
         identity = replica.identity or {}

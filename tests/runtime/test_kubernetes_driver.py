@@ -19,7 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+import yaml
 from kubernetes import client as k8s
+from kubernetes.config import kube_config
 from kubernetes.utils import parse_quantity
 
 from deployments.models import Deployment
@@ -296,6 +298,7 @@ class Recorded:
     path: str
     query: dict
     content_type: str
+    authorization: str
     body: object
 
 
@@ -384,8 +387,9 @@ class FakeKubernetesApi:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
                 body = json.loads(raw) if raw else None
-                fake.requests.append(Recorded(self.command, url.path, query,
-                                              self.headers.get("Content-Type", ""), body))
+                fake.requests.append(Recorded(
+                    self.command, url.path, query, self.headers.get("Content-Type", ""),
+                    self.headers.get("Authorization", ""), body))
                 status, payload = fake.handle(self.command, url.path, query, body)
                 is_text = isinstance(payload, str)
                 data = (payload if is_text else json.dumps(payload)).encode()
@@ -410,7 +414,8 @@ def fake_api():
     fake.close()
 
 
-def pod(name: str, ready: bool, created: str, labels: dict, waiting: str = "") -> dict:
+def pod(name: str, ready: bool, created: str, labels: dict, waiting: str = "",
+        ip: str = "10.0.0.1") -> dict:
     state = {"waiting": {"reason": waiting, "message": "back-off 5m0s"}} if waiting else {
         "running": {"startedAt": created}}
     return {
@@ -419,6 +424,7 @@ def pod(name: str, ready: bool, created: str, labels: dict, waiting: str = "") -
                      "creationTimestamp": created},
         "spec": {"containers": [{"name": "replica", "image": "inferops:latest"}]},
         "status": {
+            "podIP": ip,
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
             "containerStatuses": [{"name": "replica", "image": "inferops:latest", "imageID": "",
                                    "ready": ready, "restartCount": 0 if ready else 4,
@@ -484,6 +490,30 @@ def test_unreachable_api_server_is_a_driver_error():
         cluster.apply_service(ManifestRenderer(KubernetesSettings()).service("chat", 3))
 
 
+def kubeconfig_for(server: str, token: str) -> dict:
+    return {
+        "apiVersion": "v1", "kind": "Config", "current-context": "ops",
+        "clusters": [{"name": "gpu-cluster", "cluster": {"server": server}}],
+        "users": [{"name": "ops", "user": {"token": token}}],
+        "contexts": [{"name": "ops", "context": {"cluster": "gpu-cluster", "user": "ops"}}],
+    }
+
+
+def test_outside_a_pod_credentials_come_from_the_kubeconfig(fake_api, tmp_path, monkeypatch):
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(kubeconfig_for(fake_api.url, "t0ken")))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)   # not in a pod
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(path))
+    driver = KubernetesDriver(config=KubernetesSettings())
+    assert driver.is_alive(unsaved_replica()) is False
+    assert [(r.path, r.authorization) for r in fake_api.requests] == [
+        (DEPLOYMENT_PATH, "Bearer t0ken")]
+
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "missing"))
+    with pytest.raises(DriverError, match="no Kubernetes credentials"):
+        KubernetesDriver(config=KubernetesSettings()).is_alive(unsaved_replica())
+
+
 def test_is_alive_reads_the_deployment(fake_api):
     driver = KubernetesDriver(api_client=fake_api.api_client(), config=KubernetesSettings())
     replica = unsaved_replica()
@@ -491,9 +521,17 @@ def test_is_alive_reads_the_deployment(fake_api):
     assert driver.adopt(replica) is None
     fake_api.objects[DEPLOYMENT_PATH] = render(make_spec(), replicas=1)
     assert driver.is_alive(replica) is True
+    # A worker died between start and saving the identity: the next pass re-attaches the row.
+    replica.identity = {"health_failures": 1}
     assert driver.adopt(replica) == "inferops-chat-v3"
     assert replica.identity == {"namespace": "inferops", "deployment": "inferops-chat-v3",
-                                "service": "inferops-chat-v3", "version": 3}
+                                "service": "inferops-chat-v3", "version": 3, "health_failures": 1}
+    assert replica.url == "http://inferops-chat-v3.inferops.svc.cluster.local:8000"
+    assert replica.port == 8000
+    requests_before = len(fake_api.requests)
+    assert driver.adopt(replica) is None              # nothing lost: no API call
+    assert len(fake_api.requests) == requests_before
+    assert driver.node == "inferops"
     fake_api.objects[DEPLOYMENT_PATH]["spec"]["replicas"] = 0
     assert driver.is_alive(replica) is False
     fake_api.fail("GET", DEPLOYMENT_PATH, 500, "etcdserver: request timed out", "InternalError")
@@ -515,9 +553,10 @@ def test_log_tail_reads_the_not_ready_pod_first_and_is_empty_on_errors(fake_api)
     labels = render(make_spec())["spec"]["template"]["metadata"]["labels"]
     other_version = {**labels, "inferops.dev/version": "2"}
     fake_api.pods = [
-        pod("inferops-chat-v3-aaa", True, "2026-11-30T10:00:00Z", labels),
+        pod("inferops-chat-v3-aaa", True, "2026-11-30T10:00:00Z", labels, ip="10.0.0.7"),
         pod("inferops-chat-v3-bbb", False, "2026-11-30T09:00:00Z", labels, "CrashLoopBackOff"),
-        pod("inferops-chat-v2-ccc", False, "2026-11-30T11:00:00Z", other_version, "Error"),
+        pod("inferops-chat-v2-ccc", True, "2026-11-30T11:00:00Z", other_version, ip="10.0.0.9"),
+        pod("inferops-chat-v3-ddd", True, "2026-11-30T08:00:00Z", labels, ip="10.0.0.3"),
     ]
     fake_api.logs = {"inferops-chat-v3-bbb": "loading weights\nCUDA out of memory\n"}
     driver = KubernetesDriver(api_client=fake_api.api_client(), config=KubernetesSettings())
@@ -530,6 +569,7 @@ def test_log_tail_reads_the_not_ready_pod_first_and_is_empty_on_errors(fake_api)
     assert matches(labels, list_request.query["labelSelector"])
     assert not matches(other_version, list_request.query["labelSelector"])
 
+    assert driver.ready_pod_urls(replica) == ["http://10.0.0.3:8000", "http://10.0.0.7:8000"]
     fake_api.objects[DEPLOYMENT_PATH] = render(make_spec(), replicas=2)
     assert driver.exit_status(replica) == (
         "pod inferops-chat-v3-bbb: CrashLoopBackOff: back-off 5m0s")
