@@ -1,0 +1,240 @@
+"""Workload A over HTTP: the built-in engine (`inferops serve`) against vLLM on the same checkpoint.
+
+Each server is started in turn on the tiny demo checkpoint, loaded with the same seeded prompts
+through `runtime.loadgen.run_benchmark` (the code behind `inferops bench`), and stopped. The JSON
+report holds each server's metrics and the built-in engine's throughput as a ratio of vLLM's.
+
+vLLM runs from its own virtualenv, bench/engine/.venv-vllm (make it with peers.sh); it is
+skipped, with the reason recorded, when that venv is missing or the server does not come up.
+
+    .venv/bin/python bench/engine/serving_bench.py --result-json bench/engine/work/serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+from runtime.engine.demo_model import write_demo_model  # noqa: E402
+from runtime.loadgen import BenchConfig, LengthRange, run_benchmark  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODEL_DIR = HERE / "work" / "tiny"
+VLLM_PYTHON = HERE / ".venv-vllm" / "bin" / "python"
+SERVED_NAME = "tiny"
+REPORTED = (
+    "completed",
+    "failed",
+    "duration",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "request_goodput",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_e2el_ms",
+    "p99_e2el_ms",
+    "errors",
+)
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    command: list[str]
+    env: dict[str, str]
+
+
+def server_specs(model_dir: Path, port: int, threads: int) -> list[ServerSpec]:
+    threads_env = {"OMP_NUM_THREADS": str(threads)}
+    inferops = ServerSpec(
+        "inferops",
+        [
+            sys.executable,
+            "-m",
+            "inferops.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            SERVED_NAME,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        threads_env,
+    )
+    vllm = ServerSpec(
+        "vllm",
+        [
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            SERVED_NAME,
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.3",
+        ],
+        # vLLM's CPU backend keeps one core for its front end by default; give its engine the
+        # same cores the built-in engine gets.
+        {
+            **threads_env,
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        },
+    )
+    return [inferops, vllm]
+
+
+class RunningServer:
+    """A server subprocess in its own process group, stopped with the group on exit."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path):
+        self.spec = spec
+        self.log = log_path.open("w")
+        self.process = subprocess.Popen(
+            spec.command,
+            cwd=REPO_ROOT,
+            env={**os.environ, **spec.env},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, base_url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with {self.process.returncode}")
+            try:
+                # /health turns 200 only once the model is loaded (on both servers).
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.spec.name} not ready after {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+def workload_a(base_url: str, model_dir: Path, args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        base_url=base_url,
+        model=SERVED_NAME,
+        endpoint="completions",
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        input_len=LengthRange(args.input_len, args.input_len),
+        output_len=LengthRange(args.output_len, args.output_len),
+        tokenizer_dir=str(model_dir),
+        goodput_slos_ms={"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
+        seed=args.seed,
+        show_progress=False,
+    )
+
+
+def bench_server(spec: ServerSpec, model_dir: Path, args: argparse.Namespace) -> dict:
+    if spec.name == "vllm" and not VLLM_PYTHON.is_file():
+        return {"skipped": f"{VLLM_PYTHON} missing; run bench/engine/peers.sh"}
+    base_url = f"http://127.0.0.1:{args.port}"
+    log_path = HERE / "work" / f"{spec.name}.log"
+    server = RunningServer(spec, log_path)
+    try:
+        server.wait_ready(base_url, args.startup_timeout)
+        # One short untimed run first, so lazy initialisation is not charged to the workload.
+        warm_up = workload_a(base_url, model_dir, args)
+        warm_up.num_prompts, warm_up.output_len = 2, LengthRange(4, 4)
+        run_benchmark(warm_up)
+        print(f"benchmarking {spec.name} ...", file=sys.stderr)
+        metrics = run_benchmark(workload_a(base_url, model_dir, args))
+    except RuntimeError as error:
+        return {"skipped": str(error), "log": str(log_path)}
+    finally:
+        server.stop()
+    return {key: metrics[key] for key in REPORTED}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--servers", default="inferops,vllm")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--request-rate", type=float, default=float("inf"))
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8031)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--result-json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model or DEFAULT_MODEL_DIR
+    if not (model_dir / "config.json").is_file():
+        write_demo_model(model_dir, preset="tiny", seed=0)
+    (HERE / "work").mkdir(exist_ok=True)
+    wanted = {name.strip() for name in args.servers.split(",")}
+    results = {
+        spec.name: bench_server(spec, model_dir, args)
+        for spec in server_specs(model_dir, args.port, args.threads)
+        if spec.name in wanted
+    }
+    report = {
+        "workload": {
+            key: value for key, value in vars(args).items() if key not in ("result_json", "model")
+        },
+        "model": str(model_dir),
+        "servers": results,
+    }
+    ours, peer = results.get("inferops", {}), results.get("vllm", {})
+    if "output_throughput" in ours and "output_throughput" in peer:
+        report["inferops_over_vllm_output_throughput"] = round(
+            ours["output_throughput"] / peer["output_throughput"], 3
+        )
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.result_json:
+        args.result_json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
