@@ -15,6 +15,10 @@ rows of the same version at once all converge to the same count.
 Objects are written with server-side apply (field manager "inferops", forced): a re-apply with
 an unchanged pod template changes only `spec.replicas` and never triggers a rollout.
 
+Because rows are slots, every row of a version shares the Service URL: a /health or /metrics
+request through it reaches one ready pod at random, and a stop or kill lets Kubernetes choose
+which pod goes. `ready_pod_urls` lists the pods themselves for callers that need each one.
+
 Settings (all optional, read from django.conf.settings):
     INFEROPS_K8S_NAMESPACE          namespace of every object (default "inferops")
     INFEROPS_K8S_IMAGE              image with the `inferops` CLI (default "inferops:latest")
