@@ -125,6 +125,8 @@ class _RequestChannel:
         self.queue: asyncio.Queue[EngineEvent | BaseException] = asyncio.Queue()
         self.num_choices = num_choices
         self.finished_choices: set[int] = set()
+        # Set to end the request ahead of outputs still queued (e.g. a drain timed out).
+        self.interrupt: BaseException | None = None
 
 
 class RequestStream:
@@ -147,7 +149,7 @@ class RequestStream:
         channel = self.channel
         try:
             while not self.done:
-                item = await channel.queue.get()
+                item = channel.interrupt or await channel.queue.get()
                 if isinstance(item, BaseException):
                     self.done = True  # the engine is gone; nothing left to abort
                     raise item
@@ -216,6 +218,16 @@ class AsyncEngine(_ModelThread):
         stream = await self.submit(request_id, prompt_token_ids, params, priority)
         async for event in stream:
             yield event
+
+    def interrupt_all(self, error: BaseException) -> int:
+        """End every request in flight with `error` and abort it; returns how many."""
+        channels = list(self._channels.items())
+        for request_id, channel in channels:
+            channel.interrupt = error
+            channel.queue.put_nowait(error)  # wakes a consumer waiting for output
+            _settle(channel.accepted, None, error)
+            self._forget(request_id, abort=True)
+        return len(channels)
 
     def _forget(self, request_id: str, abort: bool) -> None:
         if self._channels.pop(request_id, None) is not None and abort:

@@ -40,6 +40,7 @@ from runtime.engine.async_engine import (
     FAILED,
     LOADING,
     READY,
+    STOPPED,
     AsyncEmbedder,
     AsyncEngine,
     EngineEvent,
@@ -160,6 +161,12 @@ class AdmissionMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.lifecycle.leave()
+
+
+def unavailable_error(exc: EngineUnavailableError) -> OpenAIError:
+    """Loading and shutting down are temporary (503, retry elsewhere); a dead or failed
+    model is a server error (500)."""
+    return OpenAIError(503 if exc.state in (LOADING, STOPPED) else 500, str(exc))
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
@@ -338,7 +345,7 @@ class ReplicaServer:
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), "input") from None
         except EngineUnavailableError as exc:
-            raise OpenAIError(500, str(exc)) from None
+            raise unavailable_error(exc) from None
         return JSONResponse(embedding_response(self.settings.served_model_name, vectors, counts,
                                                parsed.encoding_format))
 
@@ -372,7 +379,7 @@ class ReplicaServer:
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed"
         except EngineUnavailableError as exc:
-            raise OpenAIError(500, str(exc)) from None
+            raise unavailable_error(exc) from None
         except ValueError as exc:  # the engine refused the request
             raise bad_request(str(exc)) from None
         usage = usage_body(len(prompt_ids), sum(c.num_output_tokens for c in choices))
@@ -385,11 +392,9 @@ class ReplicaServer:
                               "model")
 
     def _check_ready(self) -> None:
-        state = self.backend.state
-        if state == LOADING:
-            raise OpenAIError(503, "The model is still loading; retry shortly.")
-        if state != READY:
-            raise OpenAIError(500, str(EngineUnavailableError(state, self.backend.error)))
+        if self.backend.state != READY:
+            raise unavailable_error(EngineUnavailableError(self.backend.state,
+                                                           self.backend.error))
 
     def _maybe_inject_error(self) -> None:
         if self.faults.draw_error():
@@ -492,8 +497,8 @@ class GenerationRun:
                 yield event
             reasons = [c.finish_reason or "stop" for c in self.choices]
             outcome = "length" if "length" in reasons else reasons[0]
-        except EngineUnavailableError:
-            outcome = "error"
+        except EngineUnavailableError as exc:
+            outcome = "abort" if exc.state == STOPPED else "error"
             raise
         finally:
             self.timer.on_finished(outcome)
@@ -517,10 +522,9 @@ class GenerationRun:
                     yield sse(shapes.stream_chunk(output.index, output.new_text,
                                                   output.finish_reason if output.finished
                                                   else None))
-        except (EngineUnavailableError, ValueError) as exc:
+        except EngineUnavailableError as exc:
             # Headers are gone already; vLLM reports mid-stream failures as an error event.
-            status = 500 if isinstance(exc, EngineUnavailableError) else 400
-            yield sse(OpenAIError(status, str(exc)).body())
+            yield sse(unavailable_error(exc).body())
             yield "data: [DONE]\n\n"
             return
         if include_usage:
@@ -606,8 +610,13 @@ class DrainingServer(uvicorn.Server):
     async def _drain_then_exit(self) -> None:
         lifecycle = self.replica.lifecycle
         if not await lifecycle.drain(self.drain_timeout):
-            logger.warning("drain timeout: %d request(s) still in flight are cancelled",
+            logger.warning("drain timeout: ending %d request(s) still in flight",
                            lifecycle.in_flight)
+            backend = self.replica.backend
+            if isinstance(backend, AsyncEngine):
+                # Streams end with an error event and [DONE] instead of a cut connection.
+                backend.interrupt_all(EngineUnavailableError(STOPPED))
+            await lifecycle.drain(1.0)
         self.should_exit = True
 
     async def _exit_if_load_fails(self) -> None:

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from runtime.engine.async_engine import AsyncEmbedder, AsyncEngine
+from runtime.engine.async_engine import AsyncEmbedder, AsyncEngine, EngineUnavailableError
 from runtime.engine.server import FaultSettings, ReplicaServer, ServerSettings
 
 MODEL = "fake"
@@ -482,3 +482,64 @@ def test_embedding_base64_encoding():
         refused = test_client.post("/v1/completions", json={"prompt": "x"})
         assert refused.status_code == 400 and "Embeddings API" in refused.text
         assert test_client.post("/v1/embeddings", json={"input": []}).status_code == 400
+
+
+def test_interrupted_requests_end_cleanly_and_are_aborted():
+    # What a drain that timed out does: streams get an error event and [DONE], the
+    # engine drops the requests, and the metrics count them as aborted.
+    engine = ScriptedEngine(step_seconds=0.01)
+    test_client, replica = make_client(lambda: engine)
+    with test_client:
+        wait_ready(test_client)
+        result = {}
+
+        def stream():
+            result["text"] = test_client.post("/v1/completions", json={
+                "prompt": "x", "max_tokens": 50, "stream": True}).text
+
+        worker = threading.Thread(target=stream)
+        worker.start()
+        while not engine.running:
+            time.sleep(0.01)
+        interrupted = test_client.portal.call(
+            replica.backend.interrupt_all, EngineUnavailableError("stopped"))
+        worker.join(5)
+        metrics = test_client.get("/metrics").text
+    assert interrupted == 1
+    events = sse_events(result["text"])
+    assert events[-1]["error"]["code"] == 503
+    assert "shutting down" in events[-1]["error"]["message"]
+    assert len(events) < 50 and engine.aborted and not engine.running
+    assert 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="fake"} 1.0' \
+        in metrics
+
+
+def parse_serve_args(*argv: str):
+    import argparse
+
+    from runtime.engine.server import add_arguments, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "/models/tiny", *argv])
+    return args, settings_from_args(args)
+
+
+def test_serve_options_become_settings(monkeypatch):
+    monkeypatch.setenv("INFEROPS_ADMIN_TOKEN", "from-env")
+    args, settings = parse_serve_args(
+        "--kv-cache-memory", "256MiB", "--max-body-bytes", "1MB",
+        "--histogram-buckets-ttft", "0.05,0.1,1", "--fault-error-rate", "0.25")
+    assert args.kv_cache_memory == 256 * 1024 ** 2 and settings.max_body_bytes == 1000 ** 2
+    assert settings.histogram_buckets == {"ttft": (0.05, 0.1, 1.0)}
+    assert settings.faults.fault_error_rate == 0.25
+    assert settings.served_model_name == "tiny" and settings.admin_token == "from-env"
+
+
+@pytest.mark.parametrize("argv", [
+    ("--histogram-buckets-e2e", "1,0.5"), ("--fault-error-rate", "1.5"),
+    ("--kv-cache-memory", "lots"), ("--fault-ttft-ms", "-1"),
+])
+def test_bad_serve_options_are_refused(argv):
+    with pytest.raises(SystemExit):
+        parse_serve_args(*argv)
