@@ -15,6 +15,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -22,9 +23,11 @@ import pytest
 import yaml
 from kubernetes import client as k8s
 from kubernetes.config import kube_config
+from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
 from deployments.models import Deployment
+from registry import services
 from registry.models import ModelVersion
 from runtime.choices import ReplicaState
 from runtime.drivers.base import DriverError, ReplicaSpec
@@ -39,6 +42,7 @@ from runtime.drivers.kubernetes import (
 )
 from runtime.engine.server import add_arguments as builtin_server_arguments
 from runtime.models import Replica
+from runtime.reconcile import Reconciler
 from tests.conftest import free_port
 
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -586,8 +590,6 @@ def test_log_tail_reads_the_not_ready_pod_first_and_is_empty_on_errors(fake_api)
 
 @pytest.fixture
 def chat_rows(db, tiny_llama_dir):
-    from registry import services
-
     model = services.model_create(name="tiny-chat", task="generate", actor=None)
     version = services.version_register(model=model, artifact_uri=str(tiny_llama_dir), actor=None)
     deployment = Deployment.objects.create(name="chat", model=model, version=version,
@@ -665,3 +667,37 @@ def test_start_reports_api_refusals(fake_api, chat_rows, tiny_llama_dir):
                   403, 'services is forbidden: User "system:anonymous" cannot patch', "Forbidden")
     with pytest.raises(DriverError, match="HTTP 403.*cannot patch"):
         driver.start(new_replica(deployment, version), spec)
+
+
+def test_the_reconcile_loop_drives_the_replica_count(fake_api, tiny_llama_dir, db):
+    """The real reconcile loop with this driver: start two, scale to one, delete the deployment."""
+    model = services.model_create(name="tiny-k8s", task="generate", actor=None)
+    version = services.version_register(model=model, artifact_uri=str(tiny_llama_dir), actor=None)
+    deployment = Deployment.objects.create(name="k8s-chat", model=model, version=version,
+                                           backend="builtin", driver="kubernetes", replicas=2)
+    config = KubernetesSettings(models_root=str(tiny_llama_dir.parent))
+    driver = KubernetesDriver(api_client=fake_api.api_client(), config=config)
+    path = f"/apis/apps/v1/namespaces/inferops/deployments/inferops-k8s-chat-v{version.number}"
+    now = timezone.now()
+
+    def reconcile_pass(seconds_later: int) -> None:
+        deployment.refresh_from_db()
+        Reconciler(deployment, now=now + timedelta(seconds=seconds_later), driver=driver).run()
+
+    reconcile_pass(0)
+    assert fake_api.objects[path]["spec"]["replicas"] == 2
+    rows = list(Replica.objects.filter(deployment=deployment))
+    assert [row.state for row in rows] == [ReplicaState.STARTING] * 2
+    assert {row.url for row in rows} == {
+        f"http://inferops-k8s-chat-v{version.number}.inferops.svc.cluster.local:8000"}
+    assert {row.node for row in rows} == {"inferops"}
+
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    reconcile_pass(5)   # still starting (its /health is out of reach here): one is stopped
+    assert fake_api.objects[path]["spec"]["replicas"] == 1
+    assert Replica.objects.filter(deployment=deployment, state__in=ReplicaState.live()).count() == 1
+
+    Deployment.objects.filter(pk=deployment.pk).update(deleted_at=now)
+    reconcile_pass(10)
+    assert path not in fake_api.objects
+    assert not Replica.objects.filter(deployment=deployment, state__in=ReplicaState.live()).exists()
