@@ -21,9 +21,9 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
+from django.utils import timezone
 from kubernetes import client as k8s
 from kubernetes.config import kube_config
-from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
 from deployments.models import Deployment
