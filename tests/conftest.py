@@ -56,10 +56,14 @@ def api(make_user):
     from rest_framework.authtoken.models import Token
     from rest_framework.test import APIClient
 
+    users: dict[str, object] = {}
+
     def client_for(role: str | None) -> APIClient:
         client = APIClient()
         if role is not None:
-            token, _ = Token.objects.get_or_create(user=make_user(role, username=f"{role}-api"))
+            if role not in users:
+                users[role] = make_user(role, username=f"{role}-api")
+            token, _ = Token.objects.get_or_create(user=users[role])
             client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
         return client
 
