@@ -310,6 +310,7 @@ class AsyncEmbedder(_ModelThread):
         super().__init__(load)
         self.max_batch_inputs = max_batch_inputs
         self._pending: list[tuple[list[Any], asyncio.Future[Any]]] = []
+        self._running_batch: list[tuple[list[Any], asyncio.Future[Any]]] = []
         self._stats = EncoderStats()
 
     def stats(self) -> EncoderStats:
@@ -344,7 +345,9 @@ class AsyncEmbedder(_ModelThread):
                 batch = self._take_batch()
                 self._stats.num_waiting -= len(batch)
                 self._stats.num_running = len(batch)
+                self._running_batch = batch
             self._run_batch(batch)
+            self._running_batch = []
             self._stats.num_running = 0
 
     def _run_batch(self, batch: list[tuple[list[Any], asyncio.Future[Any]]]) -> None:
@@ -373,7 +376,7 @@ class AsyncEmbedder(_ModelThread):
 
     def _fail_all(self) -> None:
         with self._wakeup:
-            pending, self._pending = self._pending, []
+            pending, self._pending = self._running_batch + self._pending, []
         for _, fut in pending:
             _settle(fut, None, EngineUnavailableError(self.state, self.error))
 

@@ -206,6 +206,12 @@ def _check_range(name: str, value: float, minimum: float | None, maximum: float 
         raise bad_request(f"`{name}` must be <= {maximum}, got {value}.", name)
 
 
+def _positive(value: float, name: str) -> float:
+    if value <= 0:
+        raise bad_request(f"`{name}` must be > 0, got {value}.", name)
+    return value
+
+
 def _is_token_list(value: Any) -> bool:
     return (isinstance(value, list) and bool(value)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
@@ -240,10 +246,11 @@ def _sampling_fields(fields: _Fields, max_tokens_default: int | None,
         model=fields.get("model", (str,), None, "a string"),
         max_tokens=fields.integer(max_tokens_name, max_tokens_default, minimum=1),
         temperature=fields.number("temperature", 1.0, minimum=0.0),
-        top_p=fields.number("top_p", 1.0, minimum=1e-9, maximum=1.0),
+        top_p=_positive(fields.number("top_p", 1.0, maximum=1.0), "top_p"),
         top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "disabled"
         n=fields.integer("n", 1, minimum=1, maximum=MAX_N),
-        seed=fields.integer("seed", None),
+        # Each of the n choices samples with seed + index, in a signed 64-bit generator.
+        seed=fields.integer("seed", None, minimum=-2**63, maximum=2**63 - 1 - MAX_N),
         stop=stop,
         stop_token_ids=stop_token_ids,
         ignore_eos=fields.boolean("ignore_eos", False),

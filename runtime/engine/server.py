@@ -206,13 +206,16 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     watcher = asyncio.ensure_future(wait_for_disconnect())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the server itself is cancelling this request
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ClientDisconnected()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
     return task.result()
 
 
@@ -525,6 +528,11 @@ class GenerationRun:
         except EngineUnavailableError as exc:
             # Headers are gone already; vLLM reports mid-stream failures as an error event.
             yield sse(unavailable_error(exc).body())
+            yield "data: [DONE]\n\n"
+            return
+        except Exception:  # a bug: log it, but still end the stream the way clients expect
+            logger.exception("stream %s failed", self.request_id)
+            yield sse(OpenAIError(500, "Internal server error.").body())
             yield "data: [DONE]\n\n"
             return
         if include_usage:

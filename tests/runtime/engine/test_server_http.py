@@ -199,6 +199,8 @@ def test_chat_defaults_max_tokens_to_remaining_context(client, engine):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"prompt": "x", "temperature": True}, "temperature", "must be a number"),
     ({"prompt": "x", "top_p": 1.5}, "top_p", "<= 1.0"),
+    ({"prompt": "x", "top_p": 0}, "top_p", "> 0"),
+    ({"prompt": "x", "seed": 2**64}, "seed", "<="),
     ({"prompt": "x", "stop": [1]}, "stop", "`stop`"),
     ({"prompt": "x", "n": 99}, "n", "<= 16"),
     ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
@@ -434,6 +436,8 @@ class BlockingEncoder:
             self.release.wait(5)
         if any(isinstance(x, str) and x == "bad" for x in inputs):
             raise ValueError("bad input")
+        if "crash" in inputs:
+            raise RuntimeError("simulated encoder crash")
         return [[float(len(x)), 0.5] for x in inputs], [len(x) for x in inputs]
 
 
@@ -543,3 +547,15 @@ def test_serve_options_become_settings(monkeypatch):
 def test_bad_serve_options_are_refused(argv):
     with pytest.raises(SystemExit):
         parse_serve_args(*argv)
+
+
+def test_encoder_crash_fails_its_requests_instead_of_hanging():
+    encoder = BlockingEncoder()
+    encoder.release.set()
+    replica = ReplicaServer(AsyncEmbedder(lambda: encoder),
+                            ServerSettings(served_model_name=MODEL, model_root="/m"))
+    with TestClient(replica.build_app(), raise_server_exceptions=False) as test_client:
+        wait_ready(test_client)
+        crashed = test_client.post("/v1/embeddings", json={"input": "crash"})
+        assert crashed.status_code == 500 and "stopped" in crashed.json()["error"]["message"]
+        assert test_client.get("/health").json()["status"] == "dead"
