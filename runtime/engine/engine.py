@@ -1,6 +1,20 @@
 """The engine loop: add_request -> step (schedule, forward, sample, detokenize) -> outputs.
 
-Synchronous and single-threaded by design; the replica server drives it from one thread.
+Synchronous by design: one thread calls add_request / abort_request / step (the replica
+server's async wrapper owns that thread); stats() may be read from another thread.
+
+Semantics worth knowing:
+
+- A request with `n > 1` becomes n sequences. The first computes the prompt; the others start
+  once it has (so with prefix caching they take its full blocks and recompute at most the last
+  partial block). `seed + index` seeds sequence `index` when the request has a seed; without
+  one, the engine's `EngineConfig.seed` stream seeds it, so a whole run is reproducible.
+- `abort_request` frees the request's blocks at once; the next `step()` returns one
+  `finish_reason="abort"` output for each of its sequences that had not finished.
+- Finish order of checks per new token: stop_token_ids / EOS ("stop", the token is kept in
+  `new_token_ids`, special tokens are not in the text), stop strings ("stop", text cut before
+  the stop string), then max_tokens ("length").
+- Preempted sequences keep their output and are recomputed (prompt + output) when readmitted.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class Scheduler:
                 (out.decodes if want_decode else out.prefills).append(chunk)
                 scheduled.add(seq.seq_id)
                 budget -= num_tokens
-        budget -= self._admit_waiting(budget, out)
+        self._admit_waiting(budget, out)
         return out
 
     def on_chunks_computed(self, out: SchedulerOutput) -> None:
