@@ -28,6 +28,7 @@ from deployments.choices import DeploymentStatus
 from deployments.models import Deployment
 from registry.checkpoint import CheckpointError, artifact_path
 from runtime import routing
+from runtime.autoscale import autoscale
 from runtime.choices import ReplicaState
 from runtime.drivers import DriverError, driver_for
 from runtime.drivers.base import ReplicaSpec
@@ -117,6 +118,8 @@ class Reconciler:
         if self.deployment.deleted_at:
             self.drain_everything()
         elif not self.deployment.paused:
+            if self.deployment.autoscale:
+                autoscale(self.deployment, self.now)
             self.converge()
             self.start_due()
         self.replicas = [r for r in self.replicas if r.state != ReplicaState.STOPPED]
