@@ -672,33 +672,55 @@ def _fraction(text: str) -> float:
     return value
 
 
+class _DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends a real default to the help text; None/False defaults say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        silent = action.default is None or action.default is False \
+            or action.default == argparse.SUPPRESS
+        if not silent and "(default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = _DefaultsHelpFormatter
     parser.add_argument("--model", required=True, help="HF checkpoint directory")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8001)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8001, help="port to bind")
     parser.add_argument("--served-model-name", default=None,
                         help="name clients send as `model` (default: the directory name)")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                           "float16"])
-    engine.add_argument("--max-num-seqs", type=int, default=64)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
-    engine.add_argument("--num-kv-blocks", type=int, default=None)
+    engine.add_argument("--dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights and KV cache dtype; auto follows the checkpoint")
+    engine.add_argument("--max-num-seqs", type=int, default=64,
+                        help="most sequences in one batch")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512,
+                        help="token budget of one step (prefill chunks plus decodes)")
+    engine.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV cache size in blocks (overrides --kv-cache-memory)")
     engine.add_argument("--kv-cache-memory", type=_size_in_bytes, default=None,
                         help="KV cache size, e.g. 512MiB (default: the engine's)")
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--no-prefix-caching", action="store_true")
-    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    engine.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the checkpoint's)")
+    engine.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not reuse KV blocks of shared prompt prefixes")
+    engine.add_argument("--seed", type=int, default=0,
+                        help="seed for requests that bring none")
     server = parser.add_argument_group("server")
-    server.add_argument("--max-body-bytes", type=_size_in_bytes, default=DEFAULT_MAX_BODY_BYTES)
+    server.add_argument("--max-body-bytes", type=_size_in_bytes, default=DEFAULT_MAX_BODY_BYTES,
+                        help="largest request body accepted (larger ones get 413)")
     server.add_argument("--drain-timeout", type=_non_negative, default=30.0,
                         help="seconds SIGTERM waits for in-flight requests")
-    server.add_argument("--admin-token", default=os.environ.get("INFEROPS_ADMIN_TOKEN"),
-                        help="bearer token for /admin/* (default: $INFEROPS_ADMIN_TOKEN; "
-                             "without one the admin API is off)")
+    server.add_argument("--admin-token", default=None,
+                        help="bearer token for /admin/* (default: $INFEROPS_ADMIN_TOKEN, "
+                             "which keeps it out of `ps`; without one the admin API is off)")
     server.add_argument("--log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="log level")
     for key, default in DEFAULT_BUCKETS.items():
         server.add_argument(f"--histogram-buckets-{key}", type=_buckets, default=None,
                             metavar="S1,S2,...",
@@ -719,7 +741,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         served_model_name=args.served_model_name or Path(model_root).name,
         model_root=model_root,
         max_body_bytes=args.max_body_bytes,
-        admin_token=args.admin_token or None,
+        admin_token=args.admin_token or os.environ.get("INFEROPS_ADMIN_TOKEN") or None,
         faults=FaultSettings(args.fault_ttft_ms, args.fault_tpot_ms, args.fault_error_rate),
         histogram_buckets={key: getattr(args, f"histogram_buckets_{key}")
                            for key in DEFAULT_BUCKETS
