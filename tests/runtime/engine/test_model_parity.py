@@ -136,6 +136,8 @@ def test_bfloat16_weights_follow_the_checkpoint_dtype(checkpoint_factory, make_e
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     fp32_engine = make_engine(model_dir, dtype="float32")
     assert fp32_engine.runner.kv_caches[0][0].dtype == torch.float32
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o) for o in outputs] == [4] * len(PROMPTS)
     # Prefill logits agree with transformers' bf16 forward within bf16 rounding.
     prompt = PROMPTS[1]
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
