@@ -556,11 +556,20 @@ def is_encoder_checkpoint(model_dir: str | Path) -> bool:
         str(a).startswith("Bert") for a in architectures)
 
 
+def _limit_cpu_threads(num_threads: int | None) -> None:
+    """Called in the model thread, which runs every forward pass: OpenMP's thread count is a
+    per-calling-thread setting."""
+    if num_threads:
+        import torch
+        torch.set_num_threads(num_threads)
+
+
 def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
     """The model is loaded later, in the backend's thread, so the server can bind first."""
     if is_encoder_checkpoint(args.model):
         def load_encoder() -> Any:
             from runtime.engine.encoder import EmbeddingModel
+            _limit_cpu_threads(args.cpu_threads)
             # Encoders are small; "auto" keeps them in float32 for exact vectors on CPU.
             return EmbeddingModel.load(args.model,
                                        "float32" if args.dtype == "auto" else args.dtype)
@@ -569,6 +578,7 @@ def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
     def load_engine() -> Any:
         from runtime.engine.config import EngineConfig
         from runtime.engine.engine import LLMEngine
+        _limit_cpu_threads(args.cpu_threads)
         return LLMEngine(EngineConfig(
             model=args.model, served_model_name=args.served_model_name, dtype=args.dtype,
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
@@ -710,6 +720,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not reuse KV blocks of shared prompt prefixes")
     engine.add_argument("--seed", type=int, default=0,
                         help="seed for requests that bring none")
+    engine.add_argument("--cpu-threads", type=int, default=None,
+                        help="torch intra-op threads for the forward pass (default: torch's, "
+                             "one per core); on a busy or small host, 1 avoids oversubscription")
     server = parser.add_argument_group("server")
     server.add_argument("--max-body-bytes", type=_size_in_bytes, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (larger ones get 413)")

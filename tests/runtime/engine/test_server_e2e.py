@@ -45,8 +45,9 @@ class ServerProcess:
         command = [sys.executable, "-m", "inferops.cli", "serve", "--model", str(model_dir),
                    "--port", str(self.port), "--served-model-name", MODEL,
                    "--max-model-len", str(MAX_MODEL_LEN), "--admin-token", "test-admin",
-                   "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "warning", *extra]
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+                   "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "warning",
+                   "--cpu-threads", "1", *extra]
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
