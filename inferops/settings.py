@@ -202,6 +202,18 @@ CELERY_BEAT_SCHEDULE["reconcile-replicas"] = {
 # Replica metrics retention (runtime/retention.py prunes older rows).
 INFEROPS_METRICS_MINUTE_RETENTION_DAYS = env_int("INFEROPS_METRICS_MINUTE_RETENTION_DAYS", 14)
 INFEROPS_METRICS_HOUR_RETENTION_DAYS = env_int("INFEROPS_METRICS_HOUR_RETENTION_DAYS", 400)
+INFEROPS_SCRAPE_INTERVAL_S = float(env_str("INFEROPS_SCRAPE_INTERVAL_S", "15"))
+INFEROPS_METRICS_MINUTE_RETENTION_DAYS = env_int("INFEROPS_METRICS_MINUTE_RETENTION_DAYS", 14)
+INFEROPS_METRICS_HOUR_RETENTION_DAYS = env_int("INFEROPS_METRICS_HOUR_RETENTION_DAYS", 400)
+CELERY_BEAT_SCHEDULE |= {
+    "scrape-replicas": {
+        "task": "runtime.scrape_replicas",
+        "schedule": INFEROPS_SCRAPE_INTERVAL_S,
+        "options": {"expires": INFEROPS_SCRAPE_INTERVAL_S},
+    },
+    "rollup-metrics": {"task": "runtime.rollup_metrics", "schedule": 300.0, "options": {"expires": 290}},
+    "prune-metrics": {"task": "runtime.prune_metrics", "schedule": 3600.0, "options": {"expires": 3500}},
+}
 
 LOGGING = {
     "version": 1,

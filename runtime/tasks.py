@@ -5,6 +5,10 @@ from celery import shared_task
 from deployments.models import Deployment
 from runtime import reconcile
 
+# Celery's autodiscovery imports only `tasks` modules; these live beside the code they run.
+from runtime.retention import prune_metrics_task, rollup_metrics_task  # noqa: E402,F401
+from runtime.scraping import scrape_replicas  # noqa: E402,F401
+
 
 @shared_task(name="runtime.reconcile_all", ignore_result=True)
 def reconcile_all() -> int:
