@@ -559,3 +559,25 @@ def test_encoder_crash_fails_its_requests_instead_of_hanging():
         crashed = test_client.post("/v1/embeddings", json={"input": "crash"})
         assert crashed.status_code == 500 and "stopped" in crashed.json()["error"]["message"]
         assert test_client.get("/health").json()["status"] == "dead"
+
+
+def test_metric_families_match_a_real_vllm_scrape(client):
+    """Same names, types, label names and default buckets as vLLM 0.32's /metrics."""
+    from pathlib import Path
+
+    recorded = Path(__file__).resolve().parents[3] / "bench/scrape/vllm-0.32-cpu-metrics.txt"
+    vllm = {f.name: f for f in text_string_to_metric_families(recorded.read_text())}
+    ours = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)
+            if f.name.startswith("vllm:") and not f.name.endswith("_created")}
+    assert len(ours) == 14  # 5 histograms, 3 gauges, 6 counters
+    for name, family in ours.items():
+        assert name in vllm and vllm[name].type == family.type, name
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            twins = [s for s in vllm[name].samples if s.name == sample.name]
+            assert {frozenset(s.labels) for s in twins} == {frozenset(sample.labels)}, name
+        if family.type == "histogram":
+            def edges(fam):
+                return [s.labels["le"] for s in fam.samples if s.name.endswith("_bucket")]
+            assert edges(family) == edges(vllm[name]), name
