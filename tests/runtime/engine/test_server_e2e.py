@@ -287,9 +287,10 @@ def test_client_disconnect_aborts_the_request(server):
 
 def test_disconnect_during_a_non_streamed_request_aborts_it(server):
     before = scrape(server)
+    # n=4 long choices keep the engine busy for seconds, well past the client's patience.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", timeout=0.5, json={
-            "model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8,
+        httpx.post(f"{server.base_url}/v1/completions", timeout=0.3, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "n": 4,
             "ignore_eos": True})
     deadline = time.monotonic() + 3
     while scrape(server)[("vllm:request_success_total", "abort")] == \
@@ -299,7 +300,7 @@ def test_disconnect_during_a_non_streamed_request_aborts_it(server):
     after = scrape(server)
     assert after[("vllm:num_requests_running", None)] == 0
     assert after[("vllm:generation_tokens_total", None)] - \
-        before[("vllm:generation_tokens_total", None)] < MAX_MODEL_LEN - 8
+        before[("vllm:generation_tokens_total", None)] < 4 * (MAX_MODEL_LEN - 8)
 
 
 def test_concurrent_streams_are_batched_and_all_complete(server):
@@ -357,29 +358,38 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llama_dir, tmp_p
     try:
         process.wait_ready()
         result: dict = {}
+        streaming = threading.Event()
 
         def stream_request() -> None:
             with httpx.stream("POST", f"{process.base_url}/v1/completions", timeout=30, json={
-                    "model": MODEL, "prompt": "Hello", "max_tokens": 30, "ignore_eos": True,
+                    "model": MODEL, "prompt": "Hello", "max_tokens": 40, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}) as response:
-                result["frames"] = [line for line in response.iter_lines() if line]
+                frames = []
+                for line in response.iter_lines():
+                    streaming.set()
+                    if line:
+                        frames.append(line)
+                result["frames"] = frames
 
         worker = threading.Thread(target=stream_request)
         worker.start()
-        time.sleep(0.5)  # in flight: 30 tokens at 40 ms take about 1.2 s
+        assert streaming.wait(30)  # in flight now: 40 tokens at 40 ms take 1.6 s more
         process.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        health = httpx.get(f"{process.base_url}/health")
+        deadline = time.monotonic() + 1
+        while (health := httpx.get(f"{process.base_url}/health")).status_code == 200:
+            assert time.monotonic() < deadline, "SIGTERM did not start draining"
+            time.sleep(0.02)
         assert health.status_code == 503 and health.json()["status"] == "draining"
         refused = httpx.post(f"{process.base_url}/v1/completions",
                              json={"model": MODEL, "prompt": "x"})
         assert refused.status_code == 503
+        assert worker.is_alive(), "the request should still be streaming while draining"
         worker.join(30)
         assert process.proc.wait(30) == 0
         frames = result["frames"]
         assert frames[-1] == "data: [DONE]"
         usage, last = (json.loads(f[len("data: "):]) for f in (frames[-2], frames[-3]))
-        assert usage["usage"]["completion_tokens"] == 30
+        assert usage["usage"]["completion_tokens"] == 40
         assert last["choices"][0]["finish_reason"] == "length"
     finally:
         process.stop()
