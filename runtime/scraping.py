@@ -516,9 +516,12 @@ def exclusive_cycle() -> Iterator[bool]:
 
 
 def ready_targets() -> list[ScrapeTarget]:
+    """Ready replicas, those whose last scrape failed first: their timeouts then run beside the
+    healthy replicas' fetches instead of after them, and the cycle ends sooner."""
     rows = (Replica.objects.filter(state=ReplicaState.READY).exclude(url="")
-            .order_by("pk").values_list("pk", "url"))
-    return [ScrapeTarget(replica_id, url) for replica_id, url in rows]
+            .order_by("pk").values_list("pk", "url", "last_error"))
+    rows = sorted(rows, key=lambda row: not row[2].startswith(SCRAPE_ERROR_PREFIX))
+    return [ScrapeTarget(replica_id, url) for replica_id, url, _ in rows]
 
 
 def scrape_cycle(*, fetcher: MetricsFetcher | None = None,

@@ -323,6 +323,9 @@ def test_dead_and_hanging_replicas_do_not_delay_the_rest(db, tiny_llama_dir, stu
     assert dead.last_error.startswith("scrape: ") and "Connect" in dead.last_error
     assert hanging.last_error == "scrape: no complete response within 1 s"
     assert dead.state == hanging.state == ReplicaState.READY  # health checks own the state
+    # Next cycle starts with the failing ones, so their timeouts overlap the healthy fetches.
+    assert [target.replica_id for target in scraping.ready_targets()] == [
+        dead.pk, hanging.pk, alive.pk]
 
     dead.url = stub.url
     dead.save()
