@@ -76,6 +76,8 @@ INSTALLED_APPS = [
     "registry",
     "deployments",
     "runtime",
+    "slo",
+    "alerts",
 ]
 
 MIDDLEWARE = [
@@ -213,6 +215,19 @@ CELERY_BEAT_SCHEDULE |= {
     },
     "rollup-metrics": {"task": "runtime.rollup_metrics", "schedule": 300.0, "options": {"expires": 290}},
     "prune-metrics": {"task": "runtime.prune_metrics", "schedule": 3600.0, "options": {"expires": 3500}},
+}
+
+# SLOs and alerts (slo/, alerts/): evaluation every minute; webhook deliveries retry temporary
+# errors with exponential backoff; INFEROPS_EXTERNAL_URL is where alert links point.
+INFEROPS_EXTERNAL_URL = env_str("INFEROPS_EXTERNAL_URL", "http://127.0.0.1:8000")
+INFEROPS_SLO_EVALUATE_INTERVAL_S = float(env_str("INFEROPS_SLO_EVALUATE_INTERVAL_S", "60"))
+INFEROPS_WEBHOOK_TIMEOUT_S = float(env_str("INFEROPS_WEBHOOK_TIMEOUT_S", "10"))
+INFEROPS_WEBHOOK_MAX_ATTEMPTS = env_int("INFEROPS_WEBHOOK_MAX_ATTEMPTS", 6)
+INFEROPS_WEBHOOK_BACKOFF_S = float(env_str("INFEROPS_WEBHOOK_BACKOFF_S", "5"))
+CELERY_BEAT_SCHEDULE["evaluate-slos"] = {
+    "task": "slo.evaluate_slos",
+    "schedule": INFEROPS_SLO_EVALUATE_INTERVAL_S,
+    "options": {"expires": INFEROPS_SLO_EVALUATE_INTERVAL_S * 0.9},
 }
 
 LOGGING = {

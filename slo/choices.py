@@ -1,0 +1,42 @@
+from django.db import models
+
+
+class Scope(models.TextChoices):
+    DEPLOYMENT = "deployment", "One deployment"
+    MODEL = "model", "All deployments of a model"
+    TENANT = "tenant", "One tenant on one deployment"
+
+
+class SliKind(models.TextChoices):
+    AVAILABILITY = "availability", "Availability"
+    LATENCY = "latency", "Latency"
+    GOODPUT = "goodput", "Goodput"
+    RATIO = "ratio", "Ratio of two scraped series"
+
+
+class Window(models.TextChoices):
+    DAY = "1d", "Rolling 1 day"
+    WEEK = "7d", "Rolling 7 days"
+    FOUR_WEEKS = "28d", "Rolling 28 days"
+    MONTH = "30d", "Rolling 30 days"
+    CALENDAR_WEEK = "calendar-week", "Calendar week"
+    CALENDAR_MONTH = "calendar-month", "Calendar month"
+
+
+class Budgeting(models.TextChoices):
+    OCCURRENCES = "occurrences", "Occurrences"
+    TIMESLICES = "timeslices", "Timeslices (minutes)"
+
+
+class SloState(models.TextChoices):
+    OK = "ok", "OK"
+    WARNING = "warning", "Warning"
+    EXHAUSTED = "exhausted", "Exhausted"
+
+
+# Counter columns of runtime.models.ReplicaMetricsMinute a ratio SLI may name; "requests" is the
+# sum of requests_by_reason (finished requests of any reason).
+RATIO_SERIES = (
+    "requests", "prompt_tokens", "generation_tokens", "preemptions", "prefix_cache_queries",
+    "prefix_cache_hits", "ttft_count", "itl_count", "e2e_count",
+)
