@@ -1,0 +1,324 @@
+"""Usage ingestion: the gateway's Redis stream `inferops:usage` into the Postgres ledger.
+
+Each batch read from the consumer group `ingest` goes into Postgres in ONE transaction:
+1. the raw events, `INSERT ... ON CONFLICT (request_id) DO NOTHING RETURNING request_id`, so a
+   replayed (spool), duplicated or redelivered event inserts nothing the second time;
+2. only the events that step 1 inserted, aggregated in Python per minute × tenant × key ×
+   deployment × version, added into `UsageMinute` by one `INSERT ... ON CONFLICT DO UPDATE SET
+   x = x + EXCLUDED.x` (histograms merged by the SQL function tenants_add_counts).
+The batch is XACKed only after the commit. A consumer killed between the two never acks; its
+entries stay pending and a later run claims them (XAUTOCLAIM, idle > 60 s) and redoes them,
+which step 1 makes harmless. Entries that are not valid events are moved to the stream
+`inferops:usage:rejected` and acked, so one bad entry cannot block the stream forever.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import time
+from bisect import bisect_left
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import redis
+from django.conf import settings
+from django.db import connection, transaction
+
+from runtime.routing import redis_client
+
+log = logging.getLogger(__name__)
+
+STREAM_KEY = "inferops:usage"
+GROUP = "ingest"
+REJECTED_KEY = "inferops:usage:rejected"
+BATCH_SIZE = 2000
+CLAIM_IDLE_MS = 60_000
+# Error kinds that are the platform's fault, whatever status the client saw.
+SERVER_ERROR_KINDS = frozenset({"upstream_timeout", "upstream_error", "upstream_connect", "shed", "internal"})
+# 20 log-spaced buckets per decade (12 % wide) from 1 ms to 1,000 s; slower goes to "+Inf".
+LATENCY_BUCKETS_MS = tuple(round(10 ** (i / 20), 3) for i in range(0, 121))
+LATENCY_LABELS = tuple(f"{upper:g}" for upper in LATENCY_BUCKETS_MS) + ("+Inf",)
+
+INT4 = (-(2**31), 2**31 - 1)
+INT8 = (-(2**63), 2**63 - 1)
+INT2 = (-(2**15), 2**15 - 1)
+# Column name -> (kind, required, bound): bound is max length for text, (low, high) for integers.
+EVENT_FIELDS: dict[str, tuple[str, bool, object]] = {
+    "request_id": ("text", True, 64),
+    "time": ("float", True, None),
+    "tenant": ("text", False, 63),
+    "key_prefix": ("text", False, 8),
+    "deployment": ("text", False, 63),
+    "version": ("int", False, INT4),
+    "replica": ("int", False, INT8),
+    "priority": ("int", False, INT4),
+    "endpoint": ("text", True, 16),
+    "stream": ("bool", False, None),
+    "prompt_tokens": ("int", False, INT4),
+    "completion_tokens": ("int", False, INT4),
+    "ttft_ms": ("float", False, None),
+    "tpot_ms": ("float", False, None),
+    "e2e_ms": ("float", True, None),
+    "status": ("int", True, INT2),
+    "finish_reason": ("text", False, 32),
+    "error_kind": ("text", False, 32),
+    "retries": ("int", False, INT2),
+}
+COLUMNS = tuple(EVENT_FIELDS)
+# Defaults for absent optional fields, as the columns store them.
+DEFAULTS = {"priority": 0, "stream": False, "prompt_tokens": 0, "completion_tokens": 0, "retries": 0}
+SQL_TYPES = {"text": "varchar", "float": "float8", "int": "int8", "bool": "bool"}
+
+
+class InvalidEvent(ValueError):
+    pass
+
+
+def latency_bucket(ms: float) -> str:
+    """The label of the smallest bucket whose upper bound is >= ms."""
+    return LATENCY_LABELS[bisect_left(LATENCY_BUCKETS_MS, ms)]
+
+
+def histogram_quantile(buckets: dict[str, int], q: float) -> float | None:
+    """The q-quantile (0..1) of a latency histogram: the upper bound of the bucket that holds it."""
+    total = sum(buckets.values())
+    if not total:
+        return None
+    rank, seen = q * total, 0
+    for label in LATENCY_LABELS:
+        seen += buckets.get(label, 0)
+        if seen >= rank and seen:
+            return math.inf if label == "+Inf" else float(label)
+    return math.inf
+
+
+def parse_event(raw: bytes | str) -> dict:
+    """Decode and check one stream entry; raises InvalidEvent naming the bad field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, TypeError) as exc:
+        raise InvalidEvent(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidEvent("not a JSON object")
+    event = {}
+    for name, (kind, required, bound) in EVENT_FIELDS.items():
+        value = data.get(name)
+        if value is None:
+            if required:
+                raise InvalidEvent(f"{name}: missing")
+            event[name] = DEFAULTS.get(name)
+            continue
+        if kind == "text":
+            if not isinstance(value, str) or not value or len(value) > bound:
+                raise InvalidEvent(f"{name}: expected a string of 1-{bound} characters")
+        elif kind == "bool":
+            if not isinstance(value, bool):
+                raise InvalidEvent(f"{name}: expected true or false")
+        elif kind == "int":
+            if isinstance(value, bool) or not isinstance(value, int) or not bound[0] <= value <= bound[1]:
+                raise InvalidEvent(f"{name}: expected an integer")
+        elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise InvalidEvent(f"{name}: expected a finite number >= 0")
+        event[name] = value
+    return event
+
+
+@dataclass
+class MinuteTotals:
+    requests: int = 0
+    errors: int = 0
+    client_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_sum_ms: float = 0.0
+    ttft_count: int = 0
+    tpot_sum_ms: float = 0.0
+    tpot_count: int = 0
+    e2e_sum_ms: float = 0.0
+    e2e_count: int = 0
+    ttft_buckets: dict = field(default_factory=dict)
+    tpot_buckets: dict = field(default_factory=dict)
+    e2e_buckets: dict = field(default_factory=dict)
+
+    def add(self, event: dict) -> None:
+        status = event["status"]
+        self.requests += 1
+        if status >= 500 or event["error_kind"] in SERVER_ERROR_KINDS:
+            self.errors += 1
+        elif status >= 400:
+            self.client_errors += 1
+        self.prompt_tokens += event["prompt_tokens"]
+        self.completion_tokens += event["completion_tokens"]
+        if status >= 400:
+            return  # latency roll-ups describe what successful requests experienced
+        for name in ("ttft", "tpot", "e2e"):
+            value = event[f"{name}_ms"]
+            if value is not None:
+                setattr(self, f"{name}_sum_ms", getattr(self, f"{name}_sum_ms") + value)
+                setattr(self, f"{name}_count", getattr(self, f"{name}_count") + 1)
+                buckets = getattr(self, f"{name}_buckets")
+                label = latency_bucket(value)
+                buckets[label] = buckets.get(label, 0) + 1
+
+
+def aggregate(events: Iterable[dict]) -> dict[tuple, MinuteTotals]:
+    """Events -> totals per (minute epoch, tenant, key prefix, deployment, version)."""
+    minutes: dict[tuple, MinuteTotals] = {}
+    for event in events:
+        identity = (int(event["time"] // 60) * 60, event["tenant"], event["key_prefix"],
+                    event["deployment"], event["version"])
+        totals = minutes.get(identity)
+        if totals is None:
+            totals = minutes[identity] = MinuteTotals()
+        totals.add(event)
+    return minutes
+
+
+_INSERT_EVENTS = (
+    f"INSERT INTO tenants_usageevent ({', '.join(COLUMNS)}, ingested_at) "
+    f"SELECT {', '.join('to_timestamp(time)' if c == 'time' else c for c in COLUMNS)}, now() FROM unnest("
+    + ", ".join(f"%s::{SQL_TYPES[EVENT_FIELDS[c][0]]}[]" for c in COLUMNS)
+    + f") AS batch({', '.join(COLUMNS)}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
+)
+_COUNTERS = [f.name for f in MinuteTotals.__dataclass_fields__.values() if not f.name.endswith("_buckets")]
+_HISTOGRAMS = [f.name for f in MinuteTotals.__dataclass_fields__.values() if f.name.endswith("_buckets")]
+_IDENTITY_TYPES = {"minute": "float8", "tenant": "varchar", "key_prefix": "varchar", "deployment": "varchar",
+                   "version": "int8"}
+_MINUTE_COLUMNS = [*_IDENTITY_TYPES, *_COUNTERS, *_HISTOGRAMS]
+_UPSERT_MINUTES = (
+    f"INSERT INTO tenants_usageminute ({', '.join(_MINUTE_COLUMNS)}) "
+    f"SELECT {', '.join('to_timestamp(minute)' if c == 'minute' else c for c in _MINUTE_COLUMNS)} FROM unnest("
+    + ", ".join(
+        [f"%s::{sql}[]" for sql in _IDENTITY_TYPES.values()]
+        + [f"%s::{'float8' if c.endswith('_ms') else 'int8'}[]" for c in _COUNTERS]
+        + ["%s::text[]::jsonb[]" for _ in _HISTOGRAMS]
+    )
+    + f") AS batch({', '.join(_MINUTE_COLUMNS)}) ON CONFLICT ON CONSTRAINT usage_minute_identity DO UPDATE SET "
+    + ", ".join([f"{c} = tenants_usageminute.{c} + EXCLUDED.{c}" for c in _COUNTERS]
+                + [f"{c} = tenants_add_counts(tenants_usageminute.{c}, EXCLUDED.{c})" for c in _HISTOGRAMS])
+)
+
+
+def store_events(events: list[dict]) -> int:
+    """Write a batch of parsed events and their minute roll-ups in one transaction.
+
+    Returns how many events were new; events whose request id is already stored add nothing.
+    """
+    if not events:
+        return 0
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(_INSERT_EVENTS, [[event[c] for event in events] for c in COLUMNS])
+        inserted = {row[0] for row in cursor.fetchall()}
+        # A request id repeated inside the batch is inserted once; count it once too.
+        fresh, seen = [], set()
+        for event in events:
+            request_id = event["request_id"]
+            if request_id in inserted and request_id not in seen:
+                seen.add(request_id)
+                fresh.append(event)
+        minutes = aggregate(fresh)
+        # Sorted so that concurrent consumers lock ledger rows in one order and never deadlock.
+        identities = sorted(minutes, key=lambda k: tuple("" if v is None else str(v) for v in k))
+        if identities:
+            columns = [[identity[i] for identity in identities] for i in range(len(_IDENTITY_TYPES))]
+            columns += [[getattr(minutes[k], c) for k in identities] for c in _COUNTERS]
+            columns += [[json.dumps(getattr(minutes[k], c)) for k in identities] for c in _HISTOGRAMS]
+            cursor.execute(_UPSERT_MINUTES, columns)
+    return len(fresh)
+
+
+@dataclass
+class IngestReport:
+    read: int = 0
+    inserted: int = 0
+    claimed: int = 0
+    rejected: int = 0
+    batches: int = 0
+
+    @property
+    def duplicates(self) -> int:
+        return self.read - self.inserted - self.rejected
+
+
+def consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def ensure_group(client: redis.Redis) -> None:
+    try:
+        # From "0": events the gateway wrote before any consumer existed are ingested too.
+        client.xgroup_create(STREAM_KEY, GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class UsageIngestor:
+    """Reads batches from the consumer group and stores them; one instance per run."""
+
+    def __init__(self, client: redis.Redis | None = None, consumer: str | None = None,
+                 batch_size: int = BATCH_SIZE, claim_idle_ms: int = CLAIM_IDLE_MS):
+        self.client = client or redis_client()
+        self.consumer = consumer or consumer_name()
+        self.batch_size = batch_size
+        self.claim_idle_ms = claim_idle_ms
+        self.report = IngestReport()
+
+    def run(self, budget_s: float | None = None) -> IngestReport:
+        """Redo stale pending entries, then drain new ones until empty or the budget is spent."""
+        budget_s = settings.INFEROPS_USAGE_INGEST_BUDGET_S if budget_s is None else budget_s
+        deadline = time.monotonic() + budget_s
+        ensure_group(self.client)
+        self.claim_stale(deadline)
+        while time.monotonic() < deadline:
+            reply = self.client.xreadgroup(GROUP, self.consumer, {STREAM_KEY: ">"}, count=self.batch_size)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                break
+            self.process(entries)
+        return self.report
+
+    def claim_stale(self, deadline: float) -> None:
+        start = "0-0"
+        while time.monotonic() < deadline:
+            reply = self.client.xautoclaim(STREAM_KEY, GROUP, self.consumer, self.claim_idle_ms,
+                                           start_id=start, count=self.batch_size)
+            start, entries = reply[0], [entry for entry in reply[1] if entry and entry[1] is not None]
+            if entries:
+                self.report.claimed += len(entries)
+                self.process(entries)
+            if start in (b"0-0", "0-0"):
+                return
+
+    def process(self, entries: list[tuple]) -> None:
+        events, rejected = [], []
+        for entry_id, fields in entries:
+            try:
+                events.append(parse_event(fields.get(b"e", fields.get("e"))))
+            except InvalidEvent as exc:
+                rejected.append((entry_id, fields, str(exc)))
+        inserted = store_events(events)  # commits, or raises and leaves the batch pending
+        if rejected:
+            self.reject(rejected)
+        self.client.xack(STREAM_KEY, GROUP, *[entry_id for entry_id, _ in entries])
+        self.report.read += len(entries)
+        self.report.inserted += inserted
+        self.report.rejected += len(rejected)
+        self.report.batches += 1
+
+    def reject(self, rejected: list[tuple]) -> None:
+        with self.client.pipeline(transaction=False) as pipe:
+            for entry_id, fields, reason in rejected:
+                raw = fields.get(b"e", fields.get("e")) or b""
+                pipe.xadd(REJECTED_KEY, {"id": entry_id, "e": raw, "reason": reason}, maxlen=100_000, approximate=True)
+            pipe.execute()
+        log.warning("usage ingestion: %d invalid stream entries moved to %s (first: %s)",
+                    len(rejected), REJECTED_KEY, rejected[0][2])
+
+
+def ingest_usage(*, budget_s: float | None = None, consumer: str | None = None) -> IngestReport:
+    return UsageIngestor(consumer=consumer).run(budget_s)

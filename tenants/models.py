@@ -1,0 +1,205 @@
+"""Tenants (who pays), their API keys (stored only as a hash) and the usage ledger.
+
+The ledger has two tables: `UsageEvent`, one raw row per gateway request (unique by request id,
+which is what makes ingestion idempotent), and `UsageMinute`, the per-minute roll-up by tenant,
+key, deployment and version that costing, SLOs and the usage API read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+
+from django.conf import settings
+from django.contrib.postgres.fields import ArrayField
+from django.core.validators import MaxValueValidator, MinValueValidator
+from django.db import models
+from django.utils import timezone
+
+from registry.models import slug_validator
+
+KEY_PREFIX_LENGTH = 8  # lowercase hex characters, shown to humans
+KEY_SECRET_LENGTH = 40  # url-safe characters
+PRIORITY_RANGE = (-1000, 1000)
+
+
+def hash_key(full_key: str) -> str:
+    """What is stored and published: sha256 hex of the whole `iop_<prefix>_<secret>` string."""
+    return hashlib.sha256(full_key.encode()).hexdigest()
+
+
+def new_prefix() -> str:
+    return secrets.token_hex(KEY_PREFIX_LENGTH // 2)
+
+
+def new_key(prefix: str) -> str:
+    # token_urlsafe(30) is 40 characters of [A-Za-z0-9_-]: 240 bits, shown once, never stored.
+    return f"iop_{prefix}_{secrets.token_urlsafe(30)}"
+
+
+class Limits(models.Model):
+    """Requests per minute, tokens per minute and concurrent requests; null means unlimited."""
+
+    rpm_limit = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    tpm_limit = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+    max_concurrent = models.PositiveIntegerField(null=True, blank=True, validators=[MinValueValidator(1)])
+
+    class Meta:
+        abstract = True
+
+    def limits(self) -> dict:
+        return {"rpm": self.rpm_limit, "tpm": self.tpm_limit, "max_concurrent": self.max_concurrent}
+
+
+class Tenant(Limits):
+    """A team or customer: the unit that pays and whose limits all its keys share."""
+
+    name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
+    display_name = models.CharField(max_length=200, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ApiKeyQuerySet(models.QuerySet):
+    def active(self, now=None):
+        now = now or timezone.now()
+        unexpired = models.Q(expires_at__isnull=True) | models.Q(expires_at__gt=now)
+        return self.filter(unexpired, revoked_at__isnull=True)
+
+
+class ApiKey(Limits):
+    """One API key of a tenant. The secret is shown once at creation; only its hash is kept."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="keys")
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=KEY_PREFIX_LENGTH, unique=True)
+    key_hash = models.CharField(max_length=64, unique=True)
+    # Deployment names this key may call; empty means every deployment.
+    deployments = ArrayField(models.CharField(max_length=63, validators=[slug_validator]), default=list, blank=True)
+    # Higher is more important; graceful degradation sheds the lowest priorities first.
+    priority = models.IntegerField(
+        default=0, validators=[MinValueValidator(PRIORITY_RANGE[0]), MaxValueValidator(PRIORITY_RANGE[1])]
+    )
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    revoked_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    objects = ApiKeyQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["tenant", "-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.tenant.name}/{self.prefix} {self.name}"
+
+    @property
+    def state(self) -> str:
+        if self.revoked_at:
+            return "revoked"
+        if self.expires_at and self.expires_at <= timezone.now():
+            return "expired"
+        return "active"
+
+
+class UsageEvent(models.Model):
+    """One gateway request, exactly as the gateway reported it (see the gateway contract).
+
+    Text fields are NULL where the event's are null (a 401 has no tenant or key): NULL is "not
+    known", which an empty string would blur, and the ledger keeps that distinction.
+    """
+
+    request_id = models.CharField(max_length=64, unique=True)
+    time = models.DateTimeField(help_text="When the request started.")
+    tenant = models.CharField(max_length=63, null=True, blank=True)  # noqa: DJ001
+    key_prefix = models.CharField(max_length=KEY_PREFIX_LENGTH, null=True, blank=True)  # noqa: DJ001
+    deployment = models.CharField(max_length=63, null=True, blank=True)  # noqa: DJ001
+    version = models.IntegerField(null=True, blank=True)
+    replica = models.BigIntegerField(null=True, blank=True)
+    priority = models.IntegerField(default=0)
+    endpoint = models.CharField(max_length=16)
+    stream = models.BooleanField(default=False)
+    prompt_tokens = models.IntegerField(default=0)
+    completion_tokens = models.IntegerField(default=0)
+    ttft_ms = models.FloatField(null=True, blank=True)
+    tpot_ms = models.FloatField(null=True, blank=True)
+    e2e_ms = models.FloatField()
+    status = models.SmallIntegerField()
+    finish_reason = models.CharField(max_length=32, null=True, blank=True)  # noqa: DJ001
+    error_kind = models.CharField(max_length=32, null=True, blank=True)  # noqa: DJ001
+    retries = models.SmallIntegerField(default=0)
+    ingested_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-time"]
+        indexes = [
+            models.Index(fields=["deployment", "time"]),
+            models.Index(fields=["tenant", "time"]),
+            # Retention pruning deletes by time alone.
+            models.Index(fields=["time"]),
+        ]
+
+    def __str__(self) -> str:
+        return self.request_id
+
+
+class UsageMinute(models.Model):
+    """Per-minute ledger row: tenant × key × deployment × version.
+
+    `errors` counts server-side failures (status >= 500, or shed / upstream / internal errors);
+    `client_errors` the 4xx the client caused. Latency sums, counts and histograms cover
+    requests that succeeded (status < 400); histograms map a bucket's upper bound in ms
+    (see tenants.ingest.LATENCY_BUCKETS_MS) to a count, so percentiles of any period are
+    exact to one fine bucket after summing rows.
+    """
+
+    minute = models.DateTimeField()
+    tenant = models.CharField(max_length=63, null=True, blank=True)  # noqa: DJ001
+    key_prefix = models.CharField(max_length=KEY_PREFIX_LENGTH, null=True, blank=True)  # noqa: DJ001
+    deployment = models.CharField(max_length=63, null=True, blank=True)  # noqa: DJ001
+    version = models.IntegerField(null=True, blank=True)
+    requests = models.BigIntegerField(default=0)
+    errors = models.BigIntegerField(default=0)
+    client_errors = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    ttft_sum_ms = models.FloatField(default=0)
+    ttft_count = models.BigIntegerField(default=0)
+    tpot_sum_ms = models.FloatField(default=0)
+    tpot_count = models.BigIntegerField(default=0)
+    e2e_sum_ms = models.FloatField(default=0)
+    e2e_count = models.BigIntegerField(default=0)
+    ttft_buckets = models.JSONField(default=dict, blank=True)
+    tpot_buckets = models.JSONField(default=dict, blank=True)
+    e2e_buckets = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["minute"]
+        constraints = [
+            # NULLS NOT DISTINCT: a 401 has no tenant or key, and its rows must still merge.
+            models.UniqueConstraint(
+                fields=["minute", "tenant", "key_prefix", "deployment", "version"],
+                name="usage_minute_identity", nulls_distinct=False,
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["tenant", "minute"]),
+            models.Index(fields=["deployment", "minute"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.minute:%Y-%m-%d %H:%M} {self.tenant}/{self.key_prefix} {self.deployment} v{self.version}"

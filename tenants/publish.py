@@ -1,0 +1,81 @@
+"""Publish the active API keys to Redis for the gateways (see the gateway contract).
+
+`inferops:keys` is a hash: field = sha256 hex of the full key, value = JSON with the key's
+prefix, tenant, scope, priority, expiry and both levels of limits. Every publish replaces the
+whole hash in one MULTI/EXEC (DEL + HSET), so a gateway never reads a half-written table, then
+bumps `inferops:keys:generation` and announces on `inferops:keys:changed`.
+
+Publishers are serialised by a Postgres advisory lock held while the snapshot is read and
+written: without it, a publisher that read the table just before a revoke committed could
+write its stale snapshot after the revoke's own publish and bring the key back for up to 30 s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import redis
+from django.db import connection, transaction
+from django.utils import timezone
+
+from runtime.routing import redis_client
+from tenants.models import ApiKey
+
+log = logging.getLogger(__name__)
+
+KEYS_KEY = "inferops:keys"
+GENERATION_KEY = "inferops:keys:generation"
+CHANGED_CHANNEL = "inferops:keys:changed"
+# pg_advisory_xact_lock id: "iopkeys" in ASCII, unlikely to collide with other users of the lock space.
+PUBLISH_LOCK_ID = 0x696F706B657973
+
+
+def key_entry(key: ApiKey) -> dict:
+    return {
+        "prefix": key.prefix,
+        "name": key.name,
+        "tenant": key.tenant.name,
+        "deployments": list(key.deployments),
+        "priority": key.priority,
+        "expires_at": key.expires_at.timestamp() if key.expires_at else None,
+        "limits": {"key": key.limits(), "tenant": key.tenant.limits()},
+    }
+
+
+def snapshot(now=None) -> dict[str, str]:
+    """The whole published table: key hash -> JSON entry, for active, unexpired keys."""
+    keys = ApiKey.objects.active(now or timezone.now()).select_related("tenant").order_by("pk")
+    return {key.key_hash: json.dumps(key_entry(key), separators=(",", ":")) for key in keys}
+
+
+def publish_keys() -> int:
+    """Replace the published key table with the database's; returns how many keys it holds."""
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [PUBLISH_LOCK_ID])
+        table = snapshot()
+        with redis_client().pipeline(transaction=True) as pipe:
+            pipe.delete(KEYS_KEY)
+            if table:
+                pipe.hset(KEYS_KEY, mapping=table)
+            pipe.incr(GENERATION_KEY)
+            pipe.publish(CHANGED_CHANNEL, "keys")
+            pipe.execute()
+    return len(table)
+
+
+def publish_keys_quietly() -> None:
+    """After a commit: publish now; if Redis is unreachable, the 30-s beat republishes later.
+
+    The database change already committed, so an error here must not turn a successful API
+    call into a 500.
+    """
+    try:
+        publish_keys()
+    except redis.RedisError as exc:
+        log.warning("publishing API keys to Redis failed (%s); the beat task retries within 30 s", exc)
+
+
+def publish_on_commit() -> None:
+    transaction.on_commit(publish_keys_quietly)

@@ -1,0 +1,41 @@
+"""Fixtures of the tenants suite: a clean Redis state for keys and usage, event builders."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+from runtime.routing import redis_client
+from tenants import ingest, publish
+
+OWN_KEYS = (publish.KEYS_KEY, publish.GENERATION_KEY, ingest.STREAM_KEY, ingest.REJECTED_KEY)
+
+
+@pytest.fixture
+def redis_conn():
+    client = redis_client()
+    client.delete(*OWN_KEYS)
+    yield client
+    client.delete(*OWN_KEYS)
+
+
+def usage_event(**overrides) -> dict:
+    """One event as the gateway writes it (the contract's fields), successful by default."""
+    event = {
+        "request_id": f"gw-{uuid.uuid4().hex}", "time": time.time(), "tenant": "acme", "key_prefix": "0a1b2c3d",
+        "deployment": "chat", "version": 1, "replica": 7, "priority": 0, "endpoint": "chat", "stream": True,
+        "prompt_tokens": 12, "completion_tokens": 30, "ttft_ms": 40.0, "tpot_ms": 8.0, "e2e_ms": 272.0,
+        "status": 200, "finish_reason": "stop", "error_kind": None, "retries": 0,
+    }
+    event.update(overrides)
+    return event
+
+
+def xadd_events(client, events) -> list[bytes]:
+    with client.pipeline(transaction=False) as pipe:
+        for event in events:
+            pipe.xadd(ingest.STREAM_KEY, {"e": json.dumps(event)})
+        return pipe.execute()

@@ -1,0 +1,132 @@
+"""Usage ingestion from the Redis stream into the ledger: idempotent, complete, and exact."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+from django.db.models import Sum
+
+from tenants import ingest
+from tenants.ingest import UsageIngestor, histogram_quantile, latency_bucket, parse_event
+from tenants.models import UsageEvent, UsageMinute
+from tests.tenants.conftest import usage_event, xadd_events
+
+pytestmark = pytest.mark.django_db
+
+MINUTE = 1_780_000_020.0  # a minute boundary
+
+
+def ledger_totals() -> dict:
+    return UsageMinute.objects.aggregate(
+        requests=Sum("requests"), errors=Sum("errors"), client_errors=Sum("client_errors"),
+        prompt_tokens=Sum("prompt_tokens"), completion_tokens=Sum("completion_tokens"))
+
+
+def test_events_land_in_raw_rows_and_minute_ledger(redis_conn):
+    events = [
+        usage_event(time=MINUTE + 1, prompt_tokens=10, completion_tokens=20, ttft_ms=50.0, e2e_ms=300.0),
+        usage_event(time=MINUTE + 59.9, prompt_tokens=5, completion_tokens=7, ttft_ms=150.0, e2e_ms=500.0),
+        usage_event(time=MINUTE + 60, prompt_tokens=1, completion_tokens=0, status=503, error_kind="shed",
+                    ttft_ms=None, tpot_ms=None, e2e_ms=2.0),
+        usage_event(time=MINUTE + 61, tenant=None, key_prefix=None, version=None, replica=None, status=401,
+                    error_kind="auth", prompt_tokens=0, completion_tokens=0, ttft_ms=None, tpot_ms=None, e2e_ms=1.0),
+        usage_event(time=MINUTE + 62, tenant=None, key_prefix=None, version=None, replica=None, status=401,
+                    error_kind="auth", prompt_tokens=0, completion_tokens=0, ttft_ms=None, tpot_ms=None, e2e_ms=1.0),
+        usage_event(time=MINUTE + 63, status=502, error_kind="upstream_connect", completion_tokens=0),
+    ]
+    xadd_events(redis_conn, events)
+    report = UsageIngestor(consumer="test").run(budget_s=10)
+    assert (report.read, report.inserted, report.rejected) == (6, 6, 0)
+    assert UsageEvent.objects.count() == 6
+
+    first = UsageMinute.objects.get(minute=datetime.fromtimestamp(MINUTE, UTC))
+    assert (first.tenant, first.key_prefix, first.deployment, first.version) == ("acme", "0a1b2c3d", "chat", 1)
+    assert (first.requests, first.errors, first.client_errors) == (2, 0, 0)
+    assert (first.prompt_tokens, first.completion_tokens) == (15, 27)
+    assert (first.ttft_sum_ms, first.ttft_count, first.e2e_count) == (200.0, 2, 2)
+    assert first.ttft_buckets == {latency_bucket(50.0): 1, latency_bucket(150.0): 1}
+
+    second = UsageMinute.objects.filter(minute=datetime.fromtimestamp(MINUTE + 60, UTC))
+    by_tenant = {row.tenant: row for row in second}
+    assert set(by_tenant) == {"acme", None}
+    # The shed 503 and the upstream 502 are server errors; neither feeds the latency roll-ups.
+    assert (by_tenant["acme"].requests, by_tenant["acme"].errors, by_tenant["acme"].client_errors) == (2, 2, 0)
+    assert by_tenant["acme"].e2e_count == 0 and by_tenant["acme"].e2e_buckets == {}
+    # Both 401s (no tenant, key or version) merge into one row despite their NULLs.
+    assert (by_tenant[None].requests, by_tenant[None].client_errors, by_tenant[None].version) == (2, 2, None)
+    assert redis_conn.xpending(ingest.STREAM_KEY, ingest.GROUP)["pending"] == 0
+
+
+def test_replays_and_redelivery_are_counted_once(redis_conn):
+    events = [usage_event(time=MINUTE + i, prompt_tokens=i, completion_tokens=1) for i in range(50)]
+    xadd_events(redis_conn, events)
+    UsageIngestor(consumer="first", batch_size=20).run(budget_s=10)
+    # The gateway replays its spool (same request ids again), and repeats one inside a batch.
+    xadd_events(redis_conn, events[:30] + [events[0]])
+
+    # A consumer reads a batch and dies before acking: its entries stay pending.
+    xadd_events(redis_conn, [usage_event(time=MINUTE + 70, prompt_tokens=1000, completion_tokens=1)])
+    crashed = redis_conn.xreadgroup(ingest.GROUP, "crashed", {ingest.STREAM_KEY: ">"}, count=100)
+    assert len(crashed[0][1]) == 32
+    # Its batch is redone by another consumer once idle long enough (0 ms here instead of 60 s).
+    report = UsageIngestor(consumer="second", claim_idle_ms=0).run(budget_s=10)
+    assert report.claimed == 32 and report.inserted == 1 and report.duplicates == 31
+    assert redis_conn.xpending(ingest.STREAM_KEY, ingest.GROUP)["pending"] == 0
+
+    assert UsageEvent.objects.count() == 51
+    totals = ledger_totals()
+    assert totals["requests"] == 51
+    assert totals["prompt_tokens"] == sum(range(50)) + 1000
+    # Reading again finds nothing new and changes nothing.
+    assert UsageIngestor(consumer="second", claim_idle_ms=0).run(budget_s=10).read == 0
+    assert ledger_totals() == totals
+
+
+def test_a_stale_pending_batch_is_left_alone_until_idle(redis_conn):
+    xadd_events(redis_conn, [usage_event()])
+    ingest.ensure_group(redis_conn)
+    redis_conn.xreadgroup(ingest.GROUP, "busy", {ingest.STREAM_KEY: ">"}, count=10)
+    report = UsageIngestor(consumer="other", claim_idle_ms=60_000).run(budget_s=5)
+    assert report.read == 0 and not UsageEvent.objects.exists()
+
+
+def test_invalid_entries_are_moved_aside_and_do_not_block_the_batch(redis_conn):
+    good = usage_event()
+    xadd_events(redis_conn, [good, usage_event(status="ok"), usage_event(tenant="x" * 64)])
+    redis_conn.xadd(ingest.STREAM_KEY, {"e": b"{not json"})
+    redis_conn.xadd(ingest.STREAM_KEY, {"other": b"1"})
+    report = UsageIngestor(consumer="test").run(budget_s=10)
+    assert (report.read, report.inserted, report.rejected) == (5, 1, 4)
+    assert list(UsageEvent.objects.values_list("request_id", flat=True)) == [good["request_id"]]
+    rejected = redis_conn.xrange(ingest.REJECTED_KEY)
+    assert [fields[b"reason"].decode().split(":")[0] for _, fields in rejected] == [
+        "status", "tenant", "not JSON", "not JSON"]
+    assert redis_conn.xpending(ingest.STREAM_KEY, ingest.GROUP)["pending"] == 0
+
+
+def test_histograms_merge_across_batches_and_give_percentiles(redis_conn):
+    latencies = [10.0 * (i + 1) for i in range(100)]  # 10 .. 1000 ms
+    xadd_events(redis_conn, [usage_event(time=MINUTE, ttft_ms=ms) for ms in latencies])
+    UsageIngestor(consumer="test", batch_size=7).run(budget_s=10)
+    row = UsageMinute.objects.get()
+    assert row.ttft_count == 100 and sum(row.ttft_buckets.values()) == 100
+    p50 = histogram_quantile(row.ttft_buckets, 0.50)
+    p99 = histogram_quantile(row.ttft_buckets, 0.99)
+    # Exact to one bucket (12 % wide): the true values are 500 and 990 ms.
+    assert 500 <= p50 <= 500 * 1.13 and 990 <= p99 <= 990 * 1.13
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"request_id": None}, "request_id: missing"),
+    ({"time": "yesterday"}, "time: expected a finite number"),
+    ({"e2e_ms": -1}, "e2e_ms: expected a finite number >= 0"),
+    ({"version": 1.5}, "version: expected an integer"),
+    ({"stream": "yes"}, "stream: expected true or false"),
+    ({"status": True}, "status: expected an integer"),
+    ({"key_prefix": "toolong123"}, "key_prefix: expected a string"),
+])
+def test_parse_event_names_the_bad_field(change, fragment):
+    with pytest.raises(ingest.InvalidEvent, match=fragment):
+        parse_event(json.dumps(usage_event(**change)))
