@@ -1,8 +1,9 @@
 """`inferops serve` end to end: a real process, the real engine on a tiny checkpoint, real HTTP,
 and the official `openai` client.
 
-One server is started per module and shared; the SIGTERM test starts its own, since it ends
-the process. Tests that change run-time state (faults) put it back before they finish.
+One server is started per module and shared; the SIGTERM test, which ends it, runs last. The
+encoder checkpoint gets its own server. Tests that change run-time state (faults) put it back
+before they finish.
 """
 
 from __future__ import annotations
@@ -352,49 +353,6 @@ def test_fault_injection_changes_ttft_and_error_rate(server, client):
     assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_llama_dir, tmp_path):
-    # Slow tokens (fault_tpot) keep the request in flight long enough to send SIGTERM.
-    process = ServerProcess(tiny_llama_dir, tmp_path / "server.log", "--fault-tpot-ms", "40")
-    try:
-        process.wait_ready()
-        result: dict = {}
-        streaming = threading.Event()
-
-        def stream_request() -> None:
-            with httpx.stream("POST", f"{process.base_url}/v1/completions", timeout=30, json={
-                    "model": MODEL, "prompt": "Hello", "max_tokens": 40, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}}) as response:
-                frames = []
-                for line in response.iter_lines():
-                    streaming.set()
-                    if line:
-                        frames.append(line)
-                result["frames"] = frames
-
-        worker = threading.Thread(target=stream_request)
-        worker.start()
-        assert streaming.wait(30)  # in flight now: 40 tokens at 40 ms take 1.6 s more
-        process.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 1
-        while (health := httpx.get(f"{process.base_url}/health")).status_code == 200:
-            assert time.monotonic() < deadline, "SIGTERM did not start draining"
-            time.sleep(0.02)
-        assert health.status_code == 503 and health.json()["status"] == "draining"
-        refused = httpx.post(f"{process.base_url}/v1/completions",
-                             json={"model": MODEL, "prompt": "x"})
-        assert refused.status_code == 503
-        assert worker.is_alive(), "the request should still be streaming while draining"
-        worker.join(30)
-        assert process.proc.wait(30) == 0
-        frames = result["frames"]
-        assert frames[-1] == "data: [DONE]"
-        usage, last = (json.loads(f[len("data: "):]) for f in (frames[-2], frames[-3]))
-        assert usage["usage"]["completion_tokens"] == 40
-        assert last["choices"][0]["finish_reason"] == "length"
-    finally:
-        process.stop()
-
-
 def test_embeddings_from_an_encoder_checkpoint(tmp_path):
     from runtime.engine.encoder import EmbeddingModel, find_packaged_minilm
 
@@ -426,3 +384,43 @@ def test_embeddings_from_an_encoder_checkpoint(tmp_path):
 
     assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
     assert completions.status_code == 400
+
+
+# Keep this test last in the module: it ends the shared server (which saves a start-up).
+def test_sigterm_drains_in_flight_requests_then_exits_zero(server):
+    # Slow tokens keep the request in flight long enough to send SIGTERM.
+    assert set_faults(server, fault_tpot_ms=40).status_code == 200
+    result: dict = {}
+    streaming = threading.Event()
+
+    def stream_request() -> None:
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=30, json={
+                "model": MODEL, "prompt": "Hello", "max_tokens": 40, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}) as response:
+            frames = []
+            for line in response.iter_lines():
+                streaming.set()
+                if line:
+                    frames.append(line)
+            result["frames"] = frames
+
+    worker = threading.Thread(target=stream_request)
+    worker.start()
+    assert streaming.wait(30)  # in flight now: 40 tokens at 40 ms take 1.6 s more
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 1
+    while (health := httpx.get(f"{server.base_url}/health")).status_code == 200:
+        assert time.monotonic() < deadline, "SIGTERM did not start draining"
+        time.sleep(0.02)
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    refused = httpx.post(f"{server.base_url}/v1/completions",
+                         json={"model": MODEL, "prompt": "x"})
+    assert refused.status_code == 503
+    assert worker.is_alive(), "the request should still be streaming while draining"
+    worker.join(30)
+    assert server.proc.wait(30) == 0
+    frames = result["frames"]
+    assert frames[-1] == "data: [DONE]"
+    usage, last = (json.loads(f[len("data: "):]) for f in (frames[-2], frames[-3]))
+    assert usage["usage"]["completion_tokens"] == 40
+    assert last["choices"][0]["finish_reason"] == "length"
