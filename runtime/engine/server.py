@@ -364,7 +364,10 @@ class ReplicaServer:
         self._maybe_inject_error()
         prompt_ids = self._prompt_token_ids(parsed)
         max_tokens = self._checked_max_tokens(parsed, len(prompt_ids))
-        params = parsed.sampling_params(max_tokens)
+        try:
+            params = parsed.sampling_params(max_tokens)
+        except ValueError as exc:  # SamplingParams' own checks, should ours ever miss one
+            raise bad_request(str(exc)) from None
         request_id = new_request_id(parsed.kind)
         shapes = ResponseShapes(parsed.kind, request_id, self.settings.served_model_name)
         run = GenerationRun(self, timer, request_id, prompt_ids, params, parsed.priority)
