@@ -30,7 +30,7 @@ class PrefillAttention:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] flat cache slot written by each row
     num_decodes: int = 0
-    decode_blocks: torch.Tensor | None = None  # [decodes, max_blocks] block tables, padded
+    decode_blocks: torch.Tensor | None = None  # [decodes * max_blocks] block tables, padded
     decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillAttention] = field(default_factory=list)
 
@@ -67,7 +67,8 @@ class RotaryTables:
         self.sin = angles.sin().to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        return cos, self.sin.index_select(0, positions).unsqueeze(1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -128,7 +129,7 @@ class CausalLM:
         cfg = self.config
         tokens = input_ids.shape[0]
         cos, sin = self.rotary.lookup(positions)
-        hidden = self.embed_tokens[input_ids]
+        hidden = F.embedding(input_ids, self.embed_tokens)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
@@ -161,7 +162,8 @@ def paged_attention(
     """Store this step's k/v in their slots, then attend each row to its sequence's context.
 
     Caches are [num_blocks, block_size, kv_heads, head_dim]; context is read whole blocks at a
-    time (one gather) and the positions past each sequence's length are masked out.
+    time (one index_select, several times faster than advanced indexing on CPU) and the
+    positions past each sequence's length are masked out.
     """
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -170,8 +172,9 @@ def paged_attention(
     if meta.num_decodes:
         n = meta.num_decodes
         batch_blocks = meta.decode_blocks
-        keys = k_cache[batch_blocks].view(n, -1, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[batch_blocks].view(n, -1, kv_heads, head_dim).transpose(1, 2)
+        keys = k_cache.index_select(0, batch_blocks).view(n, -1, kv_heads, head_dim)
+        values = v_cache.index_select(0, batch_blocks).view(n, -1, kv_heads, head_dim)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:n].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
         )
@@ -183,8 +186,8 @@ def paged_attention(
             keys = k[rows].transpose(0, 1).unsqueeze(0)
             values = v[rows].transpose(0, 1).unsqueeze(0)
         else:
-            keys = k_cache[chunk.context_blocks].view(-1, kv_heads, head_dim)
-            values = v_cache[chunk.context_blocks].view(-1, kv_heads, head_dim)
+            keys = k_cache.index_select(0, chunk.context_blocks).view(-1, kv_heads, head_dim)
+            values = v_cache.index_select(0, chunk.context_blocks).view(-1, kv_heads, head_dim)
             keys = keys.transpose(0, 1).unsqueeze(0)
             values = values.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(

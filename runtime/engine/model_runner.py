@@ -109,7 +109,7 @@ class ModelRunner:
         if self.sliding_window is not None:
             allowed &= key_positions.unsqueeze(0) > length_tensor - 1 - self.sliding_window
         meta.num_decodes = len(decodes)
-        meta.decode_blocks = torch.tensor(padded, dtype=torch.long)
+        meta.decode_blocks = torch.tensor(padded, dtype=torch.long).flatten()
         meta.decode_mask = allowed[:, None, None, :]
 
     def _prefill_metadata(self, chunk: ScheduledChunk, first_row: int) -> PrefillAttention:
