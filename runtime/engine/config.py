@@ -26,6 +26,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: config max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
+    # torch intra-op threads for the forward pass; None leaves torch's default (all cores).
+    # On a busy machine fewer threads can be much faster: OpenMP workers that wait on each
+    # other's time slices make small matmuls tens of times slower.
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPE_BYTES):
@@ -39,6 +43,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

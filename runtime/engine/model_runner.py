@@ -42,6 +42,8 @@ class ModelRunner:
         max_model_len: int,
         num_blocks: int,
     ):
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: the engine owns the CPU
         self.block_size = config.block_size
         self.dtype = dtype
         state = load_state_dict(config.model, dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from runtime.engine.engine import CompletionOutput, LLMEngine
 from runtime.engine.model_runner import kv_bytes_per_block
@@ -231,3 +232,14 @@ def test_kv_pool_is_sized_from_memory_or_blocks(make_engine):
     assert default.max_model_len == 64
     with pytest.raises(ValueError, match="holds no block"):
         make_engine(num_kv_blocks=None, kv_cache_memory=10)
+
+
+def test_num_threads_sets_torch_intra_op_threads(make_engine):
+    before = torch.get_num_threads()
+    try:
+        make_engine(num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="num_threads"):
+        make_engine(num_threads=0)
