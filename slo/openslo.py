@@ -17,7 +17,7 @@ The mapping, field by field:
 - `budgetingMethod` Occurrences or Timeslices (one-minute slices with a `timeSliceTarget`); exactly
   one objective with a `target` (or `targetPercent`).
 - `alertPolicies` describe inferops' burn-rate alerting, which is always the standard multiwindow
-  set (see `burn_rate_alerts`): a policy naming any other burn rate or window is refused. An
+  set (`slo.budget.alert_rules`): a policy naming any other burn rate or window is refused. An
   AlertCondition's `lookbackWindow` is the long window and `alertAfter` the short window that must
   burn as well before the alert fires.
 
@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from slo.budget import ROLLING_DAYS, alert_rules
 from slo.choices import RATIO_SERIES, Budgeting, Scope, SliKind, Window
 
 API_VERSION = "openslo/v1"
@@ -48,53 +49,12 @@ TIMESLICE_WINDOW = "1m"
 KINDS = ("Service", "SLI", "SLO", "AlertPolicy", "AlertCondition")
 
 DAY = 86400
-ROLLING_WINDOWS = {"1d": Window.DAY, "7d": Window.WEEK, "28d": Window.FOUR_WEEKS, "30d": Window.MONTH}
 CALENDAR_WINDOWS = {"1w": Window.CALENDAR_WEEK, "1M": Window.CALENDAR_MONTH}
-# Calendar windows scale alert windows by their nominal length (a month counts as 30 days).
-WINDOW_SECONDS = {
-    Window.DAY: DAY, Window.WEEK: 7 * DAY, Window.FOUR_WEEKS: 28 * DAY, Window.MONTH: 30 * DAY,
-    Window.CALENDAR_WEEK: 7 * DAY, Window.CALENDAR_MONTH: 30 * DAY,
-}
 # Any Monday and any first of a month at midnight serve as the anchor of a calendar window.
 CALENDAR_ANCHOR = "2024-01-01 00:00:00"
 LATENCY_KEYS = {"ttftMs": "ttft_ms", "tpotMs": "tpot_ms", "e2eMs": "e2e_ms"}
 ANNOTATIONS = {"scope": "scope", "tenant": "tenant", "owner": "owner", "runbook-url": "runbook_url",
                "min-requests": "min_requests"}
-
-
-@dataclass(frozen=True)
-class BurnRateAlert:
-    """One row of the multiwindow, multi-burn-rate table, scaled to an SLO's window."""
-
-    severity: str
-    burn_rate: float
-    long_s: int
-    short_s: int
-    name: str
-
-
-# The table for a 30-day window: (severity, burn rate, long window, short window).
-STANDARD_ALERTS_30D = (
-    ("page", 14.4, 3600, 300, "page-fast"),
-    ("page", 6.0, 6 * 3600, 1800, "page-slow"),
-    ("ticket", 3.0, DAY, 2 * 3600, "ticket-fast"),
-    ("ticket", 1.0, 3 * DAY, 6 * 3600, "ticket-slow"),
-)
-
-
-def burn_rate_alerts(window: str) -> list[BurnRateAlert]:
-    """The standard alert table with windows scaled by window length / 30 days.
-
-    Scaled windows are rounded to whole minutes and never shorter than one: SLI data are kept per
-    minute, and a Prometheus rate() needs a few scrapes inside its range.
-    """
-    scale = WINDOW_SECONDS[window] / (30 * DAY)
-
-    def scaled(seconds: int) -> int:
-        return max(60, round(seconds * scale / 60) * 60)
-
-    return [BurnRateAlert(severity, rate, scaled(long_s), scaled(short_s), name)
-            for severity, rate, long_s, short_s, name in STANDARD_ALERTS_30D]
 
 
 SHORTHAND = re.compile(r"^([1-9][0-9]*)([mhdwMQY])$")
@@ -411,7 +371,7 @@ def read_time_window(reader: Reader, windows: Any, definition: dict) -> None:
     if "calendar" not in window:
         reader.expect(window.get("isRolling"), f"{path}.isRolling", True, "true for a rolling window")
         seconds = shorthand_seconds(duration)
-        matches = [w for w in ROLLING_WINDOWS.values() if WINDOW_SECONDS[w] == seconds]
+        matches = [w for w, days in ROLLING_DAYS.items() if days * DAY == seconds]
         if not matches:
             reader.refuse(f"{path}.duration", "a rolling window lasts 1d, 7d, 28d or 30d")
         else:
@@ -514,9 +474,10 @@ def read_alert_policies(reader: Reader, policies: Any, definition: dict, by_kind
         read_alert_policy(reader, item.get("spec"), f"{path}.spec", by_kind, found)
     if "window" not in definition:
         return
-    expected = {(a.severity, a.burn_rate, a.long_s, a.short_s) for a in burn_rate_alerts(definition["window"])}
-    table = ", ".join(f"{a.severity} {a.burn_rate:g}x over {duration_shorthand(a.long_s)} and "
-                      f"{duration_shorthand(a.short_s)}" for a in burn_rate_alerts(definition["window"]))
+    rules = alert_rules(definition["window"])
+    expected = {(rule.severity, rule.factor, rule.long_minutes * 60, rule.short_minutes * 60) for rule in rules}
+    table = ", ".join(f"{rule.severity} {rule.factor:g}x over {duration_shorthand(rule.long_minutes * 60)} and "
+                      f"{duration_shorthand(rule.short_minutes * 60)}" for rule in rules)
     seen = set()
     for condition_reader, path, condition in found:
         if condition not in expected:
@@ -570,8 +531,8 @@ def read_condition(reader: Reader, spec: Any, path: str, found: list) -> None:
                                ("kind", "threshold", "lookbackWindow", "alertAfter"))
     reader.expect(condition.get("kind"), f"{path}.condition.kind", "burnrate", "only burnrate conditions are supported")
     if "op" in condition:
-        reader.expect(condition["op"], f"{path}.condition.op", "gt", "inferops alerts when the burn rate is above "
-                                                                       "the threshold (gt)")
+        reader.expect(condition["op"], f"{path}.condition.op", "gte", "inferops alerts when the burn rate reaches "
+                                                                        "the threshold (gte)")
     long_s = shorthand_seconds(condition.get("lookbackWindow"))
     short_s = shorthand_seconds(condition.get("alertAfter"))
     for key, seconds in (("lookbackWindow", long_s), ("alertAfter", short_s)):
@@ -661,13 +622,17 @@ def time_window(definition: dict) -> dict:
 
 
 def alert_policy(name: str, window: str) -> dict:
-    conditions = [{
-        "kind": "AlertCondition",
-        "metadata": {"name": f"{name}-{alert.name}"},
-        "spec": {"severity": alert.severity, "condition": {
-            "kind": "burnrate", "op": "gt", "threshold": alert.burn_rate,
-            "lookbackWindow": duration_shorthand(alert.long_s), "alertAfter": duration_shorthand(alert.short_s)}},
-    } for alert in burn_rate_alerts(window)]
+    conditions = []
+    for rule in alert_rules(window):
+        pace = "slow" if any(c["spec"]["severity"] == rule.severity for c in conditions) else "fast"
+        conditions.append({
+            "kind": "AlertCondition",
+            "metadata": {"name": f"{name}-{rule.severity}-{pace}"},
+            "spec": {"severity": rule.severity, "condition": {
+                "kind": "burnrate", "op": "gte", "threshold": rule.factor,
+                "lookbackWindow": duration_shorthand(rule.long_minutes * 60),
+                "alertAfter": duration_shorthand(rule.short_minutes * 60)}},
+        })
     return {"kind": "AlertPolicy", "metadata": {"name": f"{name}-burn-rate"},
             "spec": {"alertWhenBreaching": True, "alertWhenResolved": True, "alertWhenNoData": False,
                      "conditions": conditions}}
