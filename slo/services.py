@@ -1,0 +1,85 @@
+"""SLO operations for the API, the console and OpenSLO import. Each owns its transaction,
+validates through Slo.clean() and records one audit event per write."""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import IntegrityError, transaction
+
+from inferops.api import Conflict
+from registry.services import audit_record, snapshot
+from slo.models import Slo, SloMinute, SloStatus
+
+log = logging.getLogger(__name__)
+
+# Changing any of these changes which events are good or counted, so the stored minutes no
+# longer describe the SLI: they are dropped and the SLO is back-filled again.
+SLI_DEFINITION_FIELDS = frozenset({
+    "scope", "deployment", "model", "tenant", "sli_kind", "ttft_ms", "tpot_ms", "e2e_ms", "ratio_good",
+    "ratio_total", "budgeting", "timeslice_target",
+})
+
+
+def _evaluate_soon(slo_id: int) -> None:
+    """Back-fill and evaluate right after the commit instead of waiting for the next cycle."""
+    from slo.tasks import evaluate_slo_task
+
+    def enqueue():
+        try:
+            evaluate_slo_task.delay(slo_id)
+        except Exception:  # the broker being down must not fail the write; the cycle catches up
+            log.exception("could not enqueue the evaluation of SLO %s", slo_id)
+
+    transaction.on_commit(enqueue)
+
+
+def slo_create(*, actor, **fields) -> Slo:
+    slo = Slo(**fields, created_by=actor if getattr(actor, "pk", None) else None)
+    slo.full_clean(validate_unique=False)
+    try:
+        with transaction.atomic():
+            slo.save()
+            SloStatus.objects.create(slo=slo)
+            audit_record(actor=actor, action="slo.create", obj=slo, after=snapshot(slo))
+    except IntegrityError:
+        raise Conflict(f"An SLO named {fields.get('name')!r} already exists.") from None
+    _evaluate_soon(slo.pk)
+    return slo
+
+
+def slo_update(*, slo: Slo, actor, **fields) -> Slo:
+    try:
+        with transaction.atomic():
+            locked = Slo.objects.select_for_update().get(pk=slo.pk)
+            before = snapshot(locked)
+            for name, value in fields.items():
+                setattr(locked, name, value)
+            locked.full_clean(validate_unique=False)
+            redefined = any(before.get(name) != snapshot(locked).get(name) for name in SLI_DEFINITION_FIELDS)
+            if redefined:
+                SloMinute.objects.filter(slo=locked).delete()
+                locked.watermark = None
+                locked.backfilled_from = None
+            locked.save()
+            audit_record(actor=actor, action="slo.update", obj=locked, before=before,
+                         after={**snapshot(locked), "sli_recomputed": redefined})
+    except IntegrityError:
+        raise Conflict(f"An SLO named {fields.get('name')!r} already exists.") from None
+    _evaluate_soon(locked.pk)
+    return locked
+
+
+def slo_delete(*, slo: Slo, actor) -> None:
+    """Deletes the SLO and its minutes; its alerts stay as history (their SLO link is cleared),
+    firing ones resolved first so receivers hear the end."""
+    from django.utils import timezone
+
+    from alerts.choices import AlertStatus
+    from alerts.services import alert_resolve
+
+    with transaction.atomic():
+        for alert in slo.alerts.filter(status=AlertStatus.FIRING):
+            alert_resolve(alert=alert, now=timezone.now())
+        audit_record(actor=actor, action="slo.delete", obj=slo, before=snapshot(slo))
+        slo.delete()
