@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("runtime.engine.server", "serve a local HF checkpoint with the built-in engine"),
     "demo-model": ("runtime.engine.demo_model", "write a small deterministic demo checkpoint"),
     "bench": ("runtime.loadgen", "load-test any OpenAI-compatible endpoint"),
+    "gateway": ("runtime.gateway.server", "the API gateway: keys, rate limits, routing, usage events"),
 }
 
 

@@ -1,0 +1,204 @@
+"""Talking to replicas: one shared httpx client, attempts that may fail over, SSE observed in passing.
+
+An attempt counts as failed (and may be retried on another replica) on a connection error, a
+timeout, or a 5xx, but only until the first body byte has been read: for streams the gateway
+waits for the upstream's first chunk before it sends the client any header, so a replica that
+dies before its first token costs the client nothing but time. Once bytes went out there is no
+retry: the client's stream just ends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+CONNECT = "upstream_connect"
+TIMEOUT = "upstream_timeout"
+ERROR = "upstream_error"
+
+
+class UpstreamFailure(Exception):
+    """A failed attempt before the first byte: retryable on another replica."""
+
+    def __init__(self, kind: str, detail: str, status: int | None = None, body: bytes = b"",
+                 content_type: str = "application/json") -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+@dataclass
+class Opened:
+    """An upstream answer whose first bytes were read; `rest` yields what follows (streams only)."""
+
+    response: httpx.Response
+    first: bytes
+    rest: AsyncIterator[bytes] | None
+
+    @property
+    def status(self) -> int:
+        return self.response.status_code
+
+    @property
+    def content_type(self) -> str:
+        return self.response.headers.get("content-type", "application/json")
+
+    async def remaining(self) -> AsyncIterator[bytes]:
+        """The chunks after the first; a broken stream raises UpstreamFailure."""
+        if self.rest is None:
+            return
+        try:
+            async for chunk in self.rest:
+                yield chunk
+        except httpx.TransportError as exc:
+            raise _failure(exc) from exc
+
+    async def close(self) -> None:
+        # Closing a stream that was not read to the end drops the connection, which is what
+        # makes the replica abort the request when the client went away.
+        await self.response.aclose()
+
+
+class Upstream:
+    def __init__(self, connect_timeout_s: float = 2.0, first_token_timeout_s: float = 60.0,
+                 request_timeout_s: float = 600.0, max_connections: int = 4096) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                                keepalive_expiry=30),
+            timeout=httpx.Timeout(connect=connect_timeout_s, read=first_token_timeout_s, write=connect_timeout_s,
+                                  pool=first_token_timeout_s))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    async def open(self, url: str, body: bytes, stream: bool, request_id: str) -> Opened:
+        """Sends the request and reads its first bytes; raises UpstreamFailure if that fails."""
+        # Streams: the read timeout is the first-token timeout (and then the longest silence
+        # between chunks). Whole answers come in one piece at the end, so they get the request
+        # timeout instead.
+        read_timeout = self.first_token_timeout_s if stream else self.request_timeout_s
+        request = self.client.build_request(
+            "POST", url, content=body,
+            headers={"content-type": "application/json", "x-request-id": request_id},
+            timeout=httpx.Timeout(connect=self.connect_timeout_s, read=read_timeout,
+                                  write=self.connect_timeout_s, pool=self.first_token_timeout_s))
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise _failure(exc) from exc
+        try:
+            if response.status_code >= 500:
+                raise UpstreamFailure(ERROR, f"replica answered {response.status_code}", response.status_code,
+                                      await response.aread(),
+                                      response.headers.get("content-type", "application/json"))
+            if not stream or response.status_code != 200:
+                return Opened(response, await response.aread(), None)
+            rest = response.aiter_raw()
+            try:
+                first = await anext(rest)
+            except StopAsyncIteration:
+                first = b""
+            return Opened(response, first, rest)
+        except httpx.TransportError as exc:
+            await response.aclose()
+            raise _failure(exc) from exc
+        except BaseException:
+            await response.aclose()
+            raise
+
+
+def _failure(exc: httpx.TransportError) -> UpstreamFailure:
+    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
+        return UpstreamFailure(CONNECT, f"cannot connect to the replica: {exc!r}")
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamFailure(TIMEOUT, f"the replica did not answer in time: {exc!r}")
+    return UpstreamFailure(ERROR, f"the replica broke the connection: {exc!r}")
+
+
+def _has_usage(event: bytes) -> bool:
+    return b'"usage":{' in event or b'"usage": {' in event
+
+
+def _has_finish_reason(event: bytes) -> bool:
+    return b'"finish_reason":"' in event or b'"finish_reason": "' in event
+
+
+class StreamObserver:
+    """Reads an SSE stream in passing: time of the first chunk, chunks, usage, finish reason.
+
+    Bytes are forwarded as they came; only whole events are released (a partial one waits for
+    its end), and the final usage-only event is dropped when the client did not ask for it.
+    JSON is parsed only for the rare events that carry a usage or a finish reason.
+    """
+
+    def __init__(self, strip_usage: bool) -> None:
+        self.strip_usage = strip_usage
+        self.first_chunk_at: float | None = None
+        self.content_chunks = 0
+        self.usage: dict[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.saw_error = False
+        self._pending = b""
+
+    def feed(self, data: bytes, now: float) -> bytes:
+        buffer = self._pending + data if self._pending else data
+        end = buffer.rfind(b"\n\n")
+        if end < 0:
+            self._pending = buffer
+            return b""
+        complete, self._pending = buffer[:end + 2], buffer[end + 2:]
+        dropped = False
+        kept = []
+        for event in complete.split(b"\n\n")[:-1]:
+            if self._observe(event, now):
+                kept.append(event)
+            else:
+                dropped = True
+        return b"".join(event + b"\n\n" for event in kept) if dropped else complete
+
+    def leftover(self) -> bytes:
+        leftover, self._pending = self._pending, b""
+        return leftover
+
+    def _observe(self, event: bytes, now: float) -> bool:
+        """Records what the event says; False when it must not reach the client."""
+        if not event.startswith(b"data: {"):
+            return True
+        if event.startswith(b'data: {"error"'):
+            self.saw_error = True
+            return True
+        parsed = None
+        if _has_usage(event):
+            parsed = json.loads(event[6:])
+            self.usage = parsed.get("usage") or self.usage
+            if not parsed.get("choices"):
+                return not self.strip_usage
+        if self.first_chunk_at is None:
+            self.first_chunk_at = now
+        self.content_chunks += 1
+        if _has_finish_reason(event):
+            parsed = parsed or json.loads(event[6:])
+            for choice in parsed.get("choices") or ():
+                self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return True
+
+
+def read_usage(body: bytes) -> tuple[dict[str, Any] | None, str | None]:
+    """Usage and first finish reason of a whole (non-streamed) OpenAI answer."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None, None
+    if not isinstance(parsed, dict):
+        return None, None
+    finish = next((c.get("finish_reason") for c in parsed.get("choices") or () if isinstance(c, dict)), None)
+    return parsed.get("usage"), finish

@@ -1,0 +1,590 @@
+"""`inferops gateway`: the data-plane door for API clients (OpenAI-compatible, /v1).
+
+A plain ASGI app rather than a framework router: every API request runs as one coroutine whose
+`finally` is the single place that releases its rate-limit slots and writes its one usage event,
+whatever way it ended (answer, refusal, upstream failure, client gone, bug). A watcher on the
+ASGI `receive` channel cancels that coroutine when the client disconnects, which closes the
+upstream stream so the replica aborts the request too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+
+from runtime.gateway.limits import Admission, RateLimiter, Refusal, estimate_prompt_tokens
+from runtime.gateway.metrics import GatewayMetrics
+from runtime.gateway.proxy import CONNECT, TIMEOUT, Opened, StreamObserver, Upstream, UpstreamFailure, read_usage
+from runtime.gateway.router import NoReplica, Router, Saturated, affinity_key
+from runtime.gateway.state import ApiKey, RedisHealth, Route, StateSync, hash_api_key
+from runtime.gateway.usage import UsageSink
+
+logger = logging.getLogger(__name__)
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
+
+
+@dataclass
+class GatewaySettings:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    instance: str = "gateway"
+    spool_dir: Path = Path(".inferops/gateway-spool")
+    redis_down_limits: str = "open"  # "open": admit without limits; "closed": answer 503
+    max_outstanding_per_replica: int = 64
+    affinity_slack: int = 4
+    max_attempts: int = 3
+    connect_timeout_s: float = 2.0
+    first_token_timeout_s: float = 60.0
+    request_timeout_s: float = 600.0
+    concurrency_lease_s: float = 60.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    state_poll_s: float = 1.0
+    failure_threshold: int = 3
+    failure_window_s: float = 10.0
+    ejection_s: float = 15.0
+
+
+class GatewayError(Exception):
+    """An OpenAI-style error answer; `kind` is the usage event's error_kind."""
+
+    def __init__(self, status: int, message: str, error_type: str, kind: str, param: str | None = None,
+                 retry_after_s: int | None = None, body: bytes | None = None,
+                 content_type: str = "application/json") -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+        self.kind = kind
+        self.param = param
+        self.retry_after_s = retry_after_s
+        self.content_type = content_type
+        self.body = body if body is not None else json.dumps(
+            {"error": {"message": message, "type": error_type, "param": param, "code": status}}).encode()
+
+
+@dataclass
+class RequestRecord:
+    """One API request as its usage event will tell it."""
+
+    endpoint: str
+    request_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
+    started_at: float = field(default_factory=time.time)  # epoch, the event's "time"
+    started: float = field(default_factory=time.perf_counter)
+    key: ApiKey | None = None
+    deployment: str | None = None
+    version: int | None = None
+    replica: int | None = None
+    stream: bool = False
+    prompt_estimate: int = 0
+    sent_upstream: bool = False
+    usage: dict[str, Any] | None = None
+    content_chunks: int = 0
+    first_chunk_at: float | None = None
+    finish_reason: str | None = None
+    status: int = 500
+    error_kind: str | None = None
+    retries: int = 0
+    admission: Admission | None = None
+    headers_sent: bool = False
+    response_done: bool = False
+    client_gone: bool = False
+
+    def tokens(self) -> tuple[int, int]:
+        if self.usage:
+            return int(self.usage.get("prompt_tokens") or 0), int(self.usage.get("completion_tokens") or 0)
+        if not self.sent_upstream:
+            return 0, 0
+        # No usage from the replica (client gone, stream cut): the best estimate we have.
+        return self.prompt_estimate, self.content_chunks
+
+    def event(self, now: float) -> dict[str, Any]:
+        prompt_tokens, completion_tokens = self.tokens()
+        e2e = now - self.started
+        ttft = self.first_chunk_at - self.started if self.first_chunk_at is not None else None
+        tpot = (e2e - ttft) / (completion_tokens - 1) if ttft is not None and completion_tokens > 1 else None
+        return {
+            "request_id": self.request_id, "time": self.started_at,
+            "tenant": self.key.tenant if self.key else None, "key_prefix": self.key.prefix if self.key else None,
+            "deployment": self.deployment, "version": self.version, "replica": self.replica,
+            "priority": self.key.priority if self.key else 0, "endpoint": self.endpoint, "stream": self.stream,
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "ttft_ms": ttft * 1000 if ttft is not None else None, "tpot_ms": tpot * 1000 if tpot is not None else None,
+            "e2e_ms": e2e * 1000, "status": self.status, "finish_reason": self.finish_reason,
+            "error_kind": self.error_kind, "retries": self.retries,
+        }
+
+
+def _header(scope: dict, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def _read_body(receive: Any, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, f"Request body larger than {limit} bytes.", "BadRequestError", "bad_request")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived."""
+
+
+def _bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, "BadRequestError", "bad_request", param)
+
+
+class Gateway:
+    """The ASGI application; one per process (or several in a test)."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.health = RedisHealth(retry_s=1.0)
+        self.health.listeners.append(lambda up: self.metrics.redis_up.set(1 if up else 0))
+        self.router = Router(settings.max_outstanding_per_replica, settings.affinity_slack,
+                             settings.failure_threshold, settings.failure_window_s, settings.ejection_s)
+        self.redis: aioredis.Redis | None = None
+        self.state: StateSync | None = None
+        self.limiter: RateLimiter | None = None
+        self.usage: UsageSink | None = None
+        self.upstream: Upstream | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def startup(self) -> None:
+        s = self.settings
+        self.redis = aioredis.Redis.from_url(s.redis_url, socket_timeout=1.0, socket_connect_timeout=0.5,
+                                             max_connections=512)
+        self.state = StateSync(self.redis, self.health, s.state_poll_s)
+        self.limiter = RateLimiter(self.redis, s.concurrency_lease_s)
+        self.usage = UsageSink(self.redis, s.spool_dir / f"{s.instance}.jsonl", self.health,
+                               on_spool_depth=self.metrics.spool_depth.set)
+        self.upstream = Upstream(s.connect_timeout_s, s.first_token_timeout_s, s.request_timeout_s)
+        await self.state.start()
+        await self.usage.start()
+        self._renewer = asyncio.create_task(self._renew_leases())
+        logger.info("gateway %s: %d deployments, %d keys, redis %s", s.instance, len(self.state.snapshot.routes),
+                    len(self.state.snapshot.keys), "up" if self.health.up else "DOWN")
+
+    async def shutdown(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+        if self._background:
+            await asyncio.wait(self._background, timeout=2)
+        if self.state is not None:
+            await self.state.stop()
+        if self.usage is not None:
+            await self.usage.stop()
+        if self.upstream is not None:
+            await self.upstream.aclose()
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def _renew_leases(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.concurrency_lease_s / 3)
+            if self.limiter.live and self.health.worth_trying():
+                try:
+                    await self.limiter.renew_leases()
+                except (RedisError, OSError) as exc:
+                    self.health.mark_down(exc)
+
+    # -- ASGI --------------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        endpoint = ENDPOINTS.get(path)
+        if endpoint is not None and method == "POST":
+            await self._api_request(scope, receive, send, endpoint)
+        elif path == "/v1/models" and method == "GET":
+            await self._models(scope, send)
+        elif path == "/health" and method == "GET":
+            await self._health(send)
+        elif path == "/metrics" and method == "GET":
+            await _send_whole(send, 200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)
+        else:
+            error = GatewayError(404, f"No route {method} {path}.", "NotFoundError", "not_found")
+            await _send_whole(send, 404, error.body)
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    logger.exception("gateway failed to start")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _health(self, send: Any) -> None:
+        snapshot = self.state.snapshot
+        body = {"status": "ok", "redis": "up" if self.health.up else "down", "deployments": len(snapshot.routes),
+                "keys": len(snapshot.keys), "usage_spool_depth": self.usage.spool_depth}
+        await _send_whole(send, 200, json.dumps(body).encode())
+
+    async def _models(self, scope: dict, send: Any) -> None:
+        try:
+            key = self._authenticate(scope)
+        except GatewayError as error:
+            await _send_whole(send, error.status, error.body)
+            return
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "inferops", "task": route.task}
+                for name, route in sorted(self.state.snapshot.routes.items()) if key.may_use(name)]
+        await _send_whole(send, 200, json.dumps({"object": "list", "data": data}).encode())
+
+    # -- one API request ---------------------------------------------------------------------
+
+    async def _api_request(self, scope: dict, receive: Any, send: Any, endpoint: str) -> None:
+        record = RequestRecord(endpoint)
+        task = asyncio.current_task()
+        watcher: asyncio.Task[None] | None = None
+        try:
+            body = await _read_body(receive, self.settings.max_body_bytes)
+            watcher = asyncio.create_task(self._watch_disconnect(receive, record, task))
+            await self._serve(scope, body, send, record)
+        except GatewayError as error:
+            record.status, record.error_kind = error.status, error.kind
+            if not record.headers_sent:
+                headers = [(b"retry-after", str(error.retry_after_s).encode())] if error.retry_after_s else []
+                await self._respond(send, record, error.status, error.body, error.content_type, headers)
+        except (asyncio.CancelledError, ClientGone) as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                if not record.client_gone:
+                    raise  # the server is shutting down: not ours to swallow
+                task.uncancel()
+            record.client_gone = True
+            record.error_kind = "client_disconnect"
+            if not record.headers_sent:
+                record.status = CLIENT_CLOSED_REQUEST
+        except Exception:
+            logger.exception("request %s failed", record.request_id)
+            record.error_kind = "internal"
+            if not record.headers_sent:
+                record.status = 500
+                error = GatewayError(500, "Internal gateway error.", "InternalServerError", "internal")
+                with contextlib.suppress(Exception):
+                    await self._respond(send, record, 500, error.body)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self._finish(record)
+
+    @staticmethod
+    async def _watch_disconnect(receive: Any, record: RequestRecord, task: asyncio.Task[Any]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        # After the last byte went out the server reports a disconnect too; that one is normal.
+        if not record.response_done:
+            record.client_gone = True
+            task.cancel()
+
+    def _finish(self, record: RequestRecord) -> None:
+        """Synchronous on purpose: nothing may interrupt it between the answer and the event."""
+        event = record.event(time.perf_counter())
+        self.usage.emit(event)
+        label = record.deployment if record.deployment in self.state.snapshot.routes else ""
+        self.metrics.requests.labels(label, str(record.status)).inc()
+        self.metrics.e2e.labels(label).observe(event["e2e_ms"] / 1000)
+        if event["ttft_ms"] is not None:
+            self.metrics.ttft.labels(label).observe(event["ttft_ms"] / 1000)
+        if event["tpot_ms"] is not None:
+            self.metrics.tpot.labels(label).observe(event["tpot_ms"] / 1000)
+        if record.admission is not None:
+            used = event["prompt_tokens"] + event["completion_tokens"]
+            self._spawn(self._release(record.admission, used))
+
+    async def _release(self, admission: Admission, used_tokens: int) -> None:
+        try:
+            await self.limiter.release(admission, used_tokens)
+        except (RedisError, OSError) as exc:
+            # The slot's lease runs out by itself (it is no longer renewed).
+            self.health.mark_down(exc)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _serve(self, scope: dict, body: bytes, send: Any, record: RequestRecord) -> None:
+        snapshot = self.state.snapshot
+        record.key = key = self._authenticate(scope)
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            raise _bad_request(f"Malformed JSON body: {exc}", "body") from None
+        if not isinstance(payload, dict):
+            raise _bad_request("The request body must be a JSON object.", "body")
+        deployment = payload.get("model")
+        if not isinstance(deployment, str) or not deployment:
+            raise _bad_request("`model` (a deployment name) is required.", "model")
+        record.deployment = deployment
+        route = snapshot.routes.get(deployment)
+        if route is None:
+            raise GatewayError(404, f"The deployment `{deployment}` does not exist.", "NotFoundError", "not_found",
+                               "model")
+        if not key.may_use(deployment):
+            raise GatewayError(403, f"API key {key.prefix} may not use the deployment `{deployment}`.",
+                               "PermissionDeniedError", "forbidden", "model")
+        record.stream = payload.get("stream") is True and record.endpoint != "embeddings"
+        record.prompt_estimate = estimate_prompt_tokens(payload)
+        record.admission = await self._admit(key, record)
+        strip_usage = False
+        if record.stream:
+            options = payload.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage") is True):
+                # The gateway needs the token counts; the client gets the stream it asked for.
+                payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+                body = json.dumps(payload).encode()
+                strip_usage = True
+        await self._proxy(scope["path"], route, body, payload, send, record, strip_usage)
+
+    def _authenticate(self, scope: dict) -> ApiKey:
+        header = _header(scope, b"authorization")
+        if header is None or not header[:7].lower() == b"bearer ":
+            raise GatewayError(401, "Missing API key: send `Authorization: Bearer <key>`.", "AuthenticationError",
+                               "auth")
+        key = self.state.snapshot.keys.get(hash_api_key(header[7:].strip().decode(errors="replace")))
+        if key is None:
+            raise GatewayError(401, "Invalid API key.", "AuthenticationError", "auth")
+        if key.expired(time.time()):
+            raise GatewayError(401, f"API key {key.prefix} has expired.", "AuthenticationError", "auth")
+        return key
+
+    async def _admit(self, key: ApiKey, record: RequestRecord) -> Admission | None:
+        if not RateLimiter.needed(key):
+            return None
+        if self.health.worth_trying():
+            try:
+                result = await self.limiter.admit(key, record.request_id, record.prompt_estimate)
+            except (RedisError, OSError) as exc:
+                self.health.mark_down(exc)
+            else:
+                self.health.mark_up()
+                if isinstance(result, Refusal):
+                    self.metrics.rate_limited.labels(result.scope, result.limit_name).inc()
+                    raise GatewayError(429, result.message, "RateLimitError", "rate_limited", None,
+                                       result.retry_after_s)
+                return result
+        if self.settings.redis_down_limits == "closed":
+            raise GatewayError(503, "Rate limits cannot be checked (Redis unreachable) and the gateway "
+                               "fails closed.", "ServiceUnavailableError", "shed", None, 1)
+        self.metrics.limits_bypassed.inc()
+        return None
+
+    async def _proxy(self, path: str, route: Route, body: bytes, payload: dict, send: Any,
+                     record: RequestRecord, strip_usage: bool) -> None:
+        tried: set[str] = set()
+        last_failure: UpstreamFailure | None = None
+        prefix = affinity_key(payload)
+        while True:
+            try:
+                choice = self.router.choose(route, prefix, tried)
+            except Saturated:
+                self.metrics.shed.labels(route.deployment, "saturated").inc()
+                raise GatewayError(503, f"Every replica of `{route.deployment}` is saturated; retry shortly.",
+                                   "ServiceUnavailableError", "shed", None, 1) from None
+            except NoReplica:
+                if last_failure is not None:
+                    raise _final_failure(last_failure) from None
+                self.metrics.shed.labels(route.deployment, "no_replica").inc()
+                raise GatewayError(503, f"No ready replica serves `{route.deployment}`.", "ServiceUnavailableError",
+                                   "shed", None, 1) from None
+            if tried:
+                record.retries += 1
+                self.metrics.retries.labels(route.deployment).inc()
+            tried.add(choice.replica.url)
+            record.version, record.replica = choice.version, choice.replica.id
+            record.sent_upstream = True
+            self.router.started(choice.replica)
+            try:
+                try:
+                    opened = await self.upstream.open(choice.replica.url + path, body, record.stream,
+                                                      record.request_id)
+                except UpstreamFailure as failure:
+                    last_failure = failure
+                    self.metrics.upstream_errors.labels(route.deployment, failure.kind).inc()
+                    if self.router.record_failure(choice.replica):
+                        self.metrics.ejections.labels(route.deployment).inc()
+                        logger.warning("ejected replica %s of %s: %s", choice.replica.url, route.deployment, failure)
+                    if len(tried) >= self.settings.max_attempts:
+                        raise _final_failure(failure) from None
+                    continue
+                try:
+                    await self._relay(opened, send, record, strip_usage)
+                finally:
+                    await opened.close()
+                return
+            finally:
+                self.router.finished(choice.replica)
+
+    async def _relay(self, opened: Opened, send: Any, record: RequestRecord, strip_usage: bool) -> None:
+        extra = [(b"x-request-id", record.request_id.encode())]
+        if opened.rest is None:
+            if opened.status == 200:
+                record.usage, record.finish_reason = read_usage(opened.first)
+            else:
+                record.error_kind = "not_found" if opened.status == 404 else "bad_request"
+            await self._respond(send, record, opened.status, opened.first, opened.content_type, extra)
+            return
+        observer = StreamObserver(strip_usage)
+        record.status = opened.status
+        record.headers_sent = True
+        await send({"type": "http.response.start", "status": opened.status,
+                    "headers": [(b"content-type", opened.content_type.encode()), (b"cache-control", b"no-cache"),
+                                *extra]})
+        try:
+            out = observer.feed(opened.first, time.perf_counter())
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+            async for chunk in opened.remaining():
+                out = observer.feed(chunk, time.perf_counter())
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        except UpstreamFailure as failure:  # the replica broke the stream after it started: too late to retry
+            record.error_kind = failure.kind
+            self.metrics.upstream_errors.labels(record.deployment, failure.kind).inc()
+            # Like vLLM for failures after the headers: an error event and no [DONE], so clients
+            # (the openai SDK raises on it) cannot take the cut stream for a complete answer.
+            broken = GatewayError(502, f"The replica failed mid-stream: {failure}", "InternalServerError", failure.kind)
+            await send({"type": "http.response.body", "body": b"data: " + broken.body + b"\n\n", "more_body": True})
+        finally:
+            record.usage = observer.usage
+            record.finish_reason = observer.finish_reason
+            record.first_chunk_at = observer.first_chunk_at
+            record.content_chunks = observer.content_chunks
+        if observer.saw_error and record.error_kind is None:
+            record.error_kind = "upstream_error"
+        record.response_done = True
+        await send({"type": "http.response.body", "body": observer.leftover(), "more_body": False})
+
+    @staticmethod
+    async def _respond(send: Any, record: RequestRecord, status: int, body: bytes,
+                       content_type: str = "application/json",
+                       headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        record.status = status
+        record.headers_sent = True
+        record.response_done = True
+        await _send_whole(send, status, body, content_type, headers)
+
+
+def _final_failure(failure: UpstreamFailure) -> GatewayError:
+    if failure.status is not None and failure.body:
+        return GatewayError(failure.status, str(failure), "InternalServerError", failure.kind,
+                            body=failure.body, content_type=failure.content_type)
+    status = 504 if failure.kind == TIMEOUT else 502
+    kind_text = "timed out" if failure.kind == TIMEOUT else "failed"
+    label = "connect" if failure.kind == CONNECT else "request"
+    return GatewayError(status, f"Upstream {label} {kind_text}: {failure}", "ServiceUnavailableError", failure.kind)
+
+
+async def _send_whole(send: Any, status: int, body: bytes, content_type: str = "application/json",
+                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    defaults = GatewaySettings()
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8080, help="port to bind")
+    parser.add_argument("--redis-url", default=None, help="Redis with routing, keys, limits, usage "
+                        "(default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
+    parser.add_argument("--instance", default=None,
+                        help="name of this gateway (spool file name; default: <hostname>-<port>)")
+    parser.add_argument("--spool-dir", default=None,
+                        help="usage spool directory (default: $INFEROPS_DATA_DIR/gateway-spool)")
+    parser.add_argument("--redis-down-limits", choices=["open", "closed"], default=defaults.redis_down_limits,
+                        help="when Redis is unreachable: serve without rate limits (open) or answer 503 (closed)")
+    parser.add_argument("--max-outstanding-per-replica", type=int, default=defaults.max_outstanding_per_replica,
+                        help="requests in flight to one replica before it counts as saturated (shed beyond)")
+    parser.add_argument("--affinity-slack", type=int, default=defaults.affinity_slack,
+                        help="how many more outstanding requests than the least loaded replica the "
+                             "prefix-preferred replica may have and still be chosen")
+    parser.add_argument("--max-attempts", type=int, default=defaults.max_attempts,
+                        help="replicas tried per request before the first byte (1 = no retry)")
+    parser.add_argument("--connect-timeout", type=float, default=defaults.connect_timeout_s,
+                        help="seconds to connect to a replica")
+    parser.add_argument("--first-token-timeout", type=float, default=defaults.first_token_timeout_s,
+                        help="seconds a stream may wait for its first chunk (and between chunks)")
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s,
+                        help="seconds a non-streamed request may take")
+    parser.add_argument("--concurrency-lease", type=float, default=defaults.concurrency_lease_s,
+                        help="seconds a concurrency slot lives unless renewed (frees slots of a crashed gateway)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
+    from inferops.embedded import data_dir  # plain os/pathlib; it never imports Django
+
+    spool_dir = Path(args.spool_dir) if args.spool_dir else data_dir() / "gateway-spool"
+    return GatewaySettings(
+        redis_url=args.redis_url or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0",
+        instance=args.instance or f"{socket.gethostname()}-{args.port}",
+        spool_dir=spool_dir,
+        redis_down_limits=args.redis_down_limits,
+        max_outstanding_per_replica=args.max_outstanding_per_replica,
+        affinity_slack=args.affinity_slack,
+        max_attempts=args.max_attempts,
+        connect_timeout_s=args.connect_timeout,
+        first_token_timeout_s=args.first_token_timeout,
+        request_timeout_s=args.request_timeout,
+        concurrency_lease_s=args.concurrency_lease,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    config = uvicorn.Config(Gateway(settings), host=args.host, port=args.port, loop="uvloop", http="httptools",
+                            lifespan="on", log_level=args.log_level, access_log=False, timeout_keep_alive=30,
+                            backlog=4096, timeout_graceful_shutdown=5)
+    logger.info("gateway %s on http://%s:%d/v1 (redis %s)", settings.instance, args.host, args.port,
+                settings.redis_url)
+    uvicorn.Server(config).run()
+    return 0

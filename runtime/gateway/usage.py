@@ -1,0 +1,113 @@
+"""Usage events: one per request, to the Redis stream `inferops:usage`, never lost.
+
+Requests only append to an in-memory queue; one writer task sends what has gathered in one
+pipelined XADD batch, so a busy gateway pays one round trip per batch rather than per request.
+When Redis fails, the batch goes to a local spool file (one JSON per line) and so does every
+later event until the spool has been replayed in order, after which the file is truncated.
+A crash between the replay and the truncation replays some events twice; ingestion is
+idempotent by request_id, so that costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from runtime.gateway.state import RedisHealth
+
+logger = logging.getLogger(__name__)
+
+USAGE_STREAM = "inferops:usage"
+STREAM_MAXLEN = 1_000_000
+BATCH_SIZE = 500
+
+
+class UsageSink:
+    def __init__(self, client: aioredis.Redis, spool_path: Path, health: RedisHealth,
+                 on_spool_depth: Any = None, replay_interval_s: float = 1.0) -> None:
+        self.client = client
+        self.spool_path = spool_path
+        self.health = health
+        self.replay_interval_s = replay_interval_s
+        self._on_spool_depth = on_spool_depth or (lambda depth: None)
+        self._queue: list[str] = []
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        spool_path.parent.mkdir(parents=True, exist_ok=True)
+        self.spool_depth = self._count_spooled()
+        self._on_spool_depth(self.spool_depth)
+
+    def emit(self, event: dict[str, Any]) -> None:
+        self._queue.append(json.dumps(event, separators=(",", ":")))
+        self._ready.set()
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        """Flushes what is queued (to Redis or the spool) before returning."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._flush()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), self.replay_interval_s)
+            self._ready.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if self.spool_depth and self.health.worth_trying():
+            await self._replay()
+        batch, self._queue = self._queue, []
+        if not batch:
+            return
+        # While older events wait in the spool, newer ones queue behind them to keep the order.
+        if self.spool_depth or not self.health.worth_trying() or not await self._send(batch):
+            self._spool(batch)
+
+    async def _send(self, lines: list[str]) -> bool:
+        try:
+            for start in range(0, len(lines), BATCH_SIZE):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for line in lines[start:start + BATCH_SIZE]:
+                        pipe.xadd(USAGE_STREAM, {"e": line}, maxlen=STREAM_MAXLEN, approximate=True)
+                    await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self.health.mark_down(exc)
+            # A batch that failed half way is spooled whole: the replay may duplicate events,
+            # which ingestion drops by request_id; dropping them instead would lose usage.
+            return False
+        self.health.mark_up()
+        return True
+
+    def _spool(self, lines: list[str]) -> None:
+        with self.spool_path.open("a", encoding="utf-8") as spool:
+            spool.write("".join(line + "\n" for line in lines))
+        self.spool_depth += len(lines)
+        self._on_spool_depth(self.spool_depth)
+
+    async def _replay(self) -> None:
+        lines = [line for line in self.spool_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        if lines and not await self._send(lines):
+            return
+        logger.warning("replayed %d spooled usage events", len(lines))
+        self.spool_path.write_text("", encoding="utf-8")
+        self.spool_depth = 0
+        self._on_spool_depth(0)
+
+    def _count_spooled(self) -> int:
+        if not self.spool_path.exists():
+            return 0
+        with self.spool_path.open(encoding="utf-8") as spool:
+            return sum(1 for line in spool if line.strip())
