@@ -14,6 +14,30 @@ from tenants import ingest, publish
 OWN_KEYS = (publish.KEYS_KEY, publish.GENERATION_KEY, ingest.STREAM_KEY, ingest.REJECTED_KEY)
 
 
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    # PBKDF2 costs a second per test user on a busy 2-core machine; these tests are not about it.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture
+def deployments(db):
+    """Deployments `chat` and `embed` as rows only: keys scope to names, nothing needs to serve."""
+    from deployments.models import Deployment
+    from registry.models import ModelVersion, RegisteredModel
+
+    model = RegisteredModel.objects.create(name="tiny", task="generate")
+    # Facts as a registration would read them from a tiny checkpoint; no file is read here.
+    version = ModelVersion.objects.create(
+        model=model, number=1, artifact_uri="/nonexistent/tiny", digest="0" * 64, architecture="LlamaForCausalLM",
+        parameter_count=1000, hidden_size=64, num_layers=2, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+        vocab_size=320, max_context=256, dtype="float32", weight_bytes=4000, kv_cache_bytes_per_token=512,
+        has_tokenizer=True, has_chat_template=True)
+    for name in ("chat", "embed"):
+        Deployment.objects.create(name=name, model=model, version=version)
+    return ["chat", "embed"]
+
+
 @pytest.fixture
 def redis_conn():
     client = redis_client()

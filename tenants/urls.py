@@ -1,0 +1,19 @@
+from django.urls import path
+
+from tenants import api, views
+
+app_name = "tenants"
+
+urlpatterns = [
+    path("", views.tenant_list, name="list"),
+    path("<slug:name>/", views.tenant_detail, name="detail"),
+    path("<slug:name>/keys/<str:prefix>/revoke/", views.key_revoke, name="key-revoke"),
+]
+
+api_urlpatterns = [
+    path("tenants/", api.TenantListCreate.as_view(), name="api-tenant-list"),
+    path("tenants/<str:name>/", api.TenantDetail.as_view(), name="api-tenant-detail"),
+    path("tenants/<str:name>/keys/", api.ApiKeyListCreate.as_view(), name="api-key-list"),
+    path("tenants/<str:name>/keys/<str:prefix>/", api.ApiKeyDetail.as_view(), name="api-key-detail"),
+    path("usage/", api.Usage.as_view(), name="api-usage"),
+]

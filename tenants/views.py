@@ -1,0 +1,108 @@
+"""Console pages: tenants with their limits and usage, keys created (secret shown once) and revoked."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.db.models import Sum
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from deployments.models import Deployment
+from deployments.views import apply_service
+from inferops.roles import OPERATOR, has_role
+from tenants import services
+from tenants.api import get_key, get_tenant, tenant_queryset
+from tenants.models import PRIORITY_RANGE, ApiKey, UsageMinute
+
+USAGE_RANGES = [("1h", "last hour"), ("6h", "last 6 hours"), ("1d", "last day"), ("7d", "last 7 days")]
+
+
+def limit_field(label: str) -> forms.IntegerField:
+    return forms.IntegerField(label=label, min_value=1, max_value=2**31 - 1, required=False,
+                              help_text="empty = unlimited")
+
+
+class TenantForm(forms.Form):
+    name = forms.SlugField(max_length=63)
+    display_name = forms.CharField(max_length=200, required=False)
+    rpm_limit = limit_field("Requests / minute")
+    tpm_limit = limit_field("Tokens / minute")
+    max_concurrent = limit_field("Concurrent requests")
+
+
+class ApiKeyForm(forms.Form):
+    name = forms.CharField(max_length=100)
+    deployments = forms.CharField(required=False, help_text="comma-separated names; empty = every deployment")
+    rpm_limit = limit_field("Requests / minute")
+    tpm_limit = limit_field("Tokens / minute")
+    max_concurrent = limit_field("Concurrent requests")
+    priority = forms.IntegerField(min_value=PRIORITY_RANGE[0], max_value=PRIORITY_RANGE[1], initial=0)
+    expires_at = forms.DateTimeField(required=False, help_text="UTC, e.g. 2027-01-31 00:00; empty = never",
+                                     widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+
+    def clean_deployments(self) -> list[str]:
+        return [name.strip() for name in self.cleaned_data["deployments"].split(",") if name.strip()]
+
+
+def require_operator(request):
+    if not has_role(request.user, OPERATOR):
+        raise PermissionDenied("Changing tenants and keys needs the operator role.")
+
+
+def last_hour_requests() -> dict[str | None, int]:
+    since = timezone.now() - timedelta(hours=1)
+    rows = UsageMinute.objects.filter(minute__gte=since).values("tenant").annotate(requests=Sum("requests"))
+    return {row["tenant"]: row["requests"] for row in rows}
+
+
+@login_required
+def tenant_list(request):
+    form = TenantForm(request.POST or None)
+    if request.method == "POST":
+        require_operator(request)
+        if form.is_valid():
+            created = apply_service(form, lambda: services.tenant_create(actor=request.user, **form.cleaned_data))
+            if created:
+                messages.success(request, f"Tenant {created.name} created.")
+                return redirect("tenants:detail", name=created.name)
+    requests = last_hour_requests()
+    tenants = [(tenant, requests.get(tenant.name, 0)) for tenant in tenant_queryset().order_by("name")]
+    return render(request, "tenants/list.html", {"tenants": tenants, "form": form},
+                  status=400 if request.method == "POST" else 200)
+
+
+@login_required
+def tenant_detail(request, name: str):
+    tenant = get_tenant(name)
+    form = ApiKeyForm(request.POST or None)
+    created = None
+    if request.method == "POST":
+        require_operator(request)
+        if form.is_valid():
+            result = apply_service(form, lambda: services.key_create(
+                tenant=tenant, actor=request.user, **form.cleaned_data))
+            if result:
+                # Rendered into this response only, never stored (not even in the session): shown once.
+                created = {"key": result[0], "secret": result[1]}
+                form = ApiKeyForm()
+    keys = ApiKey.objects.filter(tenant=tenant).select_related("created_by")
+    return render(request, "tenants/detail.html", {
+        "tenant": tenant, "keys": keys, "form": form, "created": created, "ranges": USAGE_RANGES,
+        "deployment_names": Deployment.objects.filter(deleted_at__isnull=True).values_list("name", flat=True),
+    }, status=400 if request.method == "POST" and created is None else 200)
+
+
+@login_required
+@require_POST
+def key_revoke(request, name: str, prefix: str):
+    require_operator(request)
+    key = get_key(get_object_or_404(tenant_queryset(), name=name), prefix)
+    services.key_revoke(key=key, actor=request.user)
+    messages.success(request, f"Key {key.prefix} ({key.name}) revoked: gateways refuse it within seconds.")
+    return redirect("tenants:detail", name=name)
