@@ -4,10 +4,11 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from alerts.urls import api_urlpatterns as alerts_api
 from deployments.urls import api_urlpatterns as deployments_api
 from inferops import views
 from registry.urls import api_urlpatterns as registry_api
-from tenants.urls import api_urlpatterns as tenants_api
+from slo.urls import api_urlpatterns as slo_api
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="registry:model-list", permanent=False)),
@@ -15,14 +16,14 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("models/", include("registry.urls")),
     path("deployments/", include("deployments.urls")),
-    path("tenants/", include("tenants.urls")),
     path("assets/plotly.min.js", views.plotly_js, name="plotly-js"),
     path("audit/", views.audit_log, name="audit"),
     path("healthz", views.healthz, name="healthz"),
     path("admin/", admin.site.urls),
     path("api/v1/", include(registry_api)),
     path("api/v1/", include(deployments_api)),
-    path("api/v1/", include(tenants_api)),
+    path("api/v1/", include(slo_api)),
+    path("api/v1/", include(alerts_api)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
 ]

@@ -297,8 +297,9 @@ class WindowReader:
         )
 
 
-def evaluate_at(slos: list[Slo], at: datetime) -> list[Evaluation]:
-    readers = [WindowReader(slo, at) for slo in slos]
+def evaluate_at(moments: list[tuple[Slo, datetime]]) -> list[Evaluation]:
+    """Evaluate each SLO at its moment from the stored minute rows (also past moments, for charts)."""
+    readers = [WindowReader(slo, at) for slo, at in moments]
     totals = running_totals_at([probe for reader in readers for probe in reader.probes()])
     return [reader.evaluate(totals) for reader in readers]
 
@@ -364,7 +365,7 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
         report.phases["ingest_s"] = clock.perf_counter() - phase
 
         phase = clock.perf_counter()
-        evaluations = evaluate_at(slos, now)
+        evaluations = evaluate_at([(slo, now) for slo in slos])
         report.phases["windows_s"] = clock.perf_counter() - phase
 
         phase = clock.perf_counter()

@@ -1,0 +1,278 @@
+"""REST API for SLOs: CRUD, the evaluated status, and per-minute or per-hour history for charts."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, inline_serializer
+from rest_framework import generics, serializers, status
+from rest_framework.exceptions import ValidationError
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from alerts.api import AlertSerializer
+from alerts.choices import AlertStatus
+from deployments.models import Deployment
+from registry.api import CONFLICT, ERRORS
+from registry.models import RegisteredModel, slug_validator
+from slo import services
+from slo.budget import BURN_WINDOWS, MINUTE, alert_rules, floor_minute
+from slo.choices import Budgeting, Scope, SliKind, SloState, Window
+from slo.evaluation import evaluate_at
+from slo.models import Slo
+
+# Model field -> where it sits in the API body, so a clean() error names the field the client sent.
+API_FIELD = {"sli_kind": "sli.kind", "ttft_ms": "sli.ttft_ms", "tpot_ms": "sli.tpot_ms", "e2e_ms": "sli.e2e_ms",
+             "ratio_good": "sli.good", "ratio_total": "sli.total"}
+MAX_HISTORY_POINTS = 2000
+
+
+class SliSerializer(serializers.Serializer):
+    kind = serializers.ChoiceField(SliKind.choices)
+    ttft_ms = serializers.FloatField(required=False, allow_null=True, min_value=0)
+    tpot_ms = serializers.FloatField(required=False, allow_null=True, min_value=0)
+    e2e_ms = serializers.FloatField(required=False, allow_null=True, min_value=0)
+    good = serializers.CharField(required=False, allow_blank=True, max_length=32,
+                                 help_text="Ratio SLIs: the scraped series counting good events.")
+    total = serializers.CharField(required=False, allow_blank=True, max_length=32,
+                                  help_text="Ratio SLIs: the scraped series counting all events.")
+
+
+class StatusSerializer(serializers.Serializer):
+    sli = serializers.FloatField(allow_null=True)
+    good = serializers.IntegerField()
+    total = serializers.IntegerField()
+    budget_total = serializers.FloatField()
+    budget_consumed = serializers.FloatField()
+    budget_remaining = serializers.FloatField()
+    burn_rates = serializers.DictField(child=serializers.FloatField())
+    time_to_exhaustion_s = serializers.FloatField(allow_null=True)
+    status = serializers.ChoiceField(SloState.choices, source="state")
+    window_start = serializers.DateTimeField(allow_null=True)
+    evaluated_at = serializers.DateTimeField(allow_null=True)
+
+
+class SloSerializer(serializers.ModelSerializer):
+    deployment = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    model = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    sli = serializers.SerializerMethodField()
+    status = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Slo
+        fields = ["id", "name", "description", "owner", "runbook_url", "scope", "deployment", "model", "tenant", "sli",
+                  "objective", "window", "time_zone", "budgeting", "timeslice_target", "min_requests",
+                  "backfilled_from", "status", "created_at", "updated_at"]
+        read_only_fields = fields
+
+    @extend_schema_field(SliSerializer)
+    def get_sli(self, slo: Slo) -> dict:
+        sli = {"kind": slo.sli_kind, "ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2e_ms": slo.e2e_ms}
+        if slo.sli_kind == SliKind.RATIO:
+            sli.update(good=slo.ratio_good, total=slo.ratio_total)
+        return sli
+
+    @extend_schema_field(StatusSerializer(allow_null=True))
+    def get_status(self, slo: Slo) -> dict | None:
+        evaluated = getattr(slo, "status", None)
+        return StatusSerializer(evaluated).data if evaluated else None
+
+
+class SloWriteSerializer(serializers.Serializer):
+    """The issue's body. Scope defaults from what is given: a tenant makes it tenant-scoped, a
+    model without a deployment model-scoped, else deployment-scoped."""
+
+    name = serializers.CharField(max_length=63, validators=[slug_validator])
+    description = serializers.CharField(required=False, allow_blank=True)
+    owner = serializers.CharField(required=False, allow_blank=True, max_length=100)
+    runbook_url = serializers.URLField(required=False, allow_blank=True, max_length=500)
+    scope = serializers.ChoiceField(Scope.choices, required=False)
+    deployment = serializers.SlugRelatedField(slug_field="name", queryset=Deployment.objects.filter(deleted_at=None),
+                                              required=False, allow_null=True)
+    model = serializers.SlugRelatedField(slug_field="name", queryset=RegisteredModel.objects.all(), required=False,
+                                         allow_null=True)
+    tenant = serializers.CharField(required=False, allow_blank=True, max_length=63)
+    sli = SliSerializer()
+    objective = serializers.FloatField()
+    window = serializers.ChoiceField(Window.choices)
+    time_zone = serializers.CharField(required=False, max_length=64)
+    budgeting = serializers.ChoiceField(Budgeting.choices, default=Budgeting.OCCURRENCES)
+    timeslice_target = serializers.FloatField(required=False, allow_null=True)
+    min_requests = serializers.IntegerField(required=False, min_value=0, max_value=10**9)
+
+    def to_fields(self) -> dict:
+        """validated_data as Slo fields."""
+        data = dict(self.validated_data)
+        if "sli" in data:
+            sli = data.pop("sli")
+            data["sli_kind"] = sli["kind"]
+            for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
+                data[name] = sli.get(name)
+            data["ratio_good"], data["ratio_total"] = sli.get("good") or "", sli.get("total") or ""
+        if "scope" not in data and not self.partial:
+            if data.get("tenant"):
+                data["scope"] = Scope.TENANT
+            elif data.get("model") and not data.get("deployment"):
+                data["scope"] = Scope.MODEL
+            else:
+                data["scope"] = Scope.DEPLOYMENT
+        return data
+
+
+def api_validation_error(exc: DjangoValidationError) -> ValidationError:
+    messages = exc.message_dict if hasattr(exc, "error_dict") else {"detail": exc.messages}
+    return ValidationError({API_FIELD.get(field, field): errors for field, errors in messages.items()})
+
+
+def slo_queryset():
+    return Slo.objects.select_related("deployment", "model", "status")
+
+
+def get_slo(pk: int) -> Slo:
+    return get_object_or_404(slo_queryset(), pk=pk)
+
+
+@extend_schema(tags=["slos"])
+class SloListCreate(generics.ListAPIView):
+    serializer_class = SloSerializer
+
+    def get_queryset(self):
+        queryset = slo_queryset().order_by("status__budget_remaining", "name")
+        params = self.request.query_params
+        if deployment := params.get("deployment"):
+            queryset = queryset.filter(deployment__name=deployment)
+        if state := params.get("status"):
+            queryset = queryset.filter(status__state=state)
+        return queryset
+
+    @extend_schema(parameters=[OpenApiParameter("deployment", OpenApiTypes.STR),
+                               OpenApiParameter("status", OpenApiTypes.STR, enum=SloState.values)],
+                   responses={200: SloSerializer(many=True), **ERRORS},
+                   description="SLOs sorted by remaining error budget, the most burnt first.")
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
+    @extend_schema(request=SloWriteSerializer, responses={201: SloSerializer, **ERRORS, **CONFLICT})
+    def post(self, request):
+        serializer = SloWriteSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            slo = services.slo_create(actor=request.user, **serializer.to_fields())
+        except DjangoValidationError as exc:
+            raise api_validation_error(exc) from None
+        return Response(SloSerializer(get_slo(slo.pk)).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(tags=["slos"])
+class SloDetail(APIView):
+    @extend_schema(responses={200: SloSerializer, **ERRORS})
+    def get(self, request, pk: int):
+        return Response(SloSerializer(get_slo(pk)).data)
+
+    @extend_schema(request=SloWriteSerializer, responses={200: SloSerializer, **ERRORS, **CONFLICT},
+                   description="Partial update. Changing what the SLI counts (kind, thresholds, scope, "
+                               "budgeting) drops the stored minutes and back-fills them again.")
+    def patch(self, request, pk: int):
+        slo = get_slo(pk)
+        serializer = SloWriteSerializer(data=request.data, partial=True)
+        serializer.is_valid(raise_exception=True)
+        try:
+            services.slo_update(slo=slo, actor=request.user, **serializer.to_fields())
+        except DjangoValidationError as exc:
+            raise api_validation_error(exc) from None
+        return Response(SloSerializer(get_slo(pk)).data)
+
+    @extend_schema(responses={204: None, **ERRORS})
+    def delete(self, request, pk: int):
+        services.slo_delete(slo=get_slo(pk), actor=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+def alert_thresholds(slo: Slo) -> list[dict]:
+    return [{"severity": rule.severity, "factor": rule.factor, "long_window_minutes": rule.long_minutes,
+             "short_window_minutes": rule.short_minutes} for rule in alert_rules(slo.window)]
+
+
+@extend_schema(tags=["slos"])
+class SloStatusView(APIView):
+    @extend_schema(responses={200: inline_serializer("SloStatus", {
+        "slo": serializers.CharField(), "sli": serializers.FloatField(allow_null=True),
+        "budget_remaining": serializers.FloatField(), "burn_rates": serializers.DictField(),
+        "status": serializers.ChoiceField(SloState.choices), "alerts": AlertSerializer(many=True),
+        "good": serializers.IntegerField(), "total": serializers.IntegerField(),
+        "budget_total": serializers.FloatField(), "budget_consumed": serializers.FloatField(),
+        "time_to_exhaustion_s": serializers.FloatField(allow_null=True),
+        "window_start": serializers.DateTimeField(allow_null=True),
+        "evaluated_at": serializers.DateTimeField(allow_null=True),
+        "backfilled_from": serializers.DateTimeField(allow_null=True),
+        "alert_thresholds": serializers.ListField(child=serializers.DictField()),
+    }), **ERRORS})
+    def get(self, request, pk: int):
+        slo = get_slo(pk)
+        body = {"slo": slo.name, **StatusSerializer(slo.status).data}
+        firing = slo.alerts.filter(status=AlertStatus.FIRING).select_related("slo")
+        body.update(alerts=AlertSerializer(firing, many=True).data, backfilled_from=slo.backfilled_from,
+                    alert_thresholds=alert_thresholds(slo))
+        return Response(body)
+
+
+def parse_time(value: str | None, field: str, default: datetime) -> datetime:
+    if not value:
+        return default
+    try:
+        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ValidationError({field: [f"{value!r} is not an ISO 8601 time."]}) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def history_points(start: datetime, end: datetime, step: str) -> list[datetime]:
+    delta = MINUTE if step == "minute" else timedelta(hours=1)
+    first = floor_minute(start) if step == "minute" else start.replace(minute=0, second=0, microsecond=0)
+    count = int((end - first) / delta) + 1
+    if count > MAX_HISTORY_POINTS:
+        raise ValidationError({"end": [f"{count} points of one {step}; at most {MAX_HISTORY_POINTS}: "
+                                       "narrow the range or use step=hour."]})
+    return [first + i * delta for i in range(max(count, 0))]
+
+
+@extend_schema(tags=["slos"])
+class SloHistory(APIView):
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("start", OpenApiTypes.DATETIME, description="Default: 24 hours before end."),
+            OpenApiParameter("end", OpenApiTypes.DATETIME, description="Default: now."),
+            OpenApiParameter("step", OpenApiTypes.STR, enum=["minute", "hour"],
+                             description="Default: minute up to a day, hour beyond."),
+        ],
+        responses={200: OpenApiTypes.OBJECT, **ERRORS},
+        description="SLI, budget remaining and burn rates as they stood at each minute or hour "
+                    "(from the stored minute rows), with the alert thresholds and the alerts of the range.",
+    )
+    def get(self, request, pk: int):
+        slo = get_slo(pk)
+        params = request.query_params
+        end = parse_time(params.get("end"), "end", timezone.now())
+        start = parse_time(params.get("start"), "start", end - timedelta(days=1))
+        if start >= end:
+            raise ValidationError({"start": ["start must be before end."]})
+        step = params.get("step") or ("minute" if end - start <= timedelta(days=1) else "hour")
+        if step not in ("minute", "hour"):
+            raise ValidationError({"step": [f"{step!r}: use minute or hour."]})
+        points = history_points(start, end, step)
+        evaluations = evaluate_at([(slo, moment) for moment in points])
+        alerts = slo.alerts.filter(starts_at__lte=end).exclude(ends_at__lt=start).select_related("slo")
+        return Response({
+            "slo": slo.name, "step": step, "objective": slo.objective, "burn_windows": list(BURN_WINDOWS),
+            "alert_thresholds": alert_thresholds(slo),
+            "points": [
+                {"time": ev.at, "sli": ev.budget.sli, "budget_remaining": ev.budget.budget_remaining,
+                 "good": ev.counts.good, "total": ev.counts.total, "burn_rates": ev.burn_rates}
+                for ev in evaluations
+            ],
+            "alerts": AlertSerializer(alerts, many=True).data,
+        })
