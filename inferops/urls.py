@@ -9,6 +9,7 @@ from deployments.urls import api_urlpatterns as deployments_api
 from inferops import views
 from registry.urls import api_urlpatterns as registry_api
 from slo.urls import api_urlpatterns as slo_api
+from tenants.urls import api_urlpatterns as tenants_api
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="registry:model-list", permanent=False)),
@@ -16,6 +17,7 @@ urlpatterns = [
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("models/", include("registry.urls")),
     path("deployments/", include("deployments.urls")),
+    path("tenants/", include("tenants.urls")),
     path("assets/plotly.min.js", views.plotly_js, name="plotly-js"),
     path("audit/", views.audit_log, name="audit"),
     path("healthz", views.healthz, name="healthz"),
@@ -24,6 +26,7 @@ urlpatterns = [
     path("api/v1/", include(deployments_api)),
     path("api/v1/", include(slo_api)),
     path("api/v1/", include(alerts_api)),
+    path("api/v1/", include(tenants_api)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
 ]
