@@ -163,7 +163,9 @@ def definitions_from_documents(raw_documents: list) -> list[dict]:
     documents = index_documents(raw_documents, problems)
     by_kind: dict[str, dict[str, Document]] = {kind: {} for kind in KINDS}
     for doc in documents:
-        if doc.name in by_kind[doc.kind]:
+        # Several SLOs of one service may each bring its Service document; other kinds are named
+        # by references, which must not be ambiguous.
+        if doc.name in by_kind[doc.kind] and doc.kind != "Service":
             Reader(doc, problems).refuse("metadata.name", f"a second {doc.kind} with this name")
         by_kind[doc.kind][doc.name] = doc
     for doc in by_kind["Service"].values():
@@ -698,7 +700,8 @@ def import_text(text: str, *, actor) -> list:
             name = definition.get(key)
             if name is None:
                 continue
-            definition[key] = model.objects.filter(name=name).first()
+            rows = model.objects.filter(deleted_at=None) if model is Deployment else model.objects.all()
+            definition[key] = rows.filter(name=name).first()
             if definition[key] is None:
                 problems.append(Problem(index, "SLO", definition["name"], "spec.service",
                                         f"no {key} named {name!r} in inferops"))

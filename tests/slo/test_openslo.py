@@ -353,3 +353,150 @@ def test_no_slo_or_no_yaml():
         definitions_from_documents([service("chat")])
     with pytest.raises(ValueError, match="Not valid YAML"):
         parse_documents("kind: [unclosed")
+
+
+# --- through the API and manage.py, against the database ------------------------------------------
+
+
+@pytest.fixture
+def deployments(db):
+    from tests.slo.conftest import make_deployment
+
+    return make_deployment("chat", "tiny")
+
+
+def import_yaml(client, text: str):
+    return client.post("/api/v1/slos/import/", data=text.encode(), content_type="application/yaml")
+
+
+def stream(*document_sets) -> str:
+    documents = [doc for documents in document_sets for doc in documents]
+    return yaml.safe_dump_all(documents, sort_keys=False)
+
+
+@pytest.mark.django_db
+def test_import_creates_slos_and_export_gives_the_documents_back(api, deployments):
+    from slo.models import Slo
+
+    operator = api("operator")
+    text = stream(DOCUMENT_SETS["latency-1d"], AVAILABILITY_CALENDAR, GOODPUT_TENANT_TIMESLICES, RATIO_MODEL_WEEK)
+    response = import_yaml(operator, text)
+    assert response.status_code == 201, response.json()
+    created = {slo["name"]: slo for slo in response.json()["created"]}
+    assert set(created) == {"chat-ttft", "chat-availability", "acme-goodput", "tiny-prefix-cache"}
+    assert created["acme-goodput"]["scope"] == "tenant" and created["acme-goodput"]["tenant"] == "acme"
+    assert created["tiny-prefix-cache"]["model"] == "tiny" and created["tiny-prefix-cache"]["deployment"] is None
+    assert Slo.objects.get(name="chat-ttft").ttft_ms == 500.0
+
+    viewer = api("viewer")
+    for name, documents in [("chat-ttft", DOCUMENT_SETS["latency-1d"]), ("chat-availability", AVAILABILITY_CALENDAR),
+                            ("acme-goodput", GOODPUT_TENANT_TIMESLICES), ("tiny-prefix-cache", RATIO_MODEL_WEEK)]:
+        exported = viewer.get(f"/api/v1/slos/{created[name]['id']}/openslo/")
+        assert exported.status_code == 200
+        assert exported["Content-Type"].startswith("application/yaml")
+        assert parse_documents(exported.content.decode()) == documents
+
+
+@pytest.mark.django_db
+def test_import_is_all_or_nothing(api, deployments):
+    from slo.models import Slo
+
+    operator = api("operator")
+    # Each document is valid OpenSLO; the second SLO names a deployment inferops does not have.
+    unknown_service = yaml.safe_load(yaml.safe_dump(AVAILABILITY_CALENDAR[1]))
+    unknown_service["spec"]["service"] = "nope"
+    response = import_yaml(operator, stream(DOCUMENT_SETS["latency-1d"], [unknown_service]))
+    assert response.status_code == 400
+    assert response.json()["unsupported"] == [{"document": 1, "kind": "SLO", "name": "chat-availability",
+                                               "field": "spec.service",
+                                               "message": "no deployment named 'nope' in inferops"}]
+    # The model refuses a value: the error names the SLO and the field; the first SLO is not kept.
+    bad_objective = yaml.safe_load(yaml.safe_dump(AVAILABILITY_CALENDAR[1]))
+    bad_objective["spec"]["objectives"] = [{"target": 1.5}]
+    response = import_yaml(operator, stream(DOCUMENT_SETS["latency-1d"], [bad_objective]))
+    assert response.status_code == 400
+    assert "chat-availability.objective" in response.json()
+    # A name already taken: 409, and again nothing is created.
+    assert import_yaml(operator, LATENCY_SLO).status_code == 201
+    response = import_yaml(operator, stream(AVAILABILITY_CALENDAR, DOCUMENT_SETS["latency-1d"]))
+    assert response.status_code == 409
+    assert list(Slo.objects.values_list("name", flat=True)) == ["chat-ttft"]
+
+
+@pytest.mark.django_db
+def test_import_lists_every_unsupported_field_in_one_400(api, deployments):
+    response = import_yaml(api("operator"), UNSUPPORTED)
+    assert response.status_code == 400
+    body = response.json()
+    fields = [(problem["document"], problem["field"]) for problem in body["unsupported"]]
+    assert len(fields) >= 12 and (1, "spec.objectives[1]") in fields and (0, "kind") in fields
+    assert body["detail"].startswith(f"{len(fields)} unsupported field(s)")
+
+
+@pytest.mark.django_db
+def test_import_body_forms_and_roles(api, deployments):
+    assert api("viewer").post("/api/v1/slos/import/", data=LATENCY_SLO.encode(),
+                              content_type="application/yaml").status_code == 403
+    operator = api("operator")
+    assert operator.post("/api/v1/slos/import/", data="", content_type="application/yaml").status_code == 400
+    response = operator.post("/api/v1/slos/import/", data="kind: [", content_type="application/yaml")
+    assert response.status_code == 400 and "Not valid YAML" in response.json()["detail"]
+    response = operator.post("/api/v1/slos/import/", {"yaml": LATENCY_SLO}, format="json")
+    assert response.status_code == 201 and response.json()["created"][0]["name"] == "chat-ttft"
+
+
+@pytest.mark.django_db
+def test_prometheus_rules_endpoint(api, deployments):
+    operator = api("operator")
+    import_yaml(operator, stream(DOCUMENT_SETS["latency-1d"], RATIO_MODEL_WEEK))
+    from slo.models import Slo
+
+    latency, ratio = Slo.objects.get(name="chat-ttft"), Slo.objects.get(name="tiny-prefix-cache")
+    viewer = api("viewer")
+    response = viewer.get(f"/api/v1/slos/{latency.pk}/prometheus-rules/")
+    assert response.status_code == 200 and response["Content-Type"].startswith("application/yaml")
+    rules = yaml.safe_load(response.content)
+    assert 'deployment="chat"' in rules["groups"][0]["rules"][0]["expr"]
+    assert viewer.get(f"/api/v1/slos/{ratio.pk}/prometheus-rules/").status_code == 422
+    response = viewer.get(f"/api/v1/slos/{ratio.pk}/prometheus-rules/?source=replica")
+    assert response.status_code == 200 and b"vllm:prefix_cache_hits_total" in response.content
+    assert viewer.get(f"/api/v1/slos/{ratio.pk}/prometheus-rules/?source=x").status_code == 400
+    assert viewer.get("/api/v1/slos/999999/openslo/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_manage_py_import_and_export(deployments, tmp_path):
+    from io import StringIO
+
+    from django.core.management import CommandError, call_command
+
+    from slo.models import Slo
+
+    source = tmp_path / "slos.yaml"
+    source.write_text(stream(DOCUMENT_SETS["latency-1d"], AVAILABILITY_CALENDAR))
+    out = StringIO()
+    call_command("slo_import", str(source), stdout=out)
+    assert "Created SLO chat-ttft" in out.getvalue() and "Created SLO chat-availability" in out.getvalue()
+
+    target = tmp_path / "export.yaml"
+    call_command("slo_export", "-o", str(target), stderr=StringIO())
+    exported = parse_documents(target.read_text())
+    # One Service document for the deployment both SLOs share, then the SLOs by name.
+    assert exported == [AVAILABILITY_CALENDAR[0], AVAILABILITY_CALENDAR[1], DOCUMENT_SETS["latency-1d"][1]]
+    out = StringIO()
+    call_command("slo_export", "chat-ttft", stdout=out)
+    assert parse_documents(out.getvalue()) == DOCUMENT_SETS["latency-1d"]
+    out = StringIO()
+    call_command("slo_export", "--prometheus", "gateway", stdout=out)
+    assert len(yaml.safe_load(out.getvalue())["groups"]) == 4
+
+    Slo.objects.all().delete()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(UNSUPPORTED)
+    errors = StringIO()
+    with pytest.raises(CommandError, match="nothing was imported"):
+        call_command("slo_import", str(source), str(broken), stderr=errors)
+    assert "spec.objectives[1]: only one objective is supported" in errors.getvalue()
+    assert not Slo.objects.exists()
+    with pytest.raises(CommandError, match="No SLO named nope"):
+        call_command("slo_export", "nope")
