@@ -128,7 +128,12 @@ class RequestTimer:
         self.finished = False
 
     def on_scheduled(self, step_started_at: float) -> None:
-        """The first engine step that produced output for this request began at this time."""
+        """The first engine step that produced output for this request began at this time.
+
+        The engine does not report when it first scheduled a request, so queue time ends at
+        the step that sampled the first token: exact for prompts prefilled in one step; for a
+        prompt chunked over several steps it also holds the earlier chunks' time.
+        """
         if self.first_token_at is None:
             self.metrics.queue.observe(max(0.0, step_started_at - self.arrived_at))
 
