@@ -1,0 +1,121 @@
+"""Redis stopped under a gateway: serving goes on from memory, usage events spool and replay.
+
+Runs its own redis-server on a free port (append-only file on, like a production Redis, so a
+restart keeps what was written before it); the shared test Redis is not touched.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import free_port
+from tests.gateway.conftest import Control
+
+pytestmark = [pytest.mark.timeout(90),
+              pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")]
+
+
+class RedisProcess:
+    def __init__(self, directory) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.directory = directory
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "yes",
+                                      "--dir", str(self.directory), "--bind", "127.0.0.1"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    server = RedisProcess(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _wait_until(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def _metric(http: httpx.Client, base_url: str, name: str) -> float:
+    for line in http.get(base_url.removesuffix("/v1") + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exposed")
+
+
+def test_redis_stopped_serving_goes_on_and_every_usage_event_arrives_after_it_returns(
+        private_redis, replicas, gateways, tmp_path):
+    (replica,) = replicas(1)
+    control = Control(private_redis.url)
+    control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])])
+    secret, _ = control.publish_key("acme", tenant_limits={"rpm": 1000, "tpm": 1_000_000})
+    open_gateway, open_url = gateways(private_redis.url)
+    _, closed_url = gateways(private_redis.url, redis_down_limits="closed")
+    headers = {"Authorization": f"Bearer {secret}"}
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    http = httpx.Client(timeout=10)
+    sent = 0
+
+    def call(url: str) -> int:
+        nonlocal sent
+        sent += 1
+        return http.post(f"{url}/chat/completions", json=body, headers=headers).status_code
+
+    assert [call(open_url) for _ in range(3)] == [200] * 3
+    _wait_until(lambda: control.redis.xlen("inferops:usage") == 3)
+
+    private_redis.stop()
+    assert [call(open_url) for _ in range(6)] == [200] * 6  # keys and routes from memory, limits open
+    assert call(closed_url) == 503  # the other policy refuses instead
+    spool = tmp_path / "spool" / "test-0.jsonl"
+    _wait_until(lambda: spool.exists() and len(spool.read_text().splitlines()) == 6)
+    assert _metric(http, open_url, "inferops_gateway_redis_up") == 0
+    assert _metric(http, open_url, "inferops_gateway_usage_spool_depth") == 6
+    assert _metric(http, open_url, "inferops_gateway_limits_bypassed_total") == 6
+    assert http.get(open_url.removesuffix("/v1") + "/health").json()["redis"] == "down"
+
+    private_redis.start()
+    _wait_until(lambda: control.redis.xlen("inferops:usage") == sent, timeout=10)
+    events = control.events()
+    assert len({e["request_id"] for e in events}) == sent == 10
+    assert [e["status"] for e in events].count(200) == 9 and events[-1]["status"] == 503
+    assert spool.read_text() == "" and _metric(http, open_url, "inferops_gateway_usage_spool_depth") == 0
+    _wait_until(lambda: _metric(http, open_url, "inferops_gateway_redis_up") == 1)
+
+    # A flushed Redis (the control plane republishes within 30 s) does not empty the gateway.
+    control.redis.flushall()
+    time.sleep(1.5)
+    assert call(open_url) == 200
+    assert len(open_gateway.state.snapshot.keys) == 1
+    http.close()
+    control.redis.close()
