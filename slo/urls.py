@@ -1,6 +1,16 @@
 from django.urls import path
 
-from slo import api, interchange_api
+from slo import api, interchange_api, views
+
+app_name = "slo"
+
+# Console pages, under /slos/.
+urlpatterns = [
+    path("", views.slo_list, name="list"),
+    path("new/", views.slo_create, name="create"),
+    path("<int:pk>/", views.slo_detail, name="detail"),
+    path("<int:pk>/edit/", views.slo_edit, name="edit"),
+]
 
 api_urlpatterns = [
     path("slos/", api.SloListCreate.as_view(), name="api-slo-list"),

@@ -1,0 +1,143 @@
+"""SLO console: the list by remaining budget, one SLO's budget, burn and SLI charts, create and edit."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.shortcuts import get_object_or_404, redirect, render
+
+from deployments.models import Deployment
+from deployments.views import apply_service
+from inferops.roles import OPERATOR, has_role
+from registry.models import RegisteredModel
+from slo import services
+from slo.api import alert_thresholds, slo_queryset
+from slo.budget import alert_rules
+from slo.choices import RATIO_SERIES, Budgeting, Scope, SliKind, Window
+from slo.models import Slo
+
+SERIES_CHOICES = [("", "—")] + [(name, name) for name in RATIO_SERIES]
+FORM_FIELDS = ["name", "description", "owner", "runbook_url", "scope", "deployment", "model", "tenant", "sli_kind",
+               "ttft_ms", "tpot_ms", "e2e_ms", "ratio_good", "ratio_total", "objective", "window", "time_zone",
+               "budgeting", "timeslice_target", "min_requests"]
+
+
+class SloForm(forms.Form):
+    """The API's fields under the model's names, so Slo.clean() errors land on the right field."""
+
+    name = forms.SlugField(max_length=63)
+    description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2, "cols": 60}))
+    owner = forms.CharField(required=False, max_length=100)
+    runbook_url = forms.URLField(required=False, max_length=500, label="Runbook URL", assume_scheme="https")
+    scope = forms.ChoiceField(choices=Scope.choices, initial=Scope.DEPLOYMENT)
+    deployment = forms.ModelChoiceField(Deployment.objects.filter(deleted_at=None), to_field_name="name",
+                                        required=False, help_text="scopes deployment and tenant")
+    model = forms.ModelChoiceField(RegisteredModel.objects.all(), to_field_name="name", required=False,
+                                   help_text="scope model: every deployment of it")
+    tenant = forms.CharField(required=False, max_length=63, help_text="scope tenant")
+    sli_kind = forms.ChoiceField(choices=SliKind.choices, label="SLI")
+    ttft_ms = forms.FloatField(required=False, min_value=0, label="TTFT ≤ (ms)")
+    tpot_ms = forms.FloatField(required=False, min_value=0, label="TPOT ≤ (ms)")
+    e2e_ms = forms.FloatField(required=False, min_value=0, label="E2E ≤ (ms)")
+    ratio_good = forms.ChoiceField(choices=SERIES_CHOICES, required=False, label="Ratio: good series")
+    ratio_total = forms.ChoiceField(choices=SERIES_CHOICES, required=False, label="Ratio: total series")
+    objective = forms.FloatField(help_text="e.g. 0.995")
+    window = forms.ChoiceField(choices=Window.choices, initial=Window.MONTH)
+    time_zone = forms.CharField(max_length=64, initial="UTC", help_text="calendar windows start at local midnight")
+    budgeting = forms.ChoiceField(choices=Budgeting.choices, initial=Budgeting.OCCURRENCES)
+    timeslice_target = forms.FloatField(required=False, help_text="timeslices: a minute is good at this ratio")
+    min_requests = forms.IntegerField(min_value=0, initial=20, help_text="no alert on fewer events in the long window")
+
+    def slo_fields(self) -> dict:
+        data = dict(self.cleaned_data)
+        for name in ("ratio_good", "ratio_total", "tenant"):
+            data[name] = data[name] or ""
+        return data
+
+
+def require_operator(request):
+    if not has_role(request.user, OPERATOR):
+        raise PermissionDenied("Changing SLOs needs the operator role.")
+
+
+def target_of(slo: Slo) -> str:
+    if slo.scope == Scope.MODEL:
+        return f"model {slo.model.name}"
+    if slo.scope == Scope.TENANT:
+        return f"tenant {slo.tenant} on {slo.deployment.name}"
+    return slo.deployment.name
+
+
+def sli_text(slo: Slo) -> str:
+    thresholds = ", ".join(f"{name.split('_')[0].upper()} ≤ {value:g} ms" for name, value in slo.thresholds.items())
+    if slo.sli_kind == SliKind.RATIO:
+        return f"ratio {slo.ratio_good} / {slo.ratio_total}"
+    if slo.sli_kind == SliKind.GOODPUT:
+        return f"goodput: success and {thresholds}"
+    if slo.sli_kind == SliKind.LATENCY:
+        return f"latency: {thresholds}"
+    return "availability"
+
+
+@login_required
+def slo_list(request):
+    # The most burnt first; never-evaluated SLOs (a full budget) after them, by name.
+    slos = slo_queryset().prefetch_related("alerts").order_by("status__budget_remaining", "name")
+    rows = []
+    for slo in slos:
+        status = getattr(slo, "status", None)
+        firing = [alert for alert in slo.alerts.all() if alert.status == "firing"]
+        percent = budget_percent(status)
+        rows.append({
+            "slo": slo, "status": status, "target": target_of(slo), "sli_text": sli_text(slo), "firing": firing,
+            "budget_percent": percent,
+            "budget_text": None if percent is None else f"{status.budget_remaining * 100:.1f}%",
+            "burn_1h": burn_text(status.burn_rates.get("1h")) if percent is not None else "—",
+        })
+    return render(request, "slo/list.html", {"rows": rows})
+
+
+def burn_text(rate) -> str:
+    return "—" if rate is None else f"{rate:.2f}×"
+
+
+def budget_percent(status) -> float | None:
+    if status is None or status.evaluated_at is None:
+        return None
+    return max(0.0, min(100.0, status.budget_remaining * 100))
+
+
+@login_required
+def slo_detail(request, pk: int):
+    slo = get_object_or_404(slo_queryset(), pk=pk)
+    alerts = slo.alerts.all()[:100]
+    return render(request, "slo/detail.html", {
+        "slo": slo, "status": getattr(slo, "status", None), "target": target_of(slo), "sli_text": sli_text(slo),
+        "alerts": alerts, "thresholds": alert_thresholds(slo), "rules": alert_rules(slo.window),
+    })
+
+
+@login_required
+def slo_create(request):
+    require_operator(request)
+    form = SloForm(request.POST or None)
+    if request.method == "POST" and form.is_valid():
+        created = apply_service(form, lambda: services.slo_create(actor=request.user, **form.slo_fields()))
+        if created:
+            return redirect("slo:detail", pk=created.pk)
+    return render(request, "slo/form.html", {"form": form, "title": "New SLO"})
+
+
+@login_required
+def slo_edit(request, pk: int):
+    require_operator(request)
+    slo = get_object_or_404(slo_queryset(), pk=pk)
+    initial = {name: getattr(slo, name) for name in FORM_FIELDS}
+    form = SloForm(request.POST or None, initial=initial)
+    if request.method == "POST" and form.is_valid():
+        changes = {name: value for name, value in form.slo_fields().items() if value != initial[name]}
+        updated = apply_service(form, lambda: services.slo_update(slo=slo, actor=request.user, **changes))
+        if updated:
+            return redirect("slo:detail", pk=slo.pk)
+    return render(request, "slo/form.html", {"form": form, "title": f"Change {slo.name}", "slo": slo})
