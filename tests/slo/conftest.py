@@ -25,6 +25,12 @@ def make_deployment(name: str = "chat", model_name: str = "tiny") -> Deployment:
     return Deployment.objects.create(name=name, model=model, version=version)
 
 
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    """The role fixtures create users; PBKDF2 at full strength costs seconds on a busy 2-core host."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 @pytest.fixture
 def deployment(db) -> Deployment:
     return make_deployment()
