@@ -182,12 +182,14 @@ def read_corpus_token_ids(tokenizer: Tokenizer, eos_id: int) -> list[int]:
     return token_ids
 
 
-def train_on_corpus(model, tokenizer: Tokenizer, steps: int, seed: int) -> float:
+def train_on_corpus(
+    model, tokenizer: Tokenizer, steps: int, seed: int, *, seq_len: int = 128, batch_size: int = 8
+) -> float:
     """Plain-torch AdamW with warm-up and cosine decay; returns the last step's loss."""
     batches = CorpusBatches(
         read_corpus_token_ids(tokenizer, model.config.eos_token_id),
-        seq_len=128,
-        batch_size=8,
+        seq_len=seq_len,
+        batch_size=batch_size,
         seed=seed,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
