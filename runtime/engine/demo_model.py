@@ -5,8 +5,9 @@ transformers (`AutoModelForCausalLM`, `AutoTokenizer`), vLLM and the built-in en
 config.json, model.safetensors, generation_config.json, tokenizer.json, tokenizer_config.json and
 special_tokens_map.json.
 
-The weights are random (seeded) by default, so the model emits fluent-looking nonsense: that is
-enough to measure serving, which depends on shapes, not on what the weights learned. With
+The weights are random (seeded) by default, so the model emits a random walk through the
+vocabulary: that is enough to measure serving, which depends on shapes, not on what the weights
+learned. With
 `--train-steps N` the model is then trained for N steps on the small corpus in
 runtime/engine/data/ so the demo produces English-like text; training is deterministic for a
 given seed and thread count.
