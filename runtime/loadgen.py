@@ -11,7 +11,8 @@ from the built-in engine, vLLM and the gateway compare directly:
 - goodput: requests per second that met every given SLO (ttft, tpot, e2el) at once.
 
 Output tokens come from the stream's `usage` (requested with `stream_options.include_usage`),
-falling back to the number of text chunks when a server sends no usage.
+falling back to the number of text chunks when a server sends no usage; input tokens likewise
+come from `usage.prompt_tokens` (so chat-template tokens count), else the planned prompt length.
 
 Prompts are random words from a fixed list, drawn with `--seed`. Without `--tokenizer` the input
 length is counted in words (roughly one token each); with `--tokenizer DIR` (a folder holding
