@@ -159,6 +159,11 @@ def definitions_from_documents(raw_documents: list) -> list[dict]:
 
     Raises OpenSloRefused listing every unsupported field of every document.
     """
+    return [definition for _, definition in read_documents(raw_documents)]
+
+
+def read_documents(raw_documents: list) -> list[tuple[int, dict]]:
+    """(document index, definition) of every SLO document; raises OpenSloRefused."""
     problems: list[Problem] = []
     documents = index_documents(raw_documents, problems)
     by_kind: dict[str, dict[str, Document]] = {kind: {} for kind in KINDS}
@@ -170,7 +175,7 @@ def definitions_from_documents(raw_documents: list) -> list[dict]:
         by_kind[doc.kind][doc.name] = doc
     for doc in by_kind["Service"].values():
         read_service(Reader(doc, problems))
-    definitions = [read_slo(Reader(doc, problems), by_kind) for doc in by_kind["SLO"].values()]
+    definitions = [(doc.index, read_slo(Reader(doc, problems), by_kind)) for doc in by_kind["SLO"].values()]
     if not definitions and not problems:
         problems.append(Problem(-1, "", "", "", "no SLO document found"))
     if problems:
@@ -693,9 +698,10 @@ def import_text(text: str, *, actor) -> list:
     from registry.models import RegisteredModel
     from slo.services import slo_create
 
-    definitions = definitions_from_documents(parse_documents(text))
+    indexed = read_documents(parse_documents(text))
+    definitions = [definition for _, definition in indexed]
     problems = []
-    for index, definition in enumerate(definitions):
+    for index, definition in indexed:
         for key, model in (("deployment", Deployment), ("model", RegisteredModel)):
             name = definition.get(key)
             if name is None:

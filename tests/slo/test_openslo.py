@@ -407,7 +407,7 @@ def test_import_is_all_or_nothing(api, deployments):
     unknown_service["spec"]["service"] = "nope"
     response = import_yaml(operator, stream(DOCUMENT_SETS["latency-1d"], [unknown_service]))
     assert response.status_code == 400
-    assert response.json()["unsupported"] == [{"document": 1, "kind": "SLO", "name": "chat-availability",
+    assert response.json()["unsupported"] == [{"document": 2, "kind": "SLO", "name": "chat-availability",
                                                "field": "spec.service",
                                                "message": "no deployment named 'nope' in inferops"}]
     # The model refuses a value: the error names the SLO and the field; the first SLO is not kept.
