@@ -15,8 +15,10 @@ CHROMIUM_ARGS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    # Module scope, not session: Playwright's sync API keeps an asyncio loop running in this
+    # thread while it is open, and later tests that call asyncio.run() would find it.
     if not shutil.which("chromium"):
         pytest.fail("Debian's chromium is not installed (.ci/run installs it: apt-get install chromium)")
     from playwright.sync_api import sync_playwright

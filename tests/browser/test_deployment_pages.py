@@ -67,7 +67,8 @@ def test_operator_creates_watches_and_scales_a_deployment(live_server, page, ope
     row = page.locator("#replicas tbody tr").first.inner_text()
     assert "ready" in row and replica.url in row and "v1" in row
     page.locator("#replicas details summary").first.click()
-    assert "starting" in page.locator("#replicas pre").first.inner_text()  # the log tail
+    log_tail = page.locator("#replicas pre").first.inner_text()
+    assert f"127.0.0.1:{replica.port}" in log_tail or "GET /health" in log_tail  # the replica's own log
     page.wait_for_function(
         "document.querySelector('#chart-requests_per_s').dataset.points > 0"
         " && document.querySelector('#chart-ttft').dataset.points > 0", timeout=20000)
