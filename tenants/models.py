@@ -12,6 +12,7 @@ import secrets
 
 from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
+from django.contrib.postgres.indexes import BrinIndex
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
@@ -149,8 +150,9 @@ class UsageEvent(models.Model):
         indexes = [
             models.Index(fields=["deployment", "time"]),
             models.Index(fields=["tenant", "time"]),
-            # Retention pruning deletes by time alone.
-            models.Index(fields=["time"]),
+            # Retention pruning deletes by time alone. Rows arrive roughly in time order, so a BRIN
+            # index serves it at almost no cost per insert (a third btree slowed ingestion).
+            BrinIndex(fields=["time"], name="usage_event_time_brin"),
         ]
 
     def __str__(self) -> str:
