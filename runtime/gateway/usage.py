@@ -98,7 +98,7 @@ class UsageSink:
         self._on_spool_depth(self.spool_depth)
 
     async def _replay(self) -> None:
-        lines = [line for line in self.spool_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in self.spool_path.read_text(encoding="utf-8").splitlines() if _is_event(line)]
         if lines and not await self._send(lines):
             return
         logger.warning("replayed %d spooled usage events", len(lines))
@@ -111,3 +111,13 @@ class UsageSink:
             return 0
         with self.spool_path.open(encoding="utf-8") as spool:
             return sum(1 for line in spool if line.strip())
+
+
+def _is_event(line: str) -> bool:
+    """False for blank lines and for the torn last line of a gateway killed mid-write."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        if line.strip():
+            logger.error("skipping a torn spool line: %.80s", line)
+        return False
