@@ -4,12 +4,17 @@ back on too little traffic."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from runtime.gateway.metrics import GatewayMetrics
 from slo.prometheus_rules import RulesUnavailable, render_rules, rule_groups
 
 PROMTOOL = shutil.which("promtool")
@@ -132,3 +137,48 @@ def test_latency_rules_count_requests_above_the_edge_as_slow(tmp_path):
     (tmp_path / "tests.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
     result = promtool("test", "rules", "tests.yml", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+VLLM_METRICS = Path(__file__).resolve().parents[2] / "bench/scrape/vllm-0.32-cpu-metrics.txt"
+SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}\[")
+
+
+def exposed_series(text: str) -> dict[str, set[tuple[str, str]]]:
+    """Sample name -> the (label, value) pairs seen on it, from Prometheus text."""
+    series: dict[str, set] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            series.setdefault(sample.name, set()).update(sample.labels.items())
+    return series
+
+
+def gateway_exposition() -> str:
+    metrics = GatewayMetrics()
+    metrics.requests.labels("chat", "200").inc()
+    metrics.requests.labels("chat", "503").inc()
+    for histogram in (metrics.ttft, metrics.tpot, metrics.e2e):
+        histogram.labels("chat").observe(0.1)
+    return generate_latest(metrics.registry).decode()
+
+
+@pytest.mark.parametrize(("kind", "source"), EXPRESSIBLE)
+def test_the_rules_read_series_the_gateway_and_vllm_really_expose(kind, source):
+    """Every selector names a sample the real exposition has, with label values it can carry."""
+    if source == "gateway":
+        series = exposed_series(gateway_exposition())
+    else:
+        # vLLM labels its series with model_name and engine; the scrape config adds `deployment`.
+        series = exposed_series(VLLM_METRICS.read_text())
+    groups = rule_groups(DEFINITIONS[kind], ["chat"], source)
+    selectors = SELECTOR.findall(" ".join(rule["expr"] for rule in groups["groups"][0]["rules"]))
+    assert selectors
+    for name, matchers in selectors:
+        assert name in series, f"{name} is not exposed by the {source}"
+        labels = dict(series[name])
+        for matcher in matchers.split(", "):
+            label, value = re.match(r'(\w+)(?:=~|!~|!=|=)"(.*)"', matcher).groups()
+            if label == "deployment" and source == "replica":
+                continue
+            assert label in labels, f"{name} has no label {label}"
+            if label == "le":
+                assert (label, value) in series[name], f"{name} has no bucket le={value}"
