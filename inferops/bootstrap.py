@@ -52,3 +52,21 @@ def ensure_demo(data_dir: Path, actor=None) -> bool:
     deployment_create(name=DEMO_NAME, model=model, alias="champion", replicas=1, actor=actor,
                       engine_args={"max_num_seqs": 32})
     return True
+
+
+def ensure_demo_tenant() -> str | None:
+    """Once per database: a `demo` tenant with one key for the `demo` deployment.
+
+    Returns the key (it is shown once and stored only as a hash) or None when it exists.
+    """
+    from tenants.models import Tenant
+    from tenants.services import key_create, tenant_create
+
+    if Tenant.objects.filter(name=DEMO_NAME).exists():
+        return None
+    actor = get_user_model().objects.filter(is_superuser=True).order_by("pk").first()
+    with transaction.atomic():
+        tenant = tenant_create(name=DEMO_NAME, actor=actor, display_name="Demo tenant", rpm_limit=600,
+                               tpm_limit=200_000)
+        _, secret = key_create(tenant=tenant, name="demo-key", actor=actor, deployments=[DEMO_NAME])
+    return secret

@@ -30,26 +30,42 @@ class Child:
 def add_arguments(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="web app address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="web app port (default 8000)")
+    parser.add_argument("--gateway-port", type=int, default=8080, help="API gateway port (default 8080)")
     parser.add_argument("--worker-concurrency", type=int, default=2)
 
 
-def prepare() -> str | None:
-    """Migrate and bootstrap in this process; returns the new admin password, if one was made."""
+def prepare() -> tuple[str | None, str | None]:
+    """Migrate and bootstrap in this process; returns the admin password and the demo API key,
+    each only when it was just created (they are shown once)."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
     import django
     from django.core.management import call_command
 
     django.setup()
     call_command("migrate", interactive=False, verbosity=0)
-    from inferops.bootstrap import ensure_admin, ensure_demo
+    from inferops.bootstrap import ensure_admin, ensure_demo, ensure_demo_tenant
 
     password = ensure_admin()
     if ensure_demo(embedded.data_dir()):
         print("Created the demo model and its `demo` deployment (1 replica).", flush=True)
-    return password
+    return password, ensure_demo_tenant()
 
 
-def announce_demo_replica(stopping, timeout_s: float = 300) -> None:
+def demo_instructions(gateway: str, key: str | None) -> str:
+    shown = key or "<your demo key: shown once on the first run; create another on the Tenants page>"
+    return (
+        f"\nCall the demo deployment through the gateway ({gateway}/v1):\n"
+        f"  curl -N {gateway}/v1/chat/completions -H 'Authorization: Bearer {shown}' \\\n"
+        f"       -H 'Content-Type: application/json' -d '{{\"model\": \"demo\", \"stream\": true, "
+        f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n"
+        f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{gateway}/v1', api_key='{shown}'); "
+        f"[print(x.choices[0].delta.content or '', end='', flush=True) for x in c.chat.completions.create("
+        f"model='demo', messages=[{{'role': 'user', 'content': 'Hello'}}], max_tokens=32, stream=True) "
+        f"if x.choices]\"\n"
+    )
+
+
+def announce_demo_replica(stopping, instructions: str, timeout_s: float = 300) -> None:
     """Print how to call the demo replica once it is ready (the reconcile loop starts it)."""
     from deployments.models import Deployment
     from runtime.choices import ReplicaState
@@ -63,7 +79,7 @@ def announce_demo_replica(stopping, timeout_s: float = 300) -> None:
                 f"\nThe demo deployment is ready: replica {replica.url}\n"
                 f"  curl {replica.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                 f"       -d '{{\"model\": \"demo\", \"messages\": [{{\"role\": \"user\", "
-                f"\"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n",
+                f"\"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n" + instructions,
                 flush=True,
             )
             return
@@ -76,6 +92,8 @@ def children(args) -> list[Child]:
     return [
         Child("web", [python, "-m", "uvicorn", "inferops.asgi:application", "--host", args.host,
                       "--port", str(args.port), "--no-access-log"]),
+        Child("gateway", [python, "-m", "inferops.cli", "gateway", "--host", args.host,
+                          "--port", str(args.gateway_port)]),
         Child("worker", [python, "-m", "celery", "-A", "inferops.celery", "worker", "--loglevel", "INFO",
                          "--concurrency", str(args.worker_concurrency), "--hostname", "worker@%h"]),
         Child("beat", [python, "-m", "celery", "-A", "inferops.celery", "beat", "--loglevel", "INFO",
@@ -126,7 +144,7 @@ def main(args) -> int:
     if exported:
         print(f"Embedded Postgres and Redis under {embedded.data_dir()} "
               f"({', '.join(sorted(exported))} not set).", flush=True)
-    password = prepare()
+    password, demo_key = prepare()
     started: list[Child] = []
     stopping = False
     crashed: Child | None = None
@@ -148,6 +166,7 @@ def main(args) -> int:
             f"  console   {base}/",
             f"  REST API  {base}/api/v1/   (OpenAPI schema {base}/api/schema/, docs {base}/api/docs/)",
             f"  health    {base}/healthz",
+            f"  gateway   http://{args.host}:{args.gateway_port}/v1   (OpenAI-compatible; API keys from Tenants)",
         ]
         if password:
             lines.append(f"  log in as 'admin' with password {password}   (shown once; keep it)")
@@ -155,7 +174,9 @@ def main(args) -> int:
             lines.append("  log in with your existing admin user")
         lines.append("Press Ctrl-C to stop everything.\n")
         print("\n".join(lines), flush=True)
-        threading.Thread(target=announce_demo_replica, args=(lambda: stopping,), daemon=True).start()
+        gateway = f"http://{args.host}:{args.gateway_port}"
+        threading.Thread(target=announce_demo_replica, args=(lambda: stopping, demo_instructions(gateway, demo_key)),
+                         daemon=True).start()
         while not stopping:
             for child in started:
                 if child.process.poll() is not None:

@@ -37,11 +37,12 @@ def descendants(pid: int) -> set[int]:
 
 
 def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
-    port = free_port()
+    port, gateway_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
     env.update(INFEROPS_DATA_DIR=str(tmp_path / "data"), INFEROPS_HEARTBEAT_S="1")
     process = subprocess.Popen(
-        [sys.executable, "-m", "inferops.cli", "run", "--port", str(port), "--worker-concurrency", "1"],
+        [sys.executable, "-m", "inferops.cli", "run", "--port", str(port), "--gateway-port", str(gateway_port),
+         "--worker-concurrency", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )
     output: list[str] = []
@@ -83,10 +84,19 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
         chat = requests.post(f"{replica_url}/v1/chat/completions", timeout=30, json={
             "model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
+        # ... and through the gateway with the demo key printed once, as a new user would.
+        from openai import OpenAI
+
+        key = re.search(r"Bearer (iop_\S+)'", "".join(output)).group(1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key=key)
+        pieces = [chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True)
+            if chunk.choices]
+        assert len(pieces) >= 1
         detail = session.get(f"{base}/deployments/demo/", timeout=5)
         assert detail.status_code == 200 and replica_url in detail.text
         children = descendants(process.pid)
-        assert len(children) >= 4  # web, worker (+ its pool), beat, the demo replica
+        assert len(children) >= 5  # web, gateway, worker (+ its pool), beat, the demo replica
     finally:
         process.send_signal(signal.SIGINT)
         try:

@@ -17,8 +17,8 @@ def test_platform_is_not_a_python_package():
 def test_compose_runs_every_process_against_postgres_and_redis():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"postgres", "redis", "web", "worker", "beat"} <= set(services)
-    for name in ("web", "worker", "beat", "migrate"):
+    assert {"postgres", "redis", "web", "gateway", "worker", "beat"} <= set(services)
+    for name in ("web", "gateway", "worker", "beat", "migrate"):
         env = services[name]["environment"]
         assert env["DATABASE_URL"].startswith("postgres://") and env["REDIS_URL"].startswith("redis://")
     assert "uvicorn" in services["web"]["command"]
@@ -45,4 +45,4 @@ def test_kubernetes_manifests_are_valid_objects():
                 assert selector.items() <= obj.spec.template.metadata.labels.items()
     beat = next(d for d in yaml.safe_load_all((ROOT / "platform/kubernetes/beat.yaml").read_text()))
     assert beat["spec"]["replicas"] == 1 and beat["spec"]["strategy"]["type"] == "Recreate"
-    assert {name for _, name in seen} >= {"inferops-web", "inferops-worker", "inferops-beat"}
+    assert {name for _, name in seen} >= {"inferops-web", "inferops-gateway", "inferops-worker", "inferops-beat"}
