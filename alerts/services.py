@@ -98,6 +98,7 @@ def _send_later(notification_id: int) -> None:
 def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:
     """Open, update or resolve the alerts of each (slo, evaluation) pair."""
     changes = AlertChanges()
+    still_firing: list[Alert] = []
     firing = {(a.slo_id, a.severity): a for a in Alert.objects.filter(
         status=AlertStatus.FIRING, slo_id__in=[slo.pk for slo, _ in pairs])}
     for slo, evaluation in pairs:
@@ -111,11 +112,12 @@ def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:
                 changes.opened += 1
             elif holds:
                 current.annotations = alert_annotations(slo, evaluation, severity)
-                current.save(update_fields=["annotations", "updated_at"])
-                changes.updated += 1
+                current.updated_at = timezone.now()
+                still_firing.append(current)
             elif current is not None:
                 alert_resolve(alert=current, now=now, annotations=alert_annotations(slo, evaluation, severity))
                 changes.resolved += 1
+    changes.updated = Alert.objects.bulk_update(still_firing, ["annotations", "updated_at"], batch_size=500)
     return changes
 
 

@@ -47,7 +47,14 @@ from slo.budget import (
 )
 from slo.choices import Budgeting, Scope, SliKind
 from slo.models import Slo, SloStatus
-from slo.sli import SliQuery, sli_query
+from slo.sli import (
+    COVERED_DEPLOYMENT_SQL,
+    MATCHING_EVENT_SQL,
+    REQUEST_GOOD_SQL,
+    REQUEST_TOTAL_SQL,
+    SliQuery,
+    ratio_query,
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,61 +83,97 @@ class CycleReport:
 
 # ---------------------------------------------------------------------------- minute rows
 
+_UPSERT = """
+    INSERT INTO slo_slominute (slo_id, minute, good, total, bad_slice, cum_good, cum_total, cum_bad_slices)
+    SELECT c.slo_id, c.minute, least(c.good, c.total), c.total,
+           coalesce(s.budgeting = 'timeslices' AND c.total > 0
+                    AND least(c.good, c.total)::float8 / c.total < s.timeslice_target, false), 0, 0, 0
+    FROM ({counted}) c JOIN slo_slo s ON s.id = c.slo_id
+    ON CONFLICT (slo_id, minute) DO UPDATE
+    SET good = EXCLUDED.good, total = EXCLUDED.total, bad_slice = EXCLUDED.bad_slice
+"""
+# Counts of given (slo, minute) pairs, for all request SLOs in one statement. LATERAL makes each
+# pair an index range scan on (deployment, time): a hash join would scan the whole event table.
+_REQUEST_MINUTES = f"""
+    SELECT t.slo_id, t.minute, sum(c.good) AS good, sum(c.total) AS total
+    FROM unnest(%(slo_ids)s::bigint[], %(minutes)s::timestamptz[]) AS t(slo_id, minute)
+    JOIN slo_slo s ON s.id = t.slo_id
+    JOIN deployments_deployment d ON {COVERED_DEPLOYMENT_SQL}
+    CROSS JOIN LATERAL (
+        SELECT count(*) FILTER (WHERE {REQUEST_GOOD_SQL}) AS good, count(*) FILTER (WHERE {REQUEST_TOTAL_SQL}) AS total
+        FROM tenants_usageevent e
+        WHERE {MATCHING_EVENT_SQL} AND e.time >= t.minute AND e.time < t.minute + interval '1 minute'
+    ) c
+    GROUP BY 1, 2
+"""
+# Every minute of one request SLO in [start, end): its back-fill.
+_REQUEST_RANGE = f"""
+    SELECT s.id AS slo_id, date_trunc('minute', e.time) AS minute, count(*) FILTER (WHERE {REQUEST_GOOD_SQL}) AS good,
+           count(*) FILTER (WHERE {REQUEST_TOTAL_SQL}) AS total
+    FROM slo_slo s
+    JOIN deployments_deployment d ON {COVERED_DEPLOYMENT_SQL}
+    JOIN tenants_usageevent e ON {MATCHING_EVENT_SQL} AND e.time >= %(start)s AND e.time < %(end)s
+    WHERE s.id = %(slo_id)s
+    GROUP BY 1, 2
+"""
 
-def _upsert_minutes(slo: Slo, query: SliQuery, start: datetime, end: datetime,
-                    only_minutes: list[datetime] | None = None) -> int:
-    """Recompute the SLO's minutes in [start, end) (or just `only_minutes`) from the source rows
-    and upsert them; then refresh the running totals from `start` on. Returns rows written."""
-    minute_sql = f"date_trunc('minute', e.{query.time_column})"
-    only = f" AND {minute_sql} = ANY(%(minutes)s)" if only_minutes is not None else ""
-    target = slo.timeslice_target if slo.budgeting == Budgeting.TIMESLICES else None
-    sql = f"""
-        INSERT INTO slo_slominute (slo_id, minute, good, total, bad_slice, cum_good, cum_total, cum_bad_slices)
-        SELECT %(slo_id)s, minute, least(good, total), total,
-               coalesce(total > 0 AND least(good, total)::float8 / total < %(target)s, false), 0, 0, 0
-        FROM (
-            SELECT {minute_sql} AS minute, {query.good_sql} AS good, {query.total_sql} AS total
-            FROM {query.table} e
-            WHERE {query.scope_sql} AND e.{query.time_column} >= %(start)s AND e.{query.time_column} < %(end)s{only}
-            GROUP BY 1
-        ) counted
-        ON CONFLICT (slo_id, minute) DO UPDATE
-        SET good = EXCLUDED.good, total = EXCLUDED.total, bad_slice = EXCLUDED.bad_slice
+
+def _ratio_range(query: SliQuery) -> str:
+    return f"""
+        SELECT %(slo_id)s::bigint AS slo_id, date_trunc('minute', e.{query.time_column}) AS minute,
+               {query.good_sql} AS good, {query.total_sql} AS total
+        FROM {query.table} e
+        WHERE {query.scope_sql} AND e.{query.time_column} >= %(start)s AND e.{query.time_column} < %(end)s
+        GROUP BY 1, 2
     """
-    params = {**query.params, "slo_id": slo.pk, "start": start, "end": end, "minutes": only_minutes,
-              "target": target}
+
+
+def _refresh_running_totals(starts: dict[int, datetime]) -> None:
+    """Running totals of each SLO's rows from its start minute on, continuing the row before.
+
+    Two statements, each an index walk over only the rows from `start` on: a SELECT of the rows
+    whose totals change (OFFSET 0 keeps the planner from flattening the per-SLO range scan into
+    a scan of the whole table) and an UPDATE of those by primary key."""
+    if not starts:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            SELECT r.id, r.good, r.total, r.bad_slices
+            FROM unnest(%s::bigint[], %s::timestamptz[]) AS st(slo_id, start)
+            LEFT JOIN LATERAL (
+                SELECT cum_good, cum_total, cum_bad_slices FROM slo_slominute
+                WHERE slo_id = st.slo_id AND minute < st.start ORDER BY minute DESC LIMIT 1
+            ) p ON true
+            CROSS JOIN LATERAL (
+                SELECT id, cum_good, cum_total, cum_bad_slices,
+                       coalesce(p.cum_good, 0) + sum(good) OVER w AS good,
+                       coalesce(p.cum_total, 0) + sum(total) OVER w AS total,
+                       coalesce(p.cum_bad_slices, 0) + sum(bad_slice::int) OVER w AS bad_slices
+                FROM slo_slominute
+                WHERE slo_id = st.slo_id AND minute >= st.start
+                WINDOW w AS (ORDER BY minute)
+                ORDER BY minute
+                OFFSET 0
+            ) r
+            WHERE (r.cum_good, r.cum_total, r.cum_bad_slices) IS DISTINCT FROM (r.good, r.total, r.bad_slices)
+            """,
+            [list(starts), list(starts.values())],
+        )
+        changed = cursor.fetchall()
+        if changed:
+            cursor.execute(
+                "UPDATE slo_slominute m SET cum_good = u.good, cum_total = u.total, cum_bad_slices = u.bad_slices "
+                "FROM unnest(%s::bigint[], %s::bigint[], %s::bigint[], %s::bigint[]) AS u(id, good, total, bad_slices) "
+                "WHERE m.id = u.id",
+                [list(column) for column in zip(*changed, strict=True)],
+            )
+
+
+def _execute(sql: str, params: dict) -> int:
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        written = cursor.rowcount
-        if written:
-            _refresh_running_totals(cursor, slo.pk, start)
-    return written
-
-
-def _refresh_running_totals(cursor, slo_id: int, start: datetime) -> None:
-    cursor.execute(
-        """
-        WITH base AS (
-            SELECT coalesce(max(cum_good), 0) AS good, coalesce(max(cum_total), 0) AS total,
-                   coalesce(max(cum_bad_slices), 0) AS bad_slices
-            FROM (SELECT cum_good, cum_total, cum_bad_slices FROM slo_slominute
-                  WHERE slo_id = %(slo_id)s AND minute < %(start)s ORDER BY minute DESC LIMIT 1) previous
-        ), running AS (
-            SELECT id, sum(good) OVER w AS good, sum(total) OVER w AS total,
-                   sum(bad_slice::int) OVER w AS bad_slices
-            FROM slo_slominute WHERE slo_id = %(slo_id)s AND minute >= %(start)s
-            WINDOW w AS (ORDER BY minute)
-        )
-        UPDATE slo_slominute m
-        SET cum_good = base.good + running.good, cum_total = base.total + running.total,
-            cum_bad_slices = base.bad_slices + running.bad_slices
-        FROM running, base
-        WHERE m.id = running.id
-          AND (m.cum_good, m.cum_total, m.cum_bad_slices) IS DISTINCT FROM
-              (base.good + running.good, base.total + running.total, base.bad_slices + running.bad_slices)
-        """,
-        {"slo_id": slo_id, "start": start},
-    )
+        return cursor.rowcount
 
 
 def _database_now() -> datetime:
@@ -139,17 +182,22 @@ def _database_now() -> datetime:
         return cursor.fetchone()[0]
 
 
-def backfill(slo: Slo, now: datetime, deployments: list[str] | None = None) -> int:
+def backfill(slo: Slo, now: datetime) -> int:
     """First evaluation: every stored source row of the last BACKFILL_LIMIT becomes minute rows."""
-    query = sli_query(slo, deployments)
     read_at = _database_now()
-    start = floor_minute(now - BACKFILL_LIMIT)
-    written = _upsert_minutes(slo, query, start, floor_minute(now) + MINUTE)
-    first = slo.minutes.order_by("minute").values_list("minute", flat=True).first()
-    created = floor_minute(slo.created_at or now)
-    slo.backfilled_from = min(first, created) if first else created
-    slo.watermark = floor_minute(now) if slo.sli_kind == SliKind.RATIO else read_at
-    Slo.objects.filter(pk=slo.pk).update(backfilled_from=slo.backfilled_from, watermark=slo.watermark)
+    params = {"slo_id": slo.pk, "start": floor_minute(now - BACKFILL_LIMIT), "end": floor_minute(now) + MINUTE}
+    with transaction.atomic():
+        if slo.sli_kind == SliKind.RATIO:
+            query = ratio_query(slo)
+            written = _execute(_UPSERT.format(counted=_ratio_range(query)), {**query.params, **params})
+        else:
+            written = _execute(_UPSERT.format(counted=_REQUEST_RANGE), params)
+        _refresh_running_totals({slo.pk: params["start"]})
+        first = slo.minutes.order_by("minute").values_list("minute", flat=True).first()
+        created = floor_minute(slo.created_at or now)
+        slo.backfilled_from = min(first, created) if first else created
+        slo.watermark = floor_minute(now) if slo.sli_kind == SliKind.RATIO else read_at
+        Slo.objects.filter(pk=slo.pk).update(backfilled_from=slo.backfilled_from, watermark=slo.watermark)
     return written
 
 
@@ -161,17 +209,13 @@ class TouchedKeys:
     keys: dict[tuple[str | None, str | None], dict[datetime, datetime]]
 
     @classmethod
-    def read(cls, since: datetime, *, slo: Slo | None = None, deployments: list[str] | None = None) -> TouchedKeys:
+    def read(cls, since: datetime) -> TouchedKeys:
         read_at = _database_now()
-        scope, params = "", {"since": since}
-        if slo is not None:  # one SLO alone (its first cycle after an API change, tests)
-            query = sli_query(slo, deployments)
-            scope, params = f" AND {query.scope_sql}", {**query.params, **params}
         with connection.cursor() as cursor:
             cursor.execute(
                 "SELECT e.deployment, e.tenant, date_trunc('minute', e.time), max(e.ingested_at) "
-                f"FROM tenants_usageevent e WHERE e.ingested_at > %(since)s{scope} GROUP BY 1, 2, 3",
-                params,
+                "FROM tenants_usageevent e WHERE e.ingested_at > %s GROUP BY 1, 2, 3",
+                [since],
             )
             keys: dict = defaultdict(dict)
             for deployment, tenant, minute, newest in cursor.fetchall():
@@ -188,24 +232,40 @@ class TouchedKeys:
         return sorted(minutes)
 
 
-def ingest_new(slo: Slo, now: datetime, touched: TouchedKeys | None, deployments: list[str] | None = None) -> int:
-    """Fold what arrived since the SLO's watermark into its minute rows; returns rows written."""
-    if slo.watermark is None:
-        return backfill(slo, now, deployments)
-    query = sli_query(slo, deployments)
-    if slo.sli_kind == SliKind.RATIO:
-        start = floor_minute(slo.watermark - OVERLAP)
-        written = _upsert_minutes(slo, query, start, floor_minute(now) + MINUTE)
+def ingest_new(slos: list[Slo], now: datetime, deployments: dict[int, list[str]]) -> tuple[int, int, int]:
+    """Fold what arrived since each SLO's watermark into its minute rows. Returns (rows written,
+    SLOs with new data, touched keys read)."""
+    written = fresh = 0
+    for slo in slos:
+        if slo.watermark is None:
+            rows = backfill(slo, now)
+            written, fresh = written + rows, fresh + bool(rows)
+    ratio = [slo for slo in slos if slo.sli_kind == SliKind.RATIO]
+    for slo in ratio:  # few, and their source is per replica: one statement each
+        query = ratio_query(slo)
+        params = {**query.params, "slo_id": slo.pk, "start": floor_minute(slo.watermark - OVERLAP),
+                  "end": floor_minute(now) + MINUTE}
+        with transaction.atomic():
+            rows = _execute(_UPSERT.format(counted=_ratio_range(query)), params)
+            _refresh_running_totals({slo.pk: params["start"]})
         slo.watermark = max(slo.watermark, floor_minute(now))
-        return written
-    if touched is None:
-        touched = TouchedKeys.read(slo.watermark - OVERLAP, slo=slo, deployments=deployments)
-    minutes = touched.minutes_for(slo, query.params["deployments"])
-    written = 0
-    if minutes:
-        written = _upsert_minutes(slo, query, minutes[0], minutes[-1] + MINUTE, only_minutes=minutes)
-    slo.watermark = max(slo.watermark, touched.read_at)
-    return written
+        written, fresh = written + rows, fresh + bool(rows)
+    requests = [slo for slo in slos if slo.sli_kind != SliKind.RATIO]
+    if not requests:
+        return written, fresh, 0
+    touched = TouchedKeys.read(min(slo.watermark for slo in requests) - OVERLAP)
+    targets = {slo.pk: touched.minutes_for(slo, deployments[slo.pk]) for slo in requests}
+    targets = {slo_id: minutes for slo_id, minutes in targets.items() if minutes}
+    pairs = [(slo_id, minute) for slo_id, minutes in targets.items() for minute in minutes]
+    if pairs:
+        with transaction.atomic():
+            written += _execute(_UPSERT.format(counted=_REQUEST_MINUTES),
+                                {"slo_ids": [p[0] for p in pairs], "minutes": [p[1] for p in pairs]})
+            _refresh_running_totals({slo_id: minutes[0] for slo_id, minutes in targets.items()})
+    for slo in requests:
+        # Everything ingested up to read_at - OVERLAP has now been seen, whatever its deployment.
+        slo.watermark = max(slo.watermark, touched.read_at)
+    return written, fresh + len(targets), sum(len(v) for v in touched.keys.values())
 
 
 # ---------------------------------------------------------------------------- window sums
@@ -353,14 +413,7 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
         names = _deployment_names(slos)  # one query for all, not one per SLO
 
         phase = clock.perf_counter()
-        marks = [slo.watermark for slo in slos if slo.watermark and slo.sli_kind != SliKind.RATIO]
-        touched = TouchedKeys.read(min(marks) - OVERLAP) if marks else None
-        report.touched_keys = sum(len(v) for v in touched.keys.values()) if touched else 0
-        for slo in slos:
-            with transaction.atomic():
-                written = ingest_new(slo, now, touched, names[slo.pk])
-            report.minutes_upserted += written
-            report.slos_with_new_data += bool(written)
+        report.minutes_upserted, report.slos_with_new_data, report.touched_keys = ingest_new(slos, now, names)
         Slo.objects.bulk_update(slos, ["watermark"], batch_size=500)
         report.phases["ingest_s"] = clock.perf_counter() - phase
 

@@ -18,14 +18,35 @@ from dataclasses import dataclass
 from slo.choices import Scope, SliKind
 
 SERVER_ERROR_KINDS = ("shed", "upstream_timeout", "upstream_error", "upstream_connect", "internal")
-_SERVER_FAILURE = "(e.status >= 500 OR coalesce(e.error_kind = ANY(%(server_kinds)s), false))"
+_SERVER_FAILURE = (f"(e.status >= 500 OR coalesce(e.error_kind IN ({', '.join(repr(k) for k in SERVER_ERROR_KINDS)}), "
+                   "false))")
 _CLIENT_ERROR = f"(NOT {_SERVER_FAILURE} AND (e.status >= 400 OR e.error_kind IS NOT NULL))"
 _SUCCEEDED = "(e.status < 400 AND e.error_kind IS NULL)"
+_LATENCY = ("ttft_ms", "tpot_ms", "e2e_ms")
+# Thresholds the SLO (row s) names: each must be met; a request lacking the value...
+_MEASURED = " AND ".join(f"(s.{v} IS NULL OR e.{v} IS NOT NULL)" for v in _LATENCY)
+_MET = " AND ".join(f"(s.{v} IS NULL OR e.{v} <= s.{v})" for v in _LATENCY)  # ...fails it (latency)
+_MET_OR_NOT_APPLICABLE = " AND ".join(f"(s.{v} IS NULL OR e.{v} IS NULL OR e.{v} <= s.{v})" for v in _LATENCY)
+
+# Request SLIs as SQL over an event (e), the SLO's row (s) and a deployment it covers (d), so one
+# statement counts the minutes of many SLOs at once, each with its own kind and thresholds.
+# Latency judges successful requests that measured every named value (failures count against
+# availability instead); goodput counts every request that was the server's to serve, good when
+# it succeeded and met each threshold (a value that does not apply, e.g. TPOT of a one-token
+# answer, is met).
+REQUEST_GOOD_SQL = (f"CASE s.sli_kind WHEN '{SliKind.AVAILABILITY}' THEN {_SUCCEEDED} "
+                    f"WHEN '{SliKind.LATENCY}' THEN {_SUCCEEDED} AND {_MET} "
+                    f"ELSE {_SUCCEEDED} AND {_MET_OR_NOT_APPLICABLE} END")
+REQUEST_TOTAL_SQL = (f"CASE s.sli_kind WHEN '{SliKind.LATENCY}' THEN {_SUCCEEDED} AND {_MEASURED} "
+                     f"ELSE NOT {_CLIENT_ERROR} END")
+# d: the SLO's deployment, or every deployment of its model; e: their events (of its tenant).
+COVERED_DEPLOYMENT_SQL = f"(d.id = s.deployment_id OR (s.scope = '{Scope.MODEL}' AND d.model_id = s.model_id))"
+MATCHING_EVENT_SQL = f"e.deployment = d.name AND (s.scope <> '{Scope.TENANT}' OR e.tenant = s.tenant)"
 
 
 @dataclass(frozen=True)
 class SliQuery:
-    """SQL pieces for one SLO: the source table, its minute expression, the scope filter and the
+    """SQL pieces for one ratio SLO: the source table, its time column, the scope filter and the
     good/total aggregates, with their parameters."""
 
     table: str
@@ -36,47 +57,13 @@ class SliQuery:
     params: dict
 
 
-def sli_query(slo, deployments: list[str] | None = None) -> SliQuery:
-    """`deployments`: the names the SLO covers, when the caller already knows them."""
-    if slo.sli_kind == SliKind.RATIO:
-        return _ratio_query(slo)
-    names = deployments if deployments is not None else slo.deployment_names()
-    params: dict = {"server_kinds": list(SERVER_ERROR_KINDS), "deployments": names}
-    scope = "e.deployment = ANY(%(deployments)s)"
-    if slo.scope == Scope.TENANT:
-        scope += " AND e.tenant = %(tenant)s"
-        params["tenant"] = slo.tenant
-    thresholds = slo.thresholds
-    for name, value in thresholds.items():
-        params[f"limit_{name}"] = value
-    if slo.sli_kind == SliKind.AVAILABILITY:
-        good, total = _SUCCEEDED, f"NOT {_CLIENT_ERROR}"
-    elif slo.sli_kind == SliKind.LATENCY:
-        # Only successful requests that measured every named value are judged on latency;
-        # failures count against availability instead.
-        measured = " AND ".join(f"e.{name} IS NOT NULL" for name in thresholds)
-        met = " AND ".join(f"e.{name} <= %(limit_{name})s" for name in thresholds)
-        good, total = f"{_SUCCEEDED} AND {met}", f"{_SUCCEEDED} AND {measured}"
-    elif slo.sli_kind == SliKind.GOODPUT:
-        # Every request that was the server's to serve; good when it succeeded and met each
-        # threshold (a value that does not apply, e.g. TPOT of a one-token answer, is met).
-        met = " AND ".join(f"(e.{name} IS NULL OR e.{name} <= %(limit_{name})s)" for name in thresholds)
-        good, total = f"{_SUCCEEDED} AND {met}", f"NOT {_CLIENT_ERROR}"
-    else:
-        raise ValueError(f"unknown SLI kind {slo.sli_kind!r}")
-    return SliQuery(
-        table="tenants_usageevent", time_column="time", scope_sql=scope,
-        good_sql=f"count(*) FILTER (WHERE {good})", total_sql=f"count(*) FILTER (WHERE {total})", params=params,
-    )
-
-
 def _ratio_series_sql(series: str) -> str:
     if series == "requests":
         return "coalesce((SELECT sum(value::bigint) FROM jsonb_each_text(e.requests_by_reason)), 0)"
     return f"e.{series}"  # a column name from slo.choices.RATIO_SERIES, checked by Slo.clean()
 
 
-def _ratio_query(slo) -> SliQuery:
+def ratio_query(slo) -> SliQuery:
     from deployments.models import Deployment
 
     if slo.scope == Scope.MODEL:
