@@ -27,7 +27,7 @@ class SloForm(forms.Form):
     """The API's fields under the model's names, so Slo.clean() errors land on the right field."""
 
     name = forms.SlugField(max_length=63)
-    description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2, "cols": 60}))
+    description = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 2, "style": "width:100%"}))
     owner = forms.CharField(required=False, max_length=100)
     runbook_url = forms.URLField(required=False, max_length=500, label="Runbook URL", assume_scheme="https")
     scope = forms.ChoiceField(choices=Scope.choices, initial=Scope.DEPLOYMENT)

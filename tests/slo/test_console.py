@@ -64,6 +64,7 @@ def test_operator_reads_the_budgets_and_manages_slos(live_server, page, burning_
     assert "back-filled from" in rows.nth(0).inner_text()
     assert "page" in rows.nth(0).inner_text()  # the firing alert
 
+    page.screenshot(path=str(tmp_path / "slo-list.png"), full_page=True)
     page.click("#slos >> text=chat-availability")
     page.wait_for_url(f"{live_server.url}/slos/{availability.pk}/")
     assert "Back-filled" in page.locator("#backfill").inner_text()
@@ -90,6 +91,7 @@ def test_operator_reads_the_budgets_and_manages_slos(live_server, page, burning_
     page.fill("#id_objective", "0.99")
     page.click("main form button[type=submit]")
     assert "at least one of" in page.locator("[data-field=ttft_ms] .error").inner_text()
+    page.screenshot(path=str(tmp_path / "slo-form.png"), full_page=True)
     assert not Slo.objects.filter(name="chat-e2e").exists()
     page.fill("#id_e2e_ms", "4000")
     page.click("main form button[type=submit]")
