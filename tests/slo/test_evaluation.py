@@ -177,3 +177,31 @@ def test_a_cycle_is_skipped_while_another_holds_the_lock(deployment):
         other.close()
     assert not evaluate_slos(now=NOW).skipped
     assert connection.is_usable()
+
+
+def test_ratio_sli_from_scraped_minutes_follows_rows_updated_in_place(deployment):
+    from runtime.models import Replica, ReplicaMetricsMinute
+
+    replicas = [Replica.objects.create(deployment=deployment, version=deployment.version, node="n") for _ in range(2)]
+
+    def scraped(replica, start, **counters):
+        defaults = {"deployment": deployment, "version": deployment.version, **counters}
+        ReplicaMetricsMinute.objects.update_or_create(replica=replica, start=start, defaults=defaults)
+
+    scraped(replicas[0], NOW - 2 * MINUTE, prefix_cache_queries=100, prefix_cache_hits=60,
+            requests_by_reason={"stop": 3, "length": 1}, e2e_count=3)
+    scraped(replicas[1], NOW - 2 * MINUTE, prefix_cache_queries=50, prefix_cache_hits=45, requests_by_reason={})
+    scraped(replicas[0], NOW, prefix_cache_queries=10, prefix_cache_hits=9)
+    hits = create(deployment, name="cache-hits", sli_kind="ratio", ratio_good="prefix_cache_hits",
+                  ratio_total="prefix_cache_queries", objective=0.5)
+    # "requests" is the sum of requests_by_reason (finished requests of any reason).
+    timed = create(deployment, name="timed", sli_kind="ratio", ratio_good="e2e_count", ratio_total="requests",
+                   objective=0.5)
+    evaluate_slos(now=NOW)
+    assert (status_of(hits).good, status_of(hits).total) == (114, 160)
+    assert (status_of(timed).good, status_of(timed).total) == (3, 4)
+    # The scraper keeps adding to the current minute's row; the next cycle re-reads it.
+    scraped(replicas[0], NOW, prefix_cache_queries=20, prefix_cache_hits=10)
+    evaluate_slos(now=NOW + timedelta(seconds=20))
+    assert (status_of(hits).good, status_of(hits).total) == (115, 170)
+    assert [row[1:3] for row in minute_rows(hits)] == [(105, 150), (10, 20)]
