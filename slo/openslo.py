@@ -709,8 +709,11 @@ def import_text(text: str, *, actor) -> list:
             rows = model.objects.filter(deleted_at=None) if model is Deployment else model.objects.all()
             definition[key] = rows.filter(name=name).first()
             if definition[key] is None:
+                hint = ""
+                if key == "deployment" and RegisteredModel.objects.filter(name=name).exists():
+                    hint = f" ({name!r} is a model: annotate the SLO with {ANNOTATION_PREFIX}scope: model)"
                 problems.append(Problem(index, "SLO", definition["name"], "spec.service",
-                                        f"no {key} named {name!r} in inferops"))
+                                        f"no {key} named {name!r} in inferops{hint}"))
     if problems:
         raise OpenSloRefused(problems)
     created = []

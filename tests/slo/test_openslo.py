@@ -410,6 +410,11 @@ def test_import_is_all_or_nothing(api, deployments):
     assert response.json()["unsupported"] == [{"document": 2, "kind": "SLO", "name": "chat-availability",
                                                "field": "spec.service",
                                                "message": "no deployment named 'nope' in inferops"}]
+    model_without_scope = yaml.safe_load(yaml.safe_dump(RATIO_MODEL_WEEK[1]))
+    del model_without_scope["metadata"]["annotations"]
+    response = import_yaml(operator, stream([model_without_scope]))
+    assert "'tiny' is a model: annotate the SLO with inferops.io/scope: model" in (
+        response.json()["unsupported"][0]["message"])
     # The model refuses a value: the error names the SLO and the field; the first SLO is not kept.
     bad_objective = yaml.safe_load(yaml.safe_dump(AVAILABILITY_CALENDAR[1]))
     bad_objective["spec"]["objectives"] = [{"target": 1.5}]
