@@ -172,6 +172,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # Several serializers have a "status" field; these name their enums after what they mean.
+    "ENUM_NAME_OVERRIDES": {"SloStateEnum": "slo.choices.SloState"},
 }
 
 CELERY_BROKER_URL = REDIS_URL.replace("unix://", "redis+socket://", 1)
