@@ -232,6 +232,11 @@ CELERY_BEAT_SCHEDULE["evaluate-slos"] = {
     "schedule": INFEROPS_SLO_EVALUATE_INTERVAL_S,
     "options": {"expires": INFEROPS_SLO_EVALUATE_INTERVAL_S * 0.9},
 }
+# SLO minute rows outlive the longest window (31 days) plus the 3-day burn window.
+INFEROPS_SLO_MINUTE_RETENTION_DAYS = env_int("INFEROPS_SLO_MINUTE_RETENTION_DAYS", 40)
+CELERY_BEAT_SCHEDULE["prune-slo-minutes"] = {
+    "task": "slo.prune_minutes", "schedule": 3600.0, "options": {"expires": 3500},
+}
 
 # Tenants, API keys and the usage ledger (tenants/): keys republished every 30 s so a flushed
 # Redis heals; usage ingested every 2 s (each run drains the backlog for up to

@@ -437,3 +437,23 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
     report.seconds = clock.perf_counter() - started
     log.info("evaluate-slos: %s", report.as_dict())
     return report
+
+
+def prune_minutes(*, now: datetime | None = None, keep: timedelta | None = None) -> int:
+    """Delete minute rows older than `keep` (default INFEROPS_SLO_MINUTE_RETENTION_DAYS), except
+    each SLO's newest row before the cut: window sums subtract the running total at or before a
+    boundary, so that anchor must stay for the oldest windows to stay exact."""
+    from django.conf import settings
+
+    keep = keep or timedelta(days=settings.INFEROPS_SLO_MINUTE_RETENTION_DAYS)
+    cutoff = floor_minute((now or timezone.now()) - keep)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            DELETE FROM slo_slominute m
+            USING (SELECT slo_id, max(minute) AS anchor FROM slo_slominute WHERE minute < %s GROUP BY slo_id) a
+            WHERE m.slo_id = a.slo_id AND m.minute < a.anchor
+            """,
+            [cutoff],
+        )
+        return cursor.rowcount

@@ -18,3 +18,11 @@ def evaluate_slos_task() -> dict:
 def evaluate_slo_task(slo_id: int) -> dict:
     """Right after a create or an SLI change: back-fill and evaluate that SLO without waiting."""
     return evaluate_slos(slo_ids=[slo_id]).as_dict()
+
+
+@shared_task(name="slo.prune_minutes", ignore_result=True)
+def prune_minutes_task() -> int:
+    """Beat (hourly): drop minute rows older than the retention, keeping one anchor per SLO."""
+    from slo.evaluation import prune_minutes
+
+    return prune_minutes()

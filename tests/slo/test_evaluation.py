@@ -205,3 +205,21 @@ def test_ratio_sli_from_scraped_minutes_follows_rows_updated_in_place(deployment
     evaluate_slos(now=NOW + timedelta(seconds=20))
     assert (status_of(hits).good, status_of(hits).total) == (115, 170)
     assert [row[1:3] for row in minute_rows(hits)] == [(105, 150), (10, 20)]
+
+
+def test_pruning_keeps_an_anchor_so_old_windows_stay_exact(deployment):
+    from slo.evaluation import prune_minutes
+
+    insert_events([event(NOW - n * timedelta(hours=1), status=500 if n % 4 == 0 else 200, ingested_at=AN_HOUR_AGO)
+                   for n in range(48)])
+    slo = create(deployment, window="1d")
+    evaluate_slos(now=NOW)
+    before = status_of(slo).__dict__.copy()
+    # Keep 30 hours: rows older go, except the newest of them (the anchor before the cut).
+    assert prune_minutes(now=NOW, keep=timedelta(hours=30)) == 48 - 31 - 1
+    assert SloMinute.objects.filter(slo=slo).count() == 32
+    evaluate_slos(now=NOW)
+    after = status_of(slo).__dict__.copy()
+    for volatile in ("_state", "evaluated_at"):
+        before.pop(volatile), after.pop(volatile)
+    assert after == before and after["total"] == 24
