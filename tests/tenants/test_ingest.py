@@ -130,3 +130,21 @@ def test_histograms_merge_across_batches_and_give_percentiles(redis_conn):
 def test_parse_event_names_the_bad_field(change, fragment):
     with pytest.raises(ingest.InvalidEvent, match=fragment):
         parse_event(json.dumps(usage_event(**change)))
+
+
+def test_the_beat_task_runs_one_ingestion_per_host_at_a_time(redis_conn, settings):
+    import socket
+
+    from tenants.tasks import ingest_usage_task
+
+    settings.INFEROPS_USAGE_INGEST_BUDGET_S = 5
+    xadd_events(redis_conn, [usage_event() for _ in range(3)])
+    held = redis_conn.lock(f"{ingest.STREAM_KEY}:lock:{socket.gethostname()}", timeout=30)
+    assert held.acquire(blocking=False)
+    try:
+        assert ingest_usage_task() is None  # another run on this host holds the stream
+        assert not UsageEvent.objects.exists()
+    finally:
+        held.release()
+    assert ingest_usage_task()["inserted"] == 3
+    assert UsageEvent.objects.count() == 3
