@@ -7,8 +7,10 @@ runs at a time (a Postgres advisory lock); a cycle that finds another running sk
 
 Counters and histograms are stored as deltas since the replica's previous scrape, whose raw
 values live in `Replica.scrape_state`. Storing locks the replica rows (in id order, so two
-scrapers never deadlock) and drops a sample older than the stored state, so two cycles that
-overlap never count the same increase twice or mistake an older sample for a counter reset.
+writers never deadlock) and drops a sample older than the stored state, so a late writer never
+counts an increase twice. A value lower than before is a counter reset (the replica restarted):
+the delta is the new value itself. A replica's first scrape only sets the baseline, unless the
+replica started (or became ready) within the last minute, when its raw values are the delta.
 """
 
 from __future__ import annotations

@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> dict:
     admin_url = os.environ.get("DATABASE_URL")
     if not admin_url or not os.environ.get("REDIS_URL"):
         sys.exit("set DATABASE_URL and REDIS_URL (see the module docstring)")
+    load_before = os.getloadavg()[0]
     recreate_scratch_database(admin_url)
     os.environ["DATABASE_URL"] = scratch_database_url(admin_url)
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
@@ -301,8 +302,10 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "benchmark": "scrape cycle: fetch /metrics of every ready replica, store into Postgres",
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # Other work on the machine shows here; a busy machine slows both sides alike.
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                    "platform": platform.platform()},
+                    "platform": platform.platform(),
+                    "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
         "replicas": args.replicas,
         "page_bytes": len(StubPage(RECORDED_PAGE.read_text()).render(1)),
         "scraper": {"name": "runtime.scraping.scrape_cycle",
