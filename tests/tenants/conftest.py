@@ -63,3 +63,7 @@ def xadd_events(client, events) -> list[bytes]:
         for event in events:
             pipe.xadd(ingest.STREAM_KEY, {"e": json.dumps(event)})
         return pipe.execute()
+
+
+# The browser suite's Chromium fixtures, for the console test of this app.
+from tests.browser.conftest import browser, page  # noqa: E402,F401
