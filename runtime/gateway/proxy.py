@@ -1,4 +1,4 @@
-"""Talking to replicas: one shared httpx client, attempts that may fail over, SSE observed in passing.
+"""Talking to replicas: one shared connection pool, attempts that may fail over, SSE observed in passing.
 
 An attempt counts as failed (and may be retried on another replica) on a connection error, a
 timeout, or a 5xx, but only until the first body byte has been read: for streams the gateway
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+from runtime.gateway.http1 import Http1Pool, Response, UpstreamBroken, UpstreamConnectError, UpstreamTimeout
 
 CONNECT = "upstream_connect"
 TIMEOUT = "upstream_timeout"
@@ -35,50 +35,48 @@ class UpstreamFailure(Exception):
 
 @dataclass
 class Opened:
-    """An upstream answer whose first bytes were read; `rest` yields what follows (streams only)."""
+    """An upstream answer whose first bytes were read; `streaming`: more may follow."""
 
-    response: httpx.Response
+    response: Response
     first: bytes
-    rest: AsyncIterator[bytes] | None
+    streaming: bool
 
     @property
     def status(self) -> int:
-        return self.response.status_code
+        return self.response.status
 
     @property
     def content_type(self) -> str:
-        return self.response.headers.get("content-type", "application/json")
+        return self.response.headers.get(b"content-type", b"application/json").decode("latin-1")
 
     async def remaining(self) -> AsyncIterator[bytes]:
         """The chunks after the first; a broken stream raises UpstreamFailure."""
-        if self.rest is None:
+        if not self.streaming:
             return
-        try:
-            async for chunk in self.rest:
-                yield chunk
-        except httpx.TransportError as exc:
-            raise _failure(exc) from exc
+        while True:
+            try:
+                chunk = await self.response.next_chunk()
+            except (UpstreamBroken, UpstreamTimeout) as exc:
+                raise _failure(exc) from exc
+            if chunk is None:
+                return
+            yield chunk
 
-    async def close(self) -> None:
-        # Closing a stream that was not read to the end drops the connection, which is what
-        # makes the replica abort the request when the client went away.
-        await self.response.aclose()
+    def close(self) -> None:
+        # A stream not read to the end closes its connection, which is what makes the replica
+        # abort the request when the client went away; a finished one goes back to the pool.
+        self.response.close()
 
 
 class Upstream:
     def __init__(self, connect_timeout_s: float = 2.0, first_token_timeout_s: float = 60.0,
-                 request_timeout_s: float = 600.0, max_connections: int = 4096) -> None:
-        self.connect_timeout_s = connect_timeout_s
+                 request_timeout_s: float = 600.0) -> None:
         self.first_token_timeout_s = first_token_timeout_s
         self.request_timeout_s = request_timeout_s
-        self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                                keepalive_expiry=30),
-            timeout=httpx.Timeout(connect=connect_timeout_s, read=first_token_timeout_s, write=connect_timeout_s,
-                                  pool=first_token_timeout_s))
+        self.pool = Http1Pool(connect_timeout_s)
 
-    async def aclose(self) -> None:
-        await self.client.aclose()
+    def close(self) -> None:
+        self.pool.close()
 
     async def open(self, url: str, body: bytes, stream: bool, request_id: str) -> Opened:
         """Sends the request and reads its first bytes; raises UpstreamFailure if that fails."""
@@ -86,42 +84,36 @@ class Upstream:
         # between chunks). Whole answers come in one piece at the end, so they get the request
         # timeout instead.
         read_timeout = self.first_token_timeout_s if stream else self.request_timeout_s
-        request = self.client.build_request(
-            "POST", url, content=body,
-            headers={"content-type": "application/json", "x-request-id": request_id},
-            timeout=httpx.Timeout(connect=self.connect_timeout_s, read=read_timeout,
-                                  write=self.connect_timeout_s, pool=self.first_token_timeout_s))
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.TransportError as exc:
+            response = await self.pool.post(url, body, {"Content-Type": "application/json",
+                                                        "X-Request-Id": request_id},
+                                            head_timeout_s=read_timeout, read_timeout_s=read_timeout)
+        except (UpstreamConnectError, UpstreamBroken, UpstreamTimeout) as exc:
             raise _failure(exc) from exc
         try:
-            if response.status_code >= 500:
-                raise UpstreamFailure(ERROR, f"replica answered {response.status_code}", response.status_code,
-                                      await response.aread(),
-                                      response.headers.get("content-type", "application/json"))
-            if not stream or response.status_code != 200:
-                return Opened(response, await response.aread(), None)
-            rest = response.aiter_raw()
-            try:
-                first = await anext(rest)
-            except StopAsyncIteration:
-                first = b""
-            return Opened(response, first, rest)
-        except httpx.TransportError as exc:
-            await response.aclose()
+            content_type = response.headers.get(b"content-type", b"application/json").decode("latin-1")
+            if response.status >= 500:
+                raise UpstreamFailure(ERROR, f"replica answered {response.status}", response.status,
+                                      await response.read(), content_type)
+            if not stream or response.status != 200:
+                body = await response.read()
+                response.close()
+                return Opened(response, body, False)
+            return Opened(response, await response.next_chunk() or b"", True)
+        except (UpstreamBroken, UpstreamTimeout) as exc:
+            response.close()
             raise _failure(exc) from exc
         except BaseException:
-            await response.aclose()
+            response.close()
             raise
 
 
-def _failure(exc: httpx.TransportError) -> UpstreamFailure:
-    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError):
-        return UpstreamFailure(CONNECT, f"cannot connect to the replica: {exc!r}")
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamFailure(TIMEOUT, f"the replica did not answer in time: {exc!r}")
-    return UpstreamFailure(ERROR, f"the replica broke the connection: {exc!r}")
+def _failure(exc: Exception) -> UpstreamFailure:
+    if isinstance(exc, UpstreamConnectError):
+        return UpstreamFailure(CONNECT, str(exc))
+    if isinstance(exc, UpstreamTimeout):
+        return UpstreamFailure(TIMEOUT, str(exc))
+    return UpstreamFailure(ERROR, f"the replica broke the connection: {exc}")
 
 
 def _has_usage(event: bytes) -> bool:

@@ -203,7 +203,7 @@ class Gateway:
         if self.usage is not None:
             await self.usage.stop()
         if self.upstream is not None:
-            await self.upstream.aclose()
+            self.upstream.close()
         if self.redis is not None:
             await self.redis.aclose()
 
@@ -450,14 +450,14 @@ class Gateway:
                 try:
                     await self._relay(opened, send, record, strip_usage)
                 finally:
-                    await opened.close()
+                    opened.close()
                 return
             finally:
                 self.router.finished(choice.replica)
 
     async def _relay(self, opened: Opened, send: Any, record: RequestRecord, strip_usage: bool) -> None:
         extra = [(b"x-request-id", record.request_id.encode())]
-        if opened.rest is None:
+        if not opened.streaming:
             if opened.status == 200:
                 record.usage, record.finish_reason = read_usage(opened.first)
             else:
