@@ -5,6 +5,7 @@ one point per step beginning at `start`; a step with no data has the value `None
 JSON), so charts show a gap rather than a false zero. Units:
 
 - `*_per_s` series: events per second (sum of the deltas in the step / step seconds);
+  `requests_per_s` counts finished requests of every finish reason (stop, length, abort, error);
 - latency percentiles (`ttft_p50`, `itl_p95`, `e2e_p99`, ...): milliseconds, estimated from the
   replicas' summed histogram bucket deltas over the step (see `histogram_quantile`);
 - `kv_cache_usage`: fraction 0..1, the mean over replicas (per period, then over the step);

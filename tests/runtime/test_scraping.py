@@ -301,14 +301,15 @@ def test_long_gap_rebaselines_instead_of_spiking_one_minute(replica):
 
 
 def test_dead_and_hanging_replicas_do_not_delay_the_rest(db, tiny_llama_dir, stubs):
-    _, _, (alive, dead, hanging) = deployment_with_replicas(tiny_llama_dir, replicas=3)
+    _, _, (alive, dead, *hanging) = deployment_with_replicas(tiny_llama_dir, replicas=5)
     stub = stubs()
     alive.url, dead.url = stub.url, f"http://127.0.0.1:{free_port()}"
     listener = socket.socket()  # accepts connections (the kernel does) but never answers
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)
-    hanging.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    for row in (alive, dead, hanging):
+    for row in hanging:
+        row.url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    for row in (alive, dead, *hanging):
         row.save()
     try:
         began = time.monotonic()
@@ -316,16 +317,21 @@ def test_dead_and_hanging_replicas_do_not_delay_the_rest(db, tiny_llama_dir, stu
         elapsed = time.monotonic() - began
     finally:
         listener.close()
-    assert elapsed < 3.0  # bounded by the one-second deadline, not by the hanging replica
-    assert (report.replicas, report.store.stored, report.store.failed) == (3, 1, 2)
+    # Three one-second deadlines in series would take 3 s; side by side they take one.
+    assert elapsed < 2.5
+    assert (report.replicas, report.store.stored, report.store.failed) == (5, 1, 4)
+    assert ReplicaMetricsMinute.objects.filter(replica=alive).exists()
     dead.refresh_from_db()
-    hanging.refresh_from_db()
     assert dead.last_error.startswith("scrape: ") and "Connect" in dead.last_error
-    assert hanging.last_error == "scrape: no complete response within 1 s"
-    assert dead.state == hanging.state == ReplicaState.READY  # health checks own the state
+    for row in hanging:
+        row.refresh_from_db()
+        assert row.last_error.startswith("scrape: ")
+        assert "within 1 s" in row.last_error or "Timeout" in row.last_error
+        assert row.state == ReplicaState.READY  # health checks own the state
+    assert dead.state == ReplicaState.READY
     # Next cycle starts with the failing ones, so their timeouts overlap the healthy fetches.
     assert [target.replica_id for target in scraping.ready_targets()] == [
-        dead.pk, hanging.pk, alive.pk]
+        dead.pk, *(row.pk for row in hanging), alive.pk]
 
     dead.url = stub.url
     dead.save()
