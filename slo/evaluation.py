@@ -5,12 +5,14 @@ The scheme, and why it is exact and idempotent:
 1. One read per cycle of the events ingested since the oldest SLO watermark minus OVERLAP
    (`ingested_at` is the ingesting transaction's start, so a slow transaction can commit rows
    older than what the last cycle saw; OVERLAP covers that). It returns the touched
-   (deployment, tenant, minute) keys only.
-2. For each SLO, the touched minutes in its scope are recomputed from all their events and
-   upserted (not added): running it twice, or reading an event twice thanks to the overlap,
-   gives the same rows.
-3. Running totals (`cum_*`) are recomputed from the earliest touched minute on, starting from
-   the row before it: late events cost as many rows as they are late, not the whole history.
+   (deployment, tenant, minute) keys only. It is a range scan when tenants_usageevent has an
+   index on ingested_at (the SLO contract asks the usage ledger for one).
+2. Each SLO's touched minutes are recomputed from all their events and upserted (not added):
+   running a cycle twice, or reading an event twice thanks to the overlap, gives the same rows.
+   One statement does it for all request SLOs, reading each touched (deployment, minute) once
+   by its (deployment, time) index.
+3. Running totals (`cum_*`) are recomputed from each SLO's earliest touched minute on, starting
+   from the row before it: a late event costs as many rows as it is late, not the whole history.
 4. A window's sums are the difference of two running totals, found by index probes ("the last
    row at or before t") for all SLOs and all windows in one query.
 An SLO evaluated for the first time is back-filled from the stored events of the last
