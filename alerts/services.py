@@ -118,6 +118,10 @@ def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:
                 alert_resolve(alert=current, now=now, annotations=alert_annotations(slo, evaluation, severity))
                 changes.resolved += 1
     changes.updated = Alert.objects.bulk_update(still_firing, ["annotations", "updated_at"], batch_size=500)
+    # An SLO deleted along with its deployment leaves its firing alerts without a source: end them.
+    for orphan in Alert.objects.filter(status=AlertStatus.FIRING, slo__isnull=True):
+        alert_resolve(alert=orphan, now=now)
+        changes.resolved += 1
     return changes
 
 

@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 
 OVERLAP = timedelta(minutes=2)
 BACKFILL_LIMIT = timedelta(days=35)
-# pg advisory lock keys: (namespace, 0) for the cycle, (namespace, slo id) per SLO.
+# pg advisory lock key of the cycle: (namespace, 0).
 LOCK_NAMESPACE = 0x510E
 
 

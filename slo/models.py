@@ -28,8 +28,10 @@ class Slo(models.Model):
     owner = models.CharField(max_length=100, blank=True, help_text="Team or person responsible.")
     runbook_url = models.URLField(max_length=500, blank=True)
     scope = models.CharField(max_length=16, choices=Scope.choices, default=Scope.DEPLOYMENT)
-    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.PROTECT, related_name="slos")
-    model = models.ForeignKey(RegisteredModel, null=True, blank=True, on_delete=models.PROTECT, related_name="slos")
+    # An SLO of a deployment (or model) that is gone has nothing left to measure: it goes too.
+    # Its alerts stay as history; evaluation resolves any left firing (alerts.services).
+    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.CASCADE, related_name="slos")
+    model = models.ForeignKey(RegisteredModel, null=True, blank=True, on_delete=models.CASCADE, related_name="slos")
     tenant = models.CharField(max_length=63, blank=True, validators=[slug_validator])
     sli_kind = models.CharField(max_length=16, choices=SliKind.choices)
     ttft_ms = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0)])

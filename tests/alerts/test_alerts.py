@@ -176,3 +176,15 @@ def test_resolved_notifications_only_for_receivers_that_want_them(ttft_slo):
     evaluate_slos(now=NOW + timedelta(hours=3))
     assert sorted(Notification.objects.values_list("receiver__name", "alert_status", "alert__severity")) == [
         ("quiet", "firing", "page"), ("quiet", "firing", "ticket")]
+
+
+def test_deleting_the_deployment_takes_its_slos_and_ends_their_alerts(ttft_slo):
+    slow_minute(NOW - MINUTE)
+    slow_minute(NOW)
+    evaluate_slos(now=NOW)
+    assert Alert.objects.filter(status="firing").count() == 2
+    ttft_slo.deployment.delete()  # what the reconciler does once a deleted deployment drained
+    assert not SloStatus.objects.exists()
+    report = evaluate_slos(now=NOW + MINUTE)
+    assert report.alerts_resolved == 2
+    assert set(Alert.objects.values_list("status", "slo")) == {("resolved", None)}
