@@ -26,6 +26,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
+from registry.models import ModelVersion
 from runtime.models import ReplicaMetricsHour, ReplicaMetricsMinute
 from runtime.retention import minute_retention
 
@@ -106,8 +107,9 @@ def deployment_series(deployment, series: str, start: datetime, end: datetime, s
                       *, version=None, now: datetime | None = None) -> list[list]:
     """[[iso_time, value or None], ...] for `series` over the deployment's replicas.
 
-    `version` (a ModelVersion or its id) restricts to replicas of that version, for a canary
-    beside its baseline. Raises ValueError naming the bad argument.
+    `version` (a ModelVersion, or a version number of the deployment's model) restricts to
+    replicas of that version, for a canary beside its baseline. Raises ValueError naming the
+    bad argument.
     """
     spec = SERIES.get(series)
     if spec is None:
@@ -122,8 +124,11 @@ def deployment_series(deployment, series: str, start: datetime, end: datetime, s
                          "use a larger step")
     rows = rows_model(start, now).objects.filter(
         deployment=deployment, start__gte=start, start__lt=end)
-    if version is not None:
-        rows = rows.filter(version_id=getattr(version, "pk", version))
+    if isinstance(version, ModelVersion):
+        rows = rows.filter(version=version)
+    elif version is not None:
+        # A deployment serves one model, so a number names one of its versions.
+        rows = rows.filter(version__number=version)
     in_step: dict[int, list] = defaultdict(list)
     for row in rows.only(*_columns(spec)):
         in_step[int((row.start - start).total_seconds() // step_s)].append(row)

@@ -113,8 +113,10 @@ def test_version_split(rows):
     deployment, (first, second) = rows
     assert values(series(deployment, "queue_depth", version=second))[:3] == pytest.approx(
         [3.0] * 3)
-    assert values(series(deployment, "output_tokens_per_s", minutes=2, version=first.pk)) == \
-        pytest.approx([240 / 120])
+    # By number, as the API passes it: version 1 is the first replica's (scale 1).
+    assert values(series(deployment, "output_tokens_per_s", minutes=2, version=first.number)) \
+        == pytest.approx([240 / 120])
+    assert values(series(deployment, "output_tokens_per_s", minutes=2, version=7)) == [None]
 
 
 def test_ranges_past_minute_retention_read_hour_rows(rows):
