@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -229,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         report["inferops_over_vllm_output_throughput"] = round(
             ours["output_throughput"] / peer["output_throughput"], 3
         )
+    # Strict JSON has no Infinity; write an unlimited rate the way `inferops bench` takes it.
+    if math.isinf(args.request_rate):
+        report["workload"]["request_rate"] = "inf"
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.result_json:
