@@ -212,7 +212,8 @@ class StateSync:
     async def _poll_loop(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.poll_interval_s)
+                async with asyncio.timeout(self.poll_interval_s):
+                    await self._wake.wait()
             self._wake.clear()
             await self.refresh()
 

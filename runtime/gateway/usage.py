@@ -62,7 +62,8 @@ class UsageSink:
     async def _run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._ready.wait(), self.replay_interval_s)
+                async with asyncio.timeout(self.replay_interval_s):
+                    await self._ready.wait()
             self._ready.clear()
             await self._flush()
 

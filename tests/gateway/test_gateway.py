@@ -353,6 +353,13 @@ def test_a_client_that_disconnects_cancels_the_upstream_and_frees_its_slot(contr
     _wait_until(lambda: replica.cancelled == 2, timeout=3)
     assert control.wait_events(2)[-1]["status"] == 499
 
+    # The same for a whole (non-streamed) answer.
+    with pytest.raises(httpx.ReadTimeout):
+        HTTP.post(f"{base_url}/chat/completions", json=_chat(), headers=_auth(secret), timeout=0.5)
+    _wait_until(lambda: len(control.events()) == 3, timeout=3)
+    assert (control.events()[-1]["status"], control.events()[-1]["error_kind"]) == (499, "client_disconnect")
+    _wait_until(lambda: control.redis.zcard(f"inferops:rl:key:{prefix}:conc") == 0, timeout=3)
+
 
 def test_metrics_exposition(demo, control):
     replica, secret, _, _, base_url = demo
