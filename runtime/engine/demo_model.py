@@ -270,6 +270,10 @@ def write_demo_model(
     )
     model.save_pretrained(out_path, safe_serialization=True)
     write_tokenizer_files(tokenizer, out_path)
+    # save_pretrained writes the weights 0600 (through a temp file); a replica running as
+    # another user, e.g. in a container with the folder mounted, must still read them.
+    for path in out_path.iterdir():
+        path.chmod(0o644)
     return out_path
 
 

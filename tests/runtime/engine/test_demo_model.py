@@ -36,6 +36,7 @@ def demo_dir(tmp_path_factory):
 
 def test_writes_the_hf_file_set_with_tiny_shapes(demo_dir):
     assert {path.name for path in demo_dir.iterdir()} == EXPECTED_FILES
+    assert all(path.stat().st_mode & 0o444 == 0o444 for path in demo_dir.iterdir())
     config = json.loads((demo_dir / "config.json").read_text())
     tiny = PRESETS["tiny"]
     assert config["architectures"] == ["LlamaForCausalLM"]
