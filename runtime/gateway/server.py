@@ -288,6 +288,7 @@ class Gateway:
         except (asyncio.CancelledError, ClientGone) as exc:
             if isinstance(exc, asyncio.CancelledError):
                 if not record.client_gone:
+                    record.error_kind = record.error_kind or "internal"
                     raise  # the server is shutting down: not ours to swallow
                 task.uncancel()
             record.client_gone = True
@@ -365,7 +366,6 @@ class Gateway:
                                "PermissionDeniedError", "forbidden", "model")
         record.stream = payload.get("stream") is True and record.endpoint != "embeddings"
         record.prompt_estimate = estimate_prompt_tokens(payload)
-        record.admission = await self._admit(key, record)
         strip_usage = False
         if record.stream:
             options = payload.get("stream_options")
@@ -374,7 +374,7 @@ class Gateway:
                 payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
                 body = json.dumps(payload).encode()
                 strip_usage = True
-        await self._proxy(scope["path"], route, body, payload, send, record, strip_usage)
+        await self._proxy(scope["path"], route, key, body, payload, send, record, strip_usage)
 
     def _authenticate(self, scope: dict) -> ApiKey:
         header = _header(scope, b"authorization")
@@ -409,7 +409,7 @@ class Gateway:
         self.metrics.limits_bypassed.inc()
         return None
 
-    async def _proxy(self, path: str, route: Route, body: bytes, payload: dict, send: Any,
+    async def _proxy(self, path: str, route: Route, key: ApiKey, body: bytes, payload: dict, send: Any,
                      record: RequestRecord, strip_usage: bool) -> None:
         tried: set[str] = set()
         last_failure: UpstreamFailure | None = None
@@ -427,18 +427,24 @@ class Gateway:
                 self.metrics.shed.labels(route.deployment, "no_replica").inc()
                 raise GatewayError(503, f"No ready replica serves `{route.deployment}`.", "ServiceUnavailableError",
                                    "shed", None, 1) from None
-            if tried:
-                record.retries += 1
-                self.metrics.retries.labels(route.deployment).inc()
-            tried.add(choice.replica.url)
-            record.version, record.replica = choice.version, choice.replica.id
-            record.sent_upstream = True
+            # Counted before any await, so concurrent requests see this one and the cap holds.
             self.router.started(choice.replica)
             try:
+                if not tried:
+                    # Admitted only once a replica can take it: a shed request costs the tenant nothing.
+                    record.admission = await self._admit(key, record)
+                else:
+                    record.retries += 1
+                    self.metrics.retries.labels(route.deployment).inc()
+                tried.add(choice.replica.url)
+                record.version, record.replica = choice.version, choice.replica.id
+                record.sent_upstream = True
                 try:
                     opened = await self.upstream.open(choice.replica.url + path, body, record.stream,
                                                       record.request_id)
                 except UpstreamFailure as failure:
+                    # Unreachable or refused: no work done. Timed out: the replica may have done it.
+                    record.sent_upstream = failure.kind == TIMEOUT
                     last_failure = failure
                     self.metrics.upstream_errors.labels(route.deployment, failure.kind).inc()
                     if self.router.record_failure(choice.replica):

@@ -142,17 +142,17 @@ class RedisHealth:
         return self.up or time.monotonic() >= self._retry_at
 
     def mark_down(self, exc: BaseException) -> None:
+        self._retry_at = time.monotonic() + self.retry_s
         if self.up:
             logger.warning("redis unreachable: %s", exc)
-        self.up = False
-        self._retry_at = time.monotonic() + self.retry_s
-        self._notify()
+            self.up = False
+            self._notify()
 
     def mark_up(self) -> None:
         if not self.up:
             logger.warning("redis reachable again")
-        self.up = True
-        self._notify()
+            self.up = True
+            self._notify()
 
     def _notify(self) -> None:
         for listener in self.listeners:

@@ -311,7 +311,7 @@ def test_saturated_replicas_shed_with_503_at_once(control, replicas, gateways):
     replica.behaviour.first_delay_s = 1.0
     control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])])
     control.publish_route("empty", [(1, 100, [])])
-    secret, _ = control.publish_key("acme")
+    secret, prefix = control.publish_key("acme", key_limits={"rpm": 100})
     _, base_url = gateways(max_outstanding_per_replica=2)
 
     def call(i: int) -> tuple[int, float, str | None]:
@@ -326,6 +326,9 @@ def test_saturated_replicas_shed_with_503_at_once(control, replicas, gateways):
     empty = HTTP.post(f"{base_url}/chat/completions", json=_chat(model="empty"), headers=_auth(secret))
     assert empty.status_code == 503 and "No ready replica" in empty.json()["error"]["message"]
     assert [e["error_kind"] for e in control.wait_events(6)].count("shed") == 4
+    # Shed requests were never admitted: only the two served ones count against the key's RPM.
+    (rpm_counter,) = control.redis.keys(f"inferops:rl:key:{prefix}:rpm:*")
+    assert int(control.redis.get(rpm_counter)) == 2
 
 
 def test_a_client_that_disconnects_cancels_the_upstream_and_frees_its_slot(control, replicas, gateways):
