@@ -3,7 +3,11 @@ several gateways in one process)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # vLLM's TTFT and E2E bucket edges (seconds), so gateway and replica histograms line up.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -12,6 +16,25 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
+
+
+class ReplicaLoadCollector(Collector):
+    """Outstanding requests and ejection per replica URL, read from the router at scrape time."""
+
+    def __init__(self, read: Callable[[], dict[str, tuple[int, bool]]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        outstanding = GaugeMetricFamily("inferops_gateway_upstream_outstanding",
+                                        "Requests this gateway has in flight to a replica", labels=["replica"])
+        ejected = GaugeMetricFamily("inferops_gateway_upstream_ejected",
+                                    "1 while a replica sits out its cool-off after repeated failures",
+                                    labels=["replica"])
+        for url, (count, is_ejected) in sorted(self.read().items()):
+            outstanding.add_metric([url], count)
+            ejected.add_metric([url], 1 if is_ejected else 0)
+        yield outstanding
+        yield ejected
 
 
 class GatewayMetrics:
@@ -46,3 +69,6 @@ class GatewayMetrics:
                                  "Usage events waiting in the local spool file for Redis", registry=r)
         self.redis_up = Gauge("inferops_gateway_redis_up", "1 when the last Redis call succeeded", registry=r)
         self.redis_up.set(1)
+
+    def watch_replicas(self, read: Callable[[], dict[str, tuple[int, bool]]]) -> None:
+        self.registry.register(ReplicaLoadCollector(read))

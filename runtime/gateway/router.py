@@ -94,6 +94,11 @@ class Router:
                 return preferred
         return random.choice([r for r in replicas if self.load(r).outstanding == least])
 
+    def snapshot(self) -> dict[str, tuple[int, bool]]:
+        """URL -> (outstanding, ejected now), for metrics."""
+        now = time.monotonic()
+        return {url: (load.outstanding, load.ejected_until > now) for url, load in self.loads.items()}
+
     def started(self, replica: Replica) -> None:
         self.load(replica).outstanding += 1
 

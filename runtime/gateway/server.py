@@ -168,6 +168,7 @@ class Gateway:
         self.health.listeners.append(lambda up: self.metrics.redis_up.set(1 if up else 0))
         self.router = Router(settings.max_outstanding_per_replica, settings.affinity_slack,
                              settings.failure_threshold, settings.failure_window_s, settings.ejection_s)
+        self.metrics.watch_replicas(self.router.snapshot)
         self.redis: aioredis.Redis | None = None
         self.state: StateSync | None = None
         self.limiter: RateLimiter | None = None

@@ -255,6 +255,8 @@ def test_a_dead_replica_is_retried_before_the_first_byte_and_ejected(control, re
     metrics = _scrape(base_url)
     assert metrics[("inferops_gateway_replica_ejections_total", (("deployment", "demo"),))] == 1
     assert metrics[("inferops_gateway_retries_total", (("deployment", "demo"),))] == retried
+    assert metrics[("inferops_gateway_upstream_ejected", (("replica", dead[1]),))] == 1
+    assert metrics[("inferops_gateway_upstream_outstanding", (("replica", replica.url),))] == 0
     assert metrics[("inferops_gateway_upstream_errors_total",
                     (("deployment", "demo"), ("kind", "upstream_connect")))] == retried
 
