@@ -70,20 +70,22 @@ def test_openai_client_through_the_gateway_to_a_real_replica(tiny_llama_dir, con
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{gateway_port}/v1", api_key=secret, max_retries=0,
                                timeout=60)
         messages = [{"role": "user", "content": "Say something."}]
+        exact = {"ignore_eos": True}  # random weights may sample EOS early; counts must be exact
 
-        answer = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=5)
+        answer = client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=5,
+                                                extra_body=exact)
         assert answer.usage.completion_tokens == 5 and answer.choices[0].finish_reason == "length"
 
         chunks = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6,
-                                                     stream=True))
+                                                     stream=True, extra_body=exact))
         assert all(c.usage is None for c in chunks)
         assert chunks[-1].choices[0].finish_reason == "length"
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
 
         with_usage = list(client.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=6,
-                                                         stream=True, stream_options={"include_usage": True}))
+                                                         stream=True, stream_options={"include_usage": True},
+                                                         extra_body=exact))
         assert with_usage[-1].usage.completion_tokens == 6
-        # Greedy by default on the built-in engine? Not assumed: only that text came back.
         assert text
 
         events = control.wait_events(3)
