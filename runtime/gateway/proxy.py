@@ -4,7 +4,7 @@ An attempt counts as failed (and may be retried on another replica) on a connect
 timeout, or a 5xx, but only until the first body byte has been read: for streams the gateway
 waits for the upstream's first chunk before it sends the client any header, so a replica that
 dies before its first token costs the client nothing but time. Once bytes went out there is no
-retry: the client's stream just ends.
+retry: the client's stream ends with an error event (and no [DONE]).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ ERROR = "upstream_error"
 
 
 class UpstreamFailure(Exception):
-    """A failed attempt before the first byte: retryable on another replica."""
+    """A failed attempt: retryable on another replica before the first byte, not after."""
 
     def __init__(self, kind: str, detail: str, status: int | None = None, body: bytes = b"",
                  content_type: str = "application/json") -> None:
