@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import psycopg
 import redis
 from django.conf import settings
 from django.db import connection, transaction
@@ -122,8 +123,10 @@ def parse_event(raw: bytes | str) -> dict:
         elif kind == "int":
             if isinstance(value, bool) or not isinstance(value, int) or not bound[0] <= value <= bound[1]:
                 raise InvalidEvent(f"{name}: expected an integer")
-        elif isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-            raise InvalidEvent(f"{name}: expected a finite number >= 0")
+        else:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise InvalidEvent(f"{name}: expected a finite number >= 0")
+            value = float(value)  # JSON may say 272 for 272.0; a batch's column must have one type
         event[name] = value
     return event
 
@@ -192,7 +195,7 @@ def aggregate(events: Iterable[dict]) -> dict[tuple, MinuteTotals]:
 _INSERT_EVENTS = (
     f"INSERT INTO tenants_usageevent ({', '.join(COLUMNS)}, ingested_at) "
     f"SELECT {', '.join('to_timestamp(time)' if c == 'time' else c for c in COLUMNS)}, now() FROM unnest("
-    + ", ".join(f"%s::{SQL_TYPES[EVENT_FIELDS[c][0]]}[]" for c in COLUMNS)
+    + ", ".join(f"%b::{SQL_TYPES[EVENT_FIELDS[c][0]]}[]" for c in COLUMNS)
     + f") AS batch({', '.join(COLUMNS)}) ON CONFLICT (request_id) DO NOTHING RETURNING request_id"
 )
 _COUNTERS = [f.name for f in MinuteTotals.__dataclass_fields__.values() if not f.name.endswith("_buckets")]
@@ -204,9 +207,9 @@ _UPSERT_MINUTES = (
     f"INSERT INTO tenants_usageminute ({', '.join(_MINUTE_COLUMNS)}) "
     f"SELECT {', '.join('to_timestamp(minute)' if c == 'minute' else c for c in _MINUTE_COLUMNS)} FROM unnest("
     + ", ".join(
-        [f"%s::{sql}[]" for sql in _IDENTITY_TYPES.values()]
-        + [f"%s::{'float8' if c.endswith('_ms') else 'int8'}[]" for c in _COUNTERS]
-        + ["%s::text[]::jsonb[]" for _ in _HISTOGRAMS]
+        [f"%b::{sql}[]" for sql in _IDENTITY_TYPES.values()]
+        + [f"%b::{'float8' if c.endswith('_ms') else 'int8'}[]" for c in _COUNTERS]
+        + ["%b::text[]::jsonb[]" for _ in _HISTOGRAMS]
     )
     + f") AS batch({', '.join(_MINUTE_COLUMNS)}) ON CONFLICT ON CONSTRAINT usage_minute_identity DO UPDATE SET "
     + ", ".join([f"{c} = tenants_usageminute.{c} + EXCLUDED.{c}" for c in _COUNTERS]
@@ -221,7 +224,10 @@ def store_events(events: list[dict]) -> int:
     """
     if not events:
         return 0
-    with transaction.atomic(), connection.cursor() as cursor:
+    # A plain psycopg cursor on Django's connection, inside its transaction: Django's own cursor
+    # binds parameters client-side, escaping every array element in Python (the consumer's
+    # largest CPU cost); this one sends the arrays as binary parameters (the %b placeholders).
+    with transaction.atomic(), psycopg.Cursor(connection.connection) as cursor:
         cursor.execute(_INSERT_EVENTS, [[event[c] for event in events] for c in COLUMNS])
         inserted = {row[0] for row in cursor.fetchall()}
         # A request id repeated inside the batch is inserted once; count it once too.

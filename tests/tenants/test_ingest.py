@@ -106,6 +106,12 @@ def test_invalid_entries_are_moved_aside_and_do_not_block_the_batch(redis_conn):
     assert redis_conn.xpending(ingest.STREAM_KEY, ingest.GROUP)["pending"] == 0
 
 
+def test_whole_numbers_where_floats_are_expected_mix_in_one_batch(redis_conn):
+    xadd_events(redis_conn, [usage_event(time=int(MINUTE), e2e_ms=272, ttft_ms=40), usage_event(time=MINUTE + 0.5)])
+    assert UsageIngestor(consumer="test").run(budget_s=10).inserted == 2
+    assert UsageMinute.objects.get().e2e_sum_ms == 272 + 272.0
+
+
 def test_histograms_merge_across_batches_and_give_percentiles(redis_conn):
     latencies = [10.0 * (i + 1) for i in range(100)]  # 10 .. 1000 ms
     xadd_events(redis_conn, [usage_event(time=MINUTE, ttft_ms=ms) for ms in latencies])
