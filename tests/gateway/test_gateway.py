@@ -387,3 +387,22 @@ def test_metrics_exposition(demo, control):
     assert samples[("inferops_gateway_redis_up", ())] == 1
     health = HTTP.get(base_url.removesuffix("/v1") + "/health").json()
     assert health == {"status": "ok", "redis": "up", "deployments": 2, "keys": 1, "usage_spool_depth": 0}
+
+
+def test_a_replica_silent_past_the_first_token_timeout_is_a_504_and_the_next_one_gets_the_retry(
+        control, replicas, gateways):
+    slow, fast = replicas(2)
+    slow.behaviour.first_delay_s = 3
+    control.publish_route("demo", [(1, 100, [(slow.id, slow.url), (fast.id, fast.url)])])
+    secret, _ = control.publish_key("acme")
+    _, retrying = gateways(first_token_timeout_s=0.3)
+    _, single = gateways(first_token_timeout_s=0.3, max_attempts=1)
+    prompt = _prompt_preferring(slow, [slow, fast])
+    response = HTTP.post(f"{retrying}/chat/completions", json=_chat(prompt, stream=True), headers=_auth(secret))
+    assert response.status_code == 200 and b"[DONE]" in response.content
+    response = HTTP.post(f"{single}/chat/completions", json=_chat(prompt, stream=True), headers=_auth(secret))
+    assert response.status_code == 504
+    assert response.json()["error"]["message"].startswith("Upstream request timed out: no answer from the replica")
+    first, second = control.wait_events(2)
+    assert (first["status"], first["retries"], first["replica"], first["error_kind"]) == (200, 1, fast.id, None)
+    assert (second["status"], second["error_kind"], second["replica"]) == (504, "upstream_timeout", slow.id)
