@@ -293,6 +293,26 @@ def ensure_group(client: redis.Redis) -> None:
             raise
 
 
+def forget_idle_consumers(client: redis.Redis, idle_ms: int = 24 * 3600 * 1000) -> list[str]:
+    """Remove consumers with nothing pending that have been idle that long.
+
+    Each worker process joins the group under its own hostname-pid, so restarts leave names
+    behind. One with pending entries stays: deleting a consumer drops its pending entries from
+    the group, and they would never be claimed and redone.
+    """
+    try:
+        consumers = client.xinfo_consumers(STREAM_KEY, GROUP)
+    except redis.ResponseError:  # no stream or no group yet
+        return []
+    forgotten = []
+    for consumer in consumers:
+        name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+        if consumer["pending"] == 0 and consumer["idle"] >= idle_ms:
+            client.xgroup_delconsumer(STREAM_KEY, GROUP, name)
+            forgotten.append(name)
+    return forgotten
+
+
 class UsageIngestor:
     """Reads batches from the consumer group and stores them; one instance per run."""
 

@@ -53,4 +53,6 @@ def prune_usage_events(*, now=None) -> int:
 
 @shared_task(name="tenants.prune_usage_events", ignore_result=True)
 def prune_usage_events_task() -> int:
+    """Beat (hourly): raw events past retention, and consumer names of long-gone workers."""
+    ingest.forget_idle_consumers(redis_client())
     return prune_usage_events()

@@ -157,3 +157,15 @@ def test_the_beat_task_runs_one_ingestion_per_host_at_a_time(redis_conn, setting
         held.release()
     assert ingest_usage_task()["inserted"] == 3
     assert UsageEvent.objects.count() == 3
+
+
+def test_idle_consumers_without_pending_entries_are_forgotten(redis_conn):
+    xadd_events(redis_conn, [usage_event()])
+    UsageIngestor(consumer="gone").run(budget_s=5)
+    xadd_events(redis_conn, [usage_event()])
+    ingest.ensure_group(redis_conn)
+    redis_conn.xreadgroup(ingest.GROUP, "holding", {ingest.STREAM_KEY: ">"}, count=10)
+    assert ingest.forget_idle_consumers(redis_conn, idle_ms=60_000) == []
+    assert ingest.forget_idle_consumers(redis_conn, idle_ms=0) == ["gone"]
+    names = {c["name"] for c in redis_conn.xinfo_consumers(ingest.STREAM_KEY, ingest.GROUP)}
+    assert names in ({"holding"}, {b"holding"})
