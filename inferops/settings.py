@@ -240,12 +240,17 @@ CELERY_BEAT_SCHEDULE["prune-slo-minutes"] = {
 
 # Tenants, API keys and the usage ledger (tenants/): keys republished every 30 s so a flushed
 # Redis heals; usage ingested every 2 s (each run drains the backlog for up to
-# INFEROPS_USAGE_INGEST_BUDGET_S); raw usage events pruned after their retention.
+# INFEROPS_USAGE_INGEST_BUDGET_S); raw usage events pruned after their retention. The two
+# intervals are settings so that tests can shorten them.
 INFEROPS_USAGE_EVENT_RETENTION_DAYS = env_int("INFEROPS_USAGE_EVENT_RETENTION_DAYS", 35)
 INFEROPS_USAGE_INGEST_BUDGET_S = float(env_str("INFEROPS_USAGE_INGEST_BUDGET_S", "5"))
+INFEROPS_USAGE_INGEST_INTERVAL_S = float(env_str("INFEROPS_USAGE_INGEST_INTERVAL_S", "2"))
+INFEROPS_KEYS_PUBLISH_INTERVAL_S = float(env_str("INFEROPS_KEYS_PUBLISH_INTERVAL_S", "30"))
 CELERY_BEAT_SCHEDULE |= {
-    "publish-keys": {"task": "tenants.publish_keys", "schedule": 30.0, "options": {"expires": 25}},
-    "ingest-usage": {"task": "tenants.ingest_usage", "schedule": 2.0, "options": {"expires": 2}},
+    "publish-keys": {"task": "tenants.publish_keys", "schedule": INFEROPS_KEYS_PUBLISH_INTERVAL_S,
+                     "options": {"expires": INFEROPS_KEYS_PUBLISH_INTERVAL_S * 0.9}},
+    "ingest-usage": {"task": "tenants.ingest_usage", "schedule": INFEROPS_USAGE_INGEST_INTERVAL_S,
+                     "options": {"expires": INFEROPS_USAGE_INGEST_INTERVAL_S}},
     "prune-usage-events": {"task": "tenants.prune_usage_events", "schedule": 3600.0, "options": {"expires": 3500}},
 }
 
