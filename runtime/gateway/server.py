@@ -534,10 +534,9 @@ async def _send_whole(send: Any, status: int, body: bytes, content_type: str = "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     defaults = GatewaySettings()
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8080, help="port to bind")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8080, help="port to bind (default: %(default)s)")
     parser.add_argument("--redis-url", default=None, help="Redis with routing, keys, limits, usage "
                         "(default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
     parser.add_argument("--instance", default=None,
@@ -545,23 +544,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spool-dir", default=None,
                         help="usage spool directory (default: $INFEROPS_DATA_DIR/gateway-spool)")
     parser.add_argument("--redis-down-limits", choices=["open", "closed"], default=defaults.redis_down_limits,
-                        help="when Redis is unreachable: serve without rate limits (open) or answer 503 (closed)")
+                        help="when Redis is unreachable: serve without rate limits (open) or answer 503 "
+                             "(closed) (default: %(default)s)")
     parser.add_argument("--max-outstanding-per-replica", type=int, default=defaults.max_outstanding_per_replica,
-                        help="requests in flight to one replica before it counts as saturated (shed beyond)")
+                        help="requests in flight to one replica before it counts as saturated (shed "
+                             "beyond) (default: %(default)s)")
     parser.add_argument("--affinity-slack", type=int, default=defaults.affinity_slack,
                         help="how many more outstanding requests than the least loaded replica the "
-                             "prefix-preferred replica may have and still be chosen")
+                             "prefix-preferred replica may have and still be chosen (default: %(default)s)")
     parser.add_argument("--max-attempts", type=int, default=defaults.max_attempts,
-                        help="replicas tried per request before the first byte (1 = no retry)")
+                        help="replicas tried per request before the first byte (1 = no retry) "
+                             "(default: %(default)s)")
     parser.add_argument("--connect-timeout", type=float, default=defaults.connect_timeout_s,
-                        help="seconds to connect to a replica")
+                        help="seconds to connect to a replica (default: %(default)s)")
     parser.add_argument("--first-token-timeout", type=float, default=defaults.first_token_timeout_s,
-                        help="seconds a stream may wait for its first chunk (and between chunks)")
+                        help="seconds a stream may wait for its first chunk (and between chunks) "
+                             "(default: %(default)s)")
     parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s,
-                        help="seconds a non-streamed request may take")
+                        help="seconds a non-streamed request may take (default: %(default)s)")
     parser.add_argument("--concurrency-lease", type=float, default=defaults.concurrency_lease_s,
-                        help="seconds a concurrency slot lives unless renewed (frees slots of a crashed gateway)")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+                        help="seconds a concurrency slot lives unless renewed (frees slots of a crashed "
+                             "gateway) (default: %(default)s)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="log level (default: %(default)s)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
