@@ -1,0 +1,132 @@
+"""Issue 6 end to end: injected latency burns a TTFT SLO, a page alert opens and its webhook
+arrives; the latency is removed and the alert resolves.
+
+Real parts: a replica process (`inferops serve`, fault injection through its admin API), a
+gateway process, Redis, Postgres, usage ingestion, SLO evaluation and webhook delivery to an HTTP
+receiver in this test. The beat schedule is replaced by calling the same functions in a loop, and
+notification tasks run eagerly, so the test controls the clock of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import openai
+import pytest
+
+from alerts.models import Alert, Receiver
+from deployments import services as deployment_services
+from inferops.celery import app as celery_app
+from registry import services as registry_services
+from runtime.drivers.local import LocalProcessDriver
+from runtime.models import Replica
+from slo.evaluation import evaluate_slos
+from slo.services import slo_create
+from tenants import services as tenant_services
+from tenants.ingest import ingest_usage
+from tenants.publish import publish_keys
+from tests.e2e.test_gateway_platform import private_redis, start_gateway, wait_for  # noqa: F401
+from tests.runtime.test_reconcile import all_ready, reconcile_until
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
+
+ADMIN_TOKEN = "game-day-token"
+
+
+class Receiver_(BaseHTTPRequestHandler):
+    received: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append(json.loads(body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def webhook():
+    Receiver_.received = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver_)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/hook", Receiver_.received
+    server.shutdown()
+
+
+def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, settings, monkeypatch,  # noqa: F811
+                                             make_user, tiny_llama_dir):
+    settings.INFEROPS_DATA_DIR = tmp_path
+    settings.INFEROPS_RECONCILE_TIMINGS = {"health_timeout_s": 1}
+    monkeypatch.setenv("INFEROPS_ADMIN_TOKEN", ADMIN_TOKEN)  # inherited by the replica process
+    celery_app.conf.task_always_eager = True
+    actor = make_user("operator")
+    model = registry_services.model_create(name="tiny", task="generate", actor=actor)
+    registry_services.version_register(model=model, artifact_uri=str(tiny_llama_dir), actor=actor)
+    deployment = deployment_services.deployment_create(name="chat", model=model, version=1, actor=actor)
+    tenant = tenant_services.tenant_create(name="acme", actor=actor)
+    _, key = tenant_services.key_create(tenant=tenant, name="load", actor=actor)
+    publish_keys()
+    hook_url, received = webhook
+    Receiver.objects.create(name="test-receiver", url=hook_url, send_resolved=True)
+    slo = slo_create(actor=actor, name="chat-ttft", scope="deployment", deployment=deployment, sli_kind="latency",
+                     ttft_ms=150, objective=0.99, window="1d", budgeting="occurrences", min_requests=10)
+    gateway = None
+    try:
+        reconcile_until(deployment, all_ready(1))
+        replica = Replica.objects.get(deployment=deployment, state="ready")
+        gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
+        wait_for(lambda: client.models.list().data, 15, "gateway to learn the key and route")
+
+        stop_load = threading.Event()
+
+        def load():
+            while not stop_load.is_set():
+                for _chunk in client.chat.completions.create(model="chat", max_tokens=4, stream=True,
+                                                            messages=[{"role": "user", "content": "hi"}]):
+                    pass
+                time.sleep(0.2)
+
+        def set_fault(ms: float):
+            response = httpx.post(f"{replica.url}/admin/faults", json={"fault_ttft_ms": ms},
+                                  headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5)
+            assert response.status_code == 200, response.text
+
+        def cycle() -> Alert | None:
+            ingest_usage(budget_s=5)
+            evaluate_slos()
+            return Alert.objects.filter(slo=slo, severity="page").order_by("-id").first()
+
+        threading.Thread(target=load, daemon=True).start()
+        set_fault(400)
+        fault_on = time.monotonic()
+        alert = wait_for(lambda: (a := cycle()) and a.status == "firing" and a, 300, "the page alert to open")
+        opened_after = time.monotonic() - fault_on
+        wait_for(lambda: any(p["status"] == "firing" for p in received), 30, "the firing webhook")
+        firing = next(p for p in received if p["status"] == "firing")
+        assert firing["version"] == "4" and firing["alerts"][0]["labels"]["severity"] == "page"
+        assert firing["alerts"][0]["labels"]["slo"] == "chat-ttft"
+
+        set_fault(0)
+        fault_off = time.monotonic()
+        wait_for(lambda: (a := cycle()) and a.status == "resolved" and a.pk == alert.pk, 300,
+                 "the page alert to resolve")
+        resolved_after = time.monotonic() - fault_off
+        wait_for(lambda: any(p["status"] == "resolved" for p in received), 30, "the resolved webhook")
+        stop_load.set()
+        print(f"timeline: page alert opened {opened_after:.0f}s after 400 ms of TTFT was injected; "
+              f"resolved {resolved_after:.0f}s after it was removed; {len(received)} webhook deliveries")
+        assert Alert.objects.filter(slo=slo, severity="page").count() == 1  # opened once, updated, resolved
+    finally:
+        celery_app.conf.task_always_eager = False
+        if gateway is not None and gateway.poll() is None:
+            gateway.send_signal(signal.SIGKILL)
+        for leftover in Replica.objects.all():
+            LocalProcessDriver().kill(leftover)
