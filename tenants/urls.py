@@ -7,6 +7,7 @@ app_name = "tenants"
 urlpatterns = [
     path("", views.tenant_list, name="list"),
     path("<slug:name>/", views.tenant_detail, name="detail"),
+    path("<slug:name>/limits/", views.tenant_limits, name="limits"),
     path("<slug:name>/keys/<str:prefix>/revoke/", views.key_revoke, name="key-revoke"),
 ]
 

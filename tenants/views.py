@@ -28,12 +28,17 @@ def limit_field(label: str) -> forms.IntegerField:
                               help_text="empty = unlimited")
 
 
-class TenantForm(forms.Form):
-    name = forms.SlugField(max_length=63)
+class TenantLimitsForm(forms.Form):
     display_name = forms.CharField(max_length=200, required=False)
     rpm_limit = limit_field("Requests / minute")
     tpm_limit = limit_field("Tokens / minute")
     max_concurrent = limit_field("Concurrent requests")
+
+
+class TenantForm(TenantLimitsForm):
+    name = forms.SlugField(max_length=63)
+
+    field_order = ["name", "display_name", "rpm_limit", "tpm_limit", "max_concurrent"]
 
 
 class ApiKeyForm(forms.Form):
@@ -77,25 +82,45 @@ def tenant_list(request):
                   status=400 if request.method == "POST" else 200)
 
 
+def render_detail(request, tenant, *, form=None, limits_form=None, created=None, status=200):
+    limits = {field: getattr(tenant, field) for field in services.TENANT_FIELDS}
+    keys = ApiKey.objects.filter(tenant=tenant).select_related("created_by")
+    return render(request, "tenants/detail.html", {
+        "tenant": tenant, "keys": keys, "form": form or ApiKeyForm(), "created": created, "ranges": USAGE_RANGES,
+        "limits_form": limits_form or TenantLimitsForm(initial=limits, prefix="limits"),
+        "deployment_names": Deployment.objects.filter(deleted_at__isnull=True).values_list("name", flat=True),
+    }, status=status)
+
+
 @login_required
 def tenant_detail(request, name: str):
     tenant = get_tenant(name)
-    form = ApiKeyForm(request.POST or None)
-    created = None
-    if request.method == "POST":
-        require_operator(request)
-        if form.is_valid():
-            result = apply_service(form, lambda: services.key_create(
-                tenant=tenant, actor=request.user, **form.cleaned_data))
-            if result:
-                # Rendered into this response only, never stored (not even in the session): shown once.
-                created = {"key": result[0], "secret": result[1]}
-                form = ApiKeyForm()
-    keys = ApiKey.objects.filter(tenant=tenant).select_related("created_by")
-    return render(request, "tenants/detail.html", {
-        "tenant": tenant, "keys": keys, "form": form, "created": created, "ranges": USAGE_RANGES,
-        "deployment_names": Deployment.objects.filter(deleted_at__isnull=True).values_list("name", flat=True),
-    }, status=400 if request.method == "POST" and created is None else 200)
+    if request.method != "POST":
+        return render_detail(request, tenant)
+    require_operator(request)
+    form = ApiKeyForm(request.POST)
+    if form.is_valid():
+        result = apply_service(form, lambda: services.key_create(
+            tenant=tenant, actor=request.user, **form.cleaned_data))
+        if result:
+            # Rendered into this response only, never stored (not even in the session): shown once.
+            return render_detail(request, get_tenant(name), created={"key": result[0], "secret": result[1]})
+    return render_detail(request, tenant, form=form, status=400)
+
+
+@login_required
+@require_POST
+def tenant_limits(request, name: str):
+    require_operator(request)
+    tenant = get_tenant(name)
+    form = TenantLimitsForm(request.POST, prefix="limits")
+    if form.is_valid():
+        changes = {field: value for field, value in form.cleaned_data.items() if value != getattr(tenant, field)}
+        if not changes or apply_service(form, lambda: services.tenant_update(
+                tenant=tenant, actor=request.user, **changes)):
+            messages.success(request, f"Limits of {name} saved: gateways apply them within seconds.")
+            return redirect("tenants:detail", name=name)
+    return render_detail(request, tenant, limits_form=form, status=400)
 
 
 @login_required

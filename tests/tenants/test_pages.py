@@ -4,6 +4,7 @@ sees usage charts; plain requests check roles and form validation."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 
@@ -63,6 +64,18 @@ def test_operator_creates_a_key_sees_it_once_and_revokes_it(live_server, page, d
     page.goto(f"{live_server.url}/tenants/acme/")
     assert secret not in page.content() and key.prefix in page.content()
 
+    # Tenant limits, changed from the page, reach the published key entry.
+    page.click("#limits summary")
+    page.fill("#id_limits-tpm_limit", "-3")
+    page.click("#limits button[type=submit]")
+    assert "greater than or equal to 1" in page.locator("#limits .error").first.inner_text()
+    page.fill("#id_limits-tpm_limit", "5000")
+    page.click("#limits button[type=submit]")
+    page.wait_for_selector(".messages")
+    assert Tenant.objects.get().tpm_limit == 5000
+    assert json.loads(redis_conn.hget(publish.KEYS_KEY, key.key_hash))["limits"]["tenant"] == {
+        "rpm": 600, "tpm": 5000, "max_concurrent": None}
+
     dialogs = []
     page.once("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.accept()))
     page.locator(f"#keys tr[data-prefix='{key.prefix}'] form.revoke button").click()
@@ -101,6 +114,7 @@ def test_viewers_cannot_write_through_the_console(client, redis_conn):
     client.force_login(user_with_role("viewer", "watcher"))
     assert client.post("/tenants/", {"name": "other"}).status_code == 403
     assert client.post("/tenants/acme/", {"name": "ci", "priority": 0}).status_code == 403
+    assert client.post("/tenants/acme/limits/", {"limits-rpm_limit": 1}).status_code == 403
     operator = user_with_role("operator", "ops")
     from tenants import services
 
@@ -108,3 +122,4 @@ def test_viewers_cannot_write_through_the_console(client, redis_conn):
     assert client.post(f"/tenants/acme/keys/{key.prefix}/revoke/").status_code == 403
     assert client.get(f"/tenants/acme/keys/{key.prefix}/revoke/").status_code == 405
     assert not Tenant.objects.filter(name="other").exists() and ApiKey.objects.get().revoked_at is None
+    assert Tenant.objects.get(name="acme").rpm_limit is None
