@@ -17,6 +17,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -167,10 +168,22 @@ def workload_a(base_url: str, model_dir: Path, args: argparse.Namespace) -> Benc
     )
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def bench_server(spec: ServerSpec, model_dir: Path, args: argparse.Namespace) -> dict:
     if spec.name == "vllm" and not VLLM_PYTHON.is_file():
         return {"skipped": f"{VLLM_PYTHON} missing; run bench/engine/peers.sh"}
     base_url = f"http://127.0.0.1:{args.port}"
+    if not port_is_free(args.port):
+        # Otherwise the readiness probe could find someone else's server and bench that.
+        return {"skipped": f"port {args.port} is taken; pass --port"}
     log_path = HERE / "work" / f"{spec.name}.log"
     server = RunningServer(spec, log_path)
     try:
