@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db.models import Count, DateTimeField, DurationField, F, Func, Q, Sum, Value
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
@@ -197,7 +198,7 @@ def usage_filters(params) -> dict:
     if deployment := params.get("deployment"):
         try:
             slug_validator(deployment)
-        except Exception as exc:  # django ValidationError
+        except DjangoValidationError as exc:
             errors["deployment"] = list(exc.messages)
         filters["deployment"] = deployment
     if prefix := params.get("key_prefix"):
