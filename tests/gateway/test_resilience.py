@@ -119,3 +119,29 @@ def test_redis_stopped_serving_goes_on_and_every_usage_event_arrives_after_it_re
     assert len(open_gateway.state.snapshot.keys) == 1
     http.close()
     control.redis.close()
+
+
+def test_a_gateway_started_before_redis_serves_once_redis_and_the_control_plane_are_up(
+        replicas, gateways, tmp_path):
+    (replica,) = replicas(1)
+    server = RedisProcess(tmp_path)  # not started yet
+    gateway, base_url = gateways(server.url)
+    http = httpx.Client(timeout=10)
+    try:
+        assert http.get(base_url.removesuffix("/v1") + "/health").json()["redis"] == "down"
+        body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}]}
+        early = http.post(f"{base_url}/chat/completions", json=body, headers={"Authorization": "Bearer iop_x_y"})
+        assert early.status_code == 401  # no key is known yet; the refusal is spooled
+        server.start()
+        control = Control(server.url)
+        control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])])
+        secret, _ = control.publish_key("acme")
+        _wait_until(lambda: http.post(f"{base_url}/chat/completions", json=body,
+                                      headers={"Authorization": f"Bearer {secret}"}).status_code == 200, timeout=5)
+        # The refusal from before Redis was up reached the stream first (spooled, then replayed).
+        _wait_until(lambda: any(e["status"] == 200 for e in control.events()))
+        assert control.events()[0]["status"] == 401
+        control.redis.close()
+    finally:
+        http.close()
+        server.stop()
