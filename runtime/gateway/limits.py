@@ -158,8 +158,8 @@ class RateLimiter:
         if index:
             scope, name, _ = scopes[index - 1]
             return Refusal(scope, name, limit_name.decode(), int(limit), max(1, int(extra)))
-        admission = Admission(request_id, int(extra), prompt_tokens, [(base, lim) for base, (_, _, lim)
-                                                                      in zip(bases, scopes, strict=True)])
+        limits_by_base = [(base, limits) for base, (_, _, limits) in zip(bases, scopes, strict=True)]
+        admission = Admission(request_id, window=int(extra), charged_tokens=prompt_tokens, scopes=limits_by_base)
         if admission.holds_slots:
             self.live[request_id] = admission
         return admission
