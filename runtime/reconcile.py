@@ -14,18 +14,18 @@ driver can re-adopt the process instead of starting a twin.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import httpx
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from deployments.choices import DeploymentStatus
 from deployments.models import Deployment
+from inferops.locks import try_advisory_lock
 from registry.checkpoint import CheckpointError, artifact_path
 from runtime import routing
 from runtime.autoscale import autoscale
@@ -65,19 +65,6 @@ def backoff_s(failures: int, timings: Timings) -> float:
     if failures <= 1:
         return 0
     return min(timings.backoff_base_s * 2 ** (failures - 2), timings.backoff_max_s)
-
-
-@contextlib.contextmanager
-def deployment_lock(deployment_id: int):
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s, %s)", [LOCK_NAMESPACE, deployment_id])
-        acquired = cursor.fetchone()[0]
-    try:
-        yield acquired
-    finally:
-        if acquired:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_unlock(%s, %s)", [LOCK_NAMESPACE, deployment_id])
 
 
 def probe_health(url: str, timeout_s: float) -> bool:
@@ -339,7 +326,7 @@ def _node_name(driver: str) -> str:
 
 def reconcile_deployment(deployment_id: int, now: datetime | None = None) -> str:
     """One reconcile pass; returns what happened ("locked", "gone", "deleted", "ok")."""
-    with deployment_lock(deployment_id) as acquired:
+    with try_advisory_lock(LOCK_NAMESPACE, deployment_id) as acquired:
         if not acquired:
             return "locked"
         deployment = Deployment.objects.select_related("version", "model").filter(pk=deployment_id).first()

@@ -20,17 +20,17 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import httpx
 from celery import shared_task
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from inferops.locks import try_advisory_lock
 from runtime.choices import ReplicaState
 from runtime.models import Replica, ReplicaMetricsMinute
 
@@ -493,28 +493,18 @@ class CycleReport:
                 "store_s": round(self.store_s, 3), "skipped": self.skipped, **self.store.__dict__}
 
 
-# pg advisory lock key (any fixed 64-bit number): "scrape" in ASCII.
-SCRAPE_LOCK_KEY = 0x736372617065
+# pg advisory lock namespace (any fixed 32-bit number): "scra" in ASCII.
+SCRAPE_LOCK_NAMESPACE = 0x73637261
 
 
-@contextmanager
-def exclusive_cycle() -> Iterator[bool]:
-    """Yields whether this process holds the scrape lock; released at the end (or when the
-    connection dies with its worker).
+def exclusive_cycle():
+    """Whether this process may scrape now (a context manager yielding a bool).
 
     Two cycles whose fetches overlap can have one replica answer them in the other order than
     they were sent, and an older answer stored last would look like a counter reset; a cycle
     that finds another one running therefore skips its turn instead of racing it.
     """
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [SCRAPE_LOCK_KEY])
-        acquired = cursor.fetchone()[0]
-    try:
-        yield acquired
-    finally:
-        if acquired:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_unlock(%s)", [SCRAPE_LOCK_KEY])
+    return try_advisory_lock(SCRAPE_LOCK_NAMESPACE)
 
 
 def ready_targets() -> list[ScrapeTarget]:
