@@ -20,13 +20,13 @@ targets take turns, `--rounds` times, so drift on the machine hits all of them a
 
 TTFT is "request written → first chunk with content" read by this client (a lean HTTP/1.1
 client on httptools, so the client's own cost is small). Requests/s is what the target
-completed in the measured window with its one process on a core of its own.
+completed in the measured window, its one process pinned to a core.
 
 Two cores only, so processes are pinned (taskset / sched_setaffinity): the proxy under test
 on `--proxy-cpu` with the run's Redis (the gateway's dependency); the load generator and the
-upstreams on `--client-cpu`.
-CPU seconds of each proxy process are read from /proc, so requests per proxy CPU-second is
-reported too (the fair figure when the client side, not the proxy, is what saturates).
+upstreams on `--client-cpu`. Pinning cannot keep other people's work off those cores, so the
+CPU seconds and run-queue wait of each proxy process are read from /proc: requests per proxy
+CPU-second is the figure that holds when a shared machine, not the proxy, limits requests/s.
 
     .venv/bin/python bench/gateway/overhead_bench.py            # writes bench/gateway/results.json
 """
@@ -219,9 +219,9 @@ class Processes:
 
     def start(self, name: str, cpu: int, argv: list[str], env: dict[str, str] | None = None,
               cwd: Path | None = None) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115  (closed with the process)
-        process = subprocess.Popen(["taskset", "-c", str(cpu), *argv], stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
+        with open(self.log_dir / f"{name}.log", "wb") as log:  # the child keeps its own copy of the descriptor
+            process = subprocess.Popen(["taskset", "-c", str(cpu), *argv], stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
         self.started[name] = process
         return process
 
