@@ -208,8 +208,6 @@ CELERY_BEAT_SCHEDULE["reconcile-replicas"] = {
 INFEROPS_METRICS_MINUTE_RETENTION_DAYS = env_int("INFEROPS_METRICS_MINUTE_RETENTION_DAYS", 14)
 INFEROPS_METRICS_HOUR_RETENTION_DAYS = env_int("INFEROPS_METRICS_HOUR_RETENTION_DAYS", 400)
 INFEROPS_SCRAPE_INTERVAL_S = float(env_str("INFEROPS_SCRAPE_INTERVAL_S", "15"))
-INFEROPS_METRICS_MINUTE_RETENTION_DAYS = env_int("INFEROPS_METRICS_MINUTE_RETENTION_DAYS", 14)
-INFEROPS_METRICS_HOUR_RETENTION_DAYS = env_int("INFEROPS_METRICS_HOUR_RETENTION_DAYS", 400)
 CELERY_BEAT_SCHEDULE |= {
     "scrape-replicas": {
         "task": "runtime.scrape_replicas",
@@ -260,4 +258,6 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env_str("INFEROPS_LOG_LEVEL", "INFO")},
+    # One INFO line per HTTP request (health checks, scrapes) would drown everything else.
+    "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
 }
