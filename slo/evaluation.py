@@ -408,11 +408,13 @@ def _save_statuses(pairs: list[tuple[Slo, Evaluation, str]], evaluated_at: datet
 
 
 def _save_watermarks(slos: list[Slo]) -> None:
+    """A NULL watermark in the row means slo_update redefined the SLI during this cycle and
+    wants a back-fill: it is left NULL (the back-fill set its own in its transaction)."""
     with connection.cursor() as cursor:
         cursor.execute(
             "UPDATE slo_slo s SET watermark = u.watermark "
             "FROM unnest(%s::bigint[], %s::timestamptz[]) AS u(id, watermark) "
-            "WHERE s.id = u.id AND s.watermark IS DISTINCT FROM u.watermark",
+            "WHERE s.id = u.id AND s.watermark IS NOT NULL AND s.watermark IS DISTINCT FROM u.watermark",
             [[slo.pk for slo in slos], [slo.watermark for slo in slos]],
         )
 

@@ -223,3 +223,18 @@ def test_pruning_keeps_an_anchor_so_old_windows_stay_exact(deployment):
     for volatile in ("_state", "evaluated_at"):
         before.pop(volatile), after.pop(volatile)
     assert after == before and after["total"] == 24
+
+
+def test_a_redefinition_during_a_cycle_still_gets_its_backfill(deployment):
+    from slo.evaluation import _save_watermarks
+    from slo.models import Slo
+
+    insert_events([event(NOW - 10 * MINUTE, ingested_at=AN_HOUR_AGO)])
+    slo = create(deployment)
+    evaluate_slos(now=NOW)
+    in_flight = list(Slo.objects.all())  # what a running cycle holds
+    slo_update(slo=slo, actor=None, sli_kind="latency", ttft_ms=50.0)  # commits mid-cycle
+    _save_watermarks(in_flight)  # the cycle ends
+    assert Slo.objects.get(pk=slo.pk).watermark is None
+    evaluate_slos(now=NOW)
+    assert (status_of(slo).good, status_of(slo).total) == (0, 1)  # re-derived: 100 ms > 50 ms
