@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 
 from inferops.api import Conflict
 from registry.services import audit_record, snapshot
+from slo.evaluation import LOCK_NAMESPACE
 from slo.models import Slo, SloMinute, SloStatus
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ def slo_delete(*, slo: Slo, actor) -> None:
     from alerts.services import alert_resolve
 
     with transaction.atomic():
+        # Waits for a running evaluation cycle (it holds this key) so the cycle never writes a
+        # status or an alert for an SLO that vanished under it; the next cycle skips it.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s, 0)", [LOCK_NAMESPACE])
         for alert in slo.alerts.filter(status=AlertStatus.FIRING):
             alert_resolve(alert=alert, now=timezone.now())
         audit_record(actor=actor, action="slo.delete", obj=slo, before=snapshot(slo))
