@@ -15,6 +15,7 @@ import httpx
 import pytest
 from django.db import connection
 
+from inferops.embedded import postgres_url_for_socket_dir
 from registry import services as registry_services
 from runtime.choices import ReplicaState
 from runtime.drivers.local import LocalProcessDriver
@@ -46,13 +47,15 @@ def wait_for(predicate, timeout, message):
 def worker_env(tmp_path, settings):
     settings.INFEROPS_DATA_DIR = tmp_path
     database = connection.settings_dict
+    if database["HOST"].startswith("/"):  # the embedded Postgres listens on a Unix socket
+        url = postgres_url_for_socket_dir(database["HOST"], database["NAME"])
+    else:
+        host = f"{database['HOST'] or '127.0.0.1'}:{database['PORT'] or 5432}"
+        url = f"postgres://{database['USER']}@{host}/{database['NAME']}"
     env = {**os.environ,
-           "DATABASE_URL": f"postgres://{database['USER']}@{database['HOST'] or '127.0.0.1'}:"
-                           f"{database['PORT'] or 5432}/{database['NAME']}",
+           "DATABASE_URL": url,
            "INFEROPS_DATA_DIR": str(tmp_path), "INFEROPS_RECONCILE_INTERVAL_S": "1",
            "INFEROPS_SCRAPE_INTERVAL_S": "2", "INFEROPS_HEARTBEAT_S": "5"}
-    if database["HOST"].startswith("/"):
-        pytest.skip("the worker subprocess needs a TCP database URL")
     return env
 
 
