@@ -32,6 +32,7 @@ from datetime import datetime, timedelta
 from django.db import connection, transaction
 from django.utils import timezone
 
+from inferops.locks import try_advisory_lock
 from slo.budget import (
     BURN_WINDOWS,
     MINUTE,
@@ -435,44 +436,43 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
 
     report = CycleReport()
     started = clock.perf_counter()
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s, 0)", [LOCK_NAMESPACE])
-        if not cursor.fetchone()[0]:
+    with try_advisory_lock(LOCK_NAMESPACE) as acquired:
+        if not acquired:
             report.skipped = True
             return report
-        # The statements are index walks over a few rows, but their cost estimates (tables of
-        # millions of rows) trip JIT compilation, which took longer than the work (0.8 s of 0.8 s).
-        cursor.execute("SET jit = off")
-    try:
-        now = now or timezone.now()
-        slos = list(Slo.objects.select_related("deployment").filter(**({"pk__in": slo_ids} if slo_ids else {})))
-        report.slos = len(slos)
-        names = _deployment_names(slos)  # one query for all, not one per SLO
-
-        phase = clock.perf_counter()
-        report.minutes_upserted, report.slos_with_new_data, report.touched_keys = ingest_new(
-            slos, now, names, report.phases)
-        _save_watermarks(slos)
-        report.phases["ingest_s"] = clock.perf_counter() - phase
-
-        phase = clock.perf_counter()
-        evaluations = evaluate_at([(slo, now) for slo in slos])
-        report.phases["windows_s"] = clock.perf_counter() - phase
-
-        phase = clock.perf_counter()
-        changes = alerts_sync(pairs=list(zip(slos, evaluations, strict=True)), now=now)
-        report.alerts_opened, report.alerts_updated, report.alerts_resolved = (
-            changes.opened, changes.updated, changes.resolved)
-        states = [
-            (slo, ev, slo_state(ev.budget.budget_remaining, alert_firing=slo.pk in changes.firing_slo_ids))
-            for slo, ev in zip(slos, evaluations, strict=True)
-        ]
-        _save_statuses(states, now)
-        report.phases["alerts_status_s"] = clock.perf_counter() - phase
-    finally:
         with connection.cursor() as cursor:
-            cursor.execute("RESET jit")
-            cursor.execute("SELECT pg_advisory_unlock(%s, 0)", [LOCK_NAMESPACE])
+            # The statements are index walks over a few rows, but their cost estimates (tables of
+            # millions of rows) trip JIT compilation, which took longer than the work (0.8 s of 0.8 s).
+            cursor.execute("SET jit = off")
+        try:
+            now = now or timezone.now()
+            slos = list(Slo.objects.select_related("deployment").filter(**({"pk__in": slo_ids} if slo_ids else {})))
+            report.slos = len(slos)
+            names = _deployment_names(slos)  # one query for all, not one per SLO
+
+            phase = clock.perf_counter()
+            report.minutes_upserted, report.slos_with_new_data, report.touched_keys = ingest_new(
+                slos, now, names, report.phases)
+            _save_watermarks(slos)
+            report.phases["ingest_s"] = clock.perf_counter() - phase
+
+            phase = clock.perf_counter()
+            evaluations = evaluate_at([(slo, now) for slo in slos])
+            report.phases["windows_s"] = clock.perf_counter() - phase
+
+            phase = clock.perf_counter()
+            changes = alerts_sync(pairs=list(zip(slos, evaluations, strict=True)), now=now)
+            report.alerts_opened, report.alerts_updated, report.alerts_resolved = (
+                changes.opened, changes.updated, changes.resolved)
+            states = [
+                (slo, ev, slo_state(ev.budget.budget_remaining, alert_firing=slo.pk in changes.firing_slo_ids))
+                for slo, ev in zip(slos, evaluations, strict=True)
+            ]
+            _save_statuses(states, now)
+            report.phases["alerts_status_s"] = clock.perf_counter() - phase
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET jit")
     report.seconds = clock.perf_counter() - started
     log.info("evaluate-slos: %s", report.as_dict())
     return report
