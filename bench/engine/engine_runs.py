@@ -1,0 +1,105 @@
+"""What the prefix, memory and online benchmarks share on top of serving_bench.py's helpers.
+
+A run starts a server with `serving_bench.RunningServer`, drives it with
+`runtime.loadgen.run_benchmark`, and reads the replica's own counters from /metrics, the
+server process's resident memory and the machine's load average around the run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from serving_bench import (  # noqa: E402
+    DEFAULT_MODEL_DIR,
+    REPORTED,
+    SERVED_NAME,
+    RunningServer,
+    ServerSpec,
+    port_is_free,
+    server_specs,
+)
+
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "REPORTED",
+    "SERVED_NAME",
+    "RssSampler",
+    "RunningServer",
+    "ServerSpec",
+    "inferops_spec",
+    "load_average",
+    "metric_total",
+    "port_is_free",
+    "rss_bytes",
+    "vllm_spec",
+]
+
+
+def inferops_spec(model_dir: Path, port: int, threads: int, extra: list[str]) -> ServerSpec:
+    """serving_bench's `inferops serve` command with explicit torch threads and extra flags."""
+    spec = server_specs(model_dir, port, threads)[0]
+    command = [*spec.command, "--cpu-threads", str(threads), *extra]
+    return ServerSpec(spec.name, command, spec.env)
+
+
+def vllm_spec(model_dir: Path, port: int, threads: int) -> ServerSpec:
+    return server_specs(model_dir, port, threads)[1]
+
+
+def metric_total(base_url: str, name: str) -> float:
+    """Sum of every sample of `name` (all label sets) in the server's Prometheus exposition."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", re.MULTILINE)
+    return sum(float(value) for value in pattern.findall(text))
+
+
+def load_average() -> list[float]:
+    return [round(value, 2) for value in os.getloadavg()]
+
+
+def rss_bytes(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
+    return int(match.group(1)) * 1024 if match else None
+
+
+class RssSampler:
+    """Samples a process's VmRSS in a background thread; `peak` and `samples` after `stop`."""
+
+    def __init__(self, pid: int, interval_s: float = 0.1):
+        self.pid = pid
+        self.interval_s = interval_s
+        self.samples: list[int] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            value = rss_bytes(self.pid)
+            if value is not None:
+                self.samples.append(value)
+            self._stopped.wait(self.interval_s)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stopped.set()
+        self._thread.join()
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)

@@ -1,0 +1,142 @@
+"""Memory: 256 concurrent requests against a KV pool far too small for them, and a 4x larger pool.
+
+`inferops serve --num-kv-blocks N` is started with N blocks (by default enough for about 16 of
+the sequences at their full length) and then with 4 N, and each time sent the same 256 seeded
+requests all at once. The report holds, per run: completions and errors, the replica's
+`vllm:num_preemptions_total` over the run, the server process's peak resident memory (VmRSS
+sampled every 100 ms) and the KV pool's size in bytes.
+
+    .venv/bin/python bench/engine/memory_bench.py --result-json bench/engine/results/memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from engine_runs import (
+    DEFAULT_MODEL_DIR,
+    REPORTED,
+    SERVED_NAME,
+    RssSampler,
+    RunningServer,
+    inferops_spec,
+    load_average,
+    metric_total,
+    port_is_free,
+    rss_bytes,
+)
+
+from runtime.engine.config import ModelConfig
+from runtime.engine.demo_model import write_demo_model
+from runtime.engine.model_runner import kv_bytes_per_block
+from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
+
+HERE = Path(__file__).resolve().parent
+MIB = 1024 * 1024
+
+
+def blocks_for_sequences(num_sequences: int, args: argparse.Namespace) -> int:
+    # +1 for the BOS token the tokenizer puts before each prompt.
+    tokens = args.input_len + 1 + args.output_len
+    return num_sequences * -(-tokens // args.block_size)
+
+
+def burst_workload(base_url: str, model_dir: Path, args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        base_url=base_url,
+        model=SERVED_NAME,
+        num_prompts=args.num_prompts,
+        input_len=LengthRange(args.input_len, args.input_len),
+        output_len=LengthRange(args.output_len, args.output_len),
+        tokenizer_dir=str(model_dir),
+        seed=args.seed,
+        show_progress=False,
+    )
+
+
+def run_once(num_blocks: int, model_dir: Path, args: argparse.Namespace) -> dict:
+    base_url = f"http://127.0.0.1:{args.port}"
+    if not port_is_free(args.port):
+        return {"skipped": f"port {args.port} is taken; pass --port"}
+    extra = ["--num-kv-blocks", str(num_blocks), "--block-size", str(args.block_size)]
+    spec = inferops_spec(model_dir, args.port, args.threads, extra)
+    server = RunningServer(spec, HERE / "work" / f"memory_{num_blocks}.log")
+    per_block = kv_bytes_per_block(ModelConfig.from_dir(model_dir), args.block_size, torch.float32)
+    try:
+        server.wait_ready(base_url, args.startup_timeout)
+        rss_ready = rss_bytes(server.process.pid) or 0
+        preemptions_before = metric_total(base_url, "vllm:num_preemptions_total")
+        load_before = load_average()
+        print(f"benchmarking {num_blocks} KV blocks ...", file=sys.stderr)
+        with RssSampler(server.process.pid) as rss:
+            metrics = run_benchmark(burst_workload(base_url, model_dir, args))
+        preemptions = metric_total(base_url, "vllm:num_preemptions_total") - preemptions_before
+    except RuntimeError as error:
+        return {"skipped": str(error)}
+    finally:
+        server.stop()
+    result = {key: metrics[key] for key in REPORTED}
+    result.update(
+        num_kv_blocks=num_blocks,
+        kv_pool_bytes=num_blocks * per_block,
+        kv_pool_mib=round(num_blocks * per_block / MIB, 2),
+        preemptions=preemptions,
+        rss_ready_mib=round(rss_ready / MIB, 1),
+        rss_peak_mib=round(rss.peak / MIB, 1),
+        rss_samples=len(rss.samples),
+        load_average_before=load_before,
+        load_average_after=load_average(),
+    )
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--fits-sequences", type=int, default=16,
+                        help="size the small pool for this many full-length sequences")
+    parser.add_argument("--larger-factor", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8033)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--result-json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model or DEFAULT_MODEL_DIR
+    if not (model_dir / "config.json").is_file():
+        write_demo_model(model_dir, preset="tiny", seed=0)
+    (HERE / "work").mkdir(exist_ok=True)
+    small = blocks_for_sequences(args.fits_sequences, args)
+    runs = {
+        "small_pool": run_once(small, model_dir, args),
+        "larger_pool": run_once(small * args.larger_factor, model_dir, args),
+    }
+    report = {
+        "workload": {
+            key: value for key, value in vars(args).items() if key not in ("result_json", "model")
+        },
+        "model": str(model_dir),
+        "runs": runs,
+    }
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

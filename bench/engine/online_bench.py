@@ -1,0 +1,198 @@
+"""Workload B (online): Poisson arrivals near saturation against `inferops serve` and vLLM.
+
+200 requests, prompts of 32-512 tokens, outputs of 16-256, 30% of them sharing a 256-token
+system prefix, the same seeded prompts, arrival times, rate and goodput SLOs for both servers,
+one after the other in the same run. Unless `--request-rate` is given, the rate is found first
+with a quick probe: a burst of `--probe-prompts` requests of the same mix against
+`inferops serve`, whose completed requests per second is taken as its saturation rate.
+
+    .venv/bin/python bench/engine/online_bench.py --result-json bench/engine/results/online_tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from engine_runs import (
+    DEFAULT_MODEL_DIR,
+    REPORTED,
+    SERVED_NAME,
+    RunningServer,
+    ServerSpec,
+    inferops_spec,
+    load_average,
+    port_is_free,
+    vllm_spec,
+)
+from serving_bench import VLLM_PYTHON
+
+from runtime.engine.demo_model import write_demo_model
+from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
+
+HERE = Path(__file__).resolve().parent
+GOODPUT_RATIO_TARGET = 1.5
+
+
+def workload_b(base_url: str, model_dir: Path, args: argparse.Namespace, rate: float) -> BenchConfig:
+    return BenchConfig(
+        base_url=base_url,
+        model=SERVED_NAME,
+        num_prompts=args.num_prompts,
+        request_rate=rate,
+        input_len=LengthRange.parse(args.input_len, "input_len"),
+        output_len=LengthRange.parse(args.output_len, "output_len"),
+        shared_prefix_len=args.shared_prefix_len,
+        shared_prefix_ratio=args.shared_prefix_ratio,
+        goodput_slos_ms={"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
+        tokenizer_dir=str(model_dir),
+        seed=args.seed,
+        show_progress=False,
+    )
+
+
+def warm_up(base_url: str, model_dir: Path) -> None:
+    config = BenchConfig(
+        base_url=base_url,
+        model=SERVED_NAME,
+        num_prompts=2,
+        input_len=LengthRange(32, 32),
+        output_len=LengthRange(4, 4),
+        tokenizer_dir=str(model_dir),
+        seed=12345,
+        show_progress=False,
+    )
+    run_benchmark(config)
+
+
+class ServerSession:
+    """Starts a server, warms it up, and stops it on exit; `base_url` is where it answers."""
+
+    def __init__(self, spec: ServerSpec, model_dir: Path, args: argparse.Namespace):
+        self.base_url = f"http://127.0.0.1:{args.port}"
+        if not port_is_free(args.port):
+            raise RuntimeError(f"port {args.port} is taken; pass --port")
+        self.server = RunningServer(spec, HERE / "work" / f"online_{spec.name}.log")
+        self.model_dir = model_dir
+        self.startup_timeout = args.startup_timeout
+
+    def __enter__(self) -> ServerSession:
+        try:
+            self.server.wait_ready(self.base_url, self.startup_timeout)
+            warm_up(self.base_url, self.model_dir)
+        except BaseException:
+            self.server.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.stop()
+
+
+def probe_saturation_rate(session: ServerSession, args: argparse.Namespace) -> dict:
+    config = workload_b(session.base_url, session.model_dir, args, math.inf)
+    config.num_prompts = args.probe_prompts
+    print(f"probing with a burst of {args.probe_prompts} requests ...", file=sys.stderr)
+    metrics = run_benchmark(config)
+    return {
+        "probe_prompts": args.probe_prompts,
+        "probe_request_throughput": metrics["request_throughput"],
+        "probe_output_throughput": metrics["output_throughput"],
+        "probe_load_average_after": load_average(),
+    }
+
+
+def measure(session: ServerSession, args: argparse.Namespace, rate: float, name: str) -> dict:
+    load_before = load_average()
+    print(f"benchmarking {name} at {rate:.3f} req/s ...", file=sys.stderr)
+    metrics = run_benchmark(workload_b(session.base_url, session.model_dir, args, rate))
+    result = {key: metrics[key] for key in REPORTED}
+    result.update(load_average_before=load_before, load_average_after=load_average())
+    return result
+
+
+def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
+    wanted = {name.strip() for name in args.servers.split(",")}
+    specs = [
+        inferops_spec(model_dir, args.port, args.threads, []),
+        vllm_spec(model_dir, args.port, args.threads),
+    ]
+    return [spec for spec in specs if spec.name in wanted]
+
+
+def run_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict, dict]:
+    """Each server in turn; the first one (inferops) also probes the rate when none is given."""
+    rate, probe, results = args.request_rate, {}, {}
+    for spec in server_list(model_dir, args):
+        if spec.name == "vllm" and not VLLM_PYTHON.is_file():
+            results[spec.name] = {"skipped": f"{VLLM_PYTHON} missing; run bench/engine/peers.sh"}
+            continue
+        try:
+            with ServerSession(spec, model_dir, args) as session:
+                if rate is None:
+                    probe = probe_saturation_rate(session, args)
+                    rate = round(probe["probe_request_throughput"], 3)
+                results[spec.name] = measure(session, args, rate, spec.name)
+        except RuntimeError as error:
+            results[spec.name] = {"skipped": str(error)}
+    return results, {**probe, "request_rate": rate}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--servers", default="inferops,vllm")
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", default="32-512")
+    parser.add_argument("--output-len", default="16-256")
+    parser.add_argument("--shared-prefix-len", type=int, default=256)
+    parser.add_argument("--shared-prefix-ratio", type=float, default=0.3)
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="requests per second (default: probe inferops' saturation rate)")
+    parser.add_argument("--probe-prompts", type=int, default=32)
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8034)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--result-json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model or DEFAULT_MODEL_DIR
+    if not (model_dir / "config.json").is_file():
+        write_demo_model(model_dir, preset="tiny", seed=0)
+    (HERE / "work").mkdir(exist_ok=True)
+    results, rate_info = run_all(model_dir, args)
+    report = {
+        "workload": {
+            key: value for key, value in vars(args).items() if key not in ("result_json", "model")
+        },
+        "model": str(model_dir),
+        "rate": rate_info,
+        "servers": results,
+    }
+    ours, peer = results.get("inferops", {}), results.get("vllm", {})
+    if "request_goodput" in ours and "request_goodput" in peer:
+        if peer["request_goodput"]:
+            report["inferops_over_vllm_goodput"] = round(ours["request_goodput"] / peer["request_goodput"], 3)
+        report["target_met"] = (
+            ours["request_goodput"] >= GOODPUT_RATIO_TARGET * peer["request_goodput"]
+            and ours["p99_ttft_ms"] < peer["p99_ttft_ms"]
+        )
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

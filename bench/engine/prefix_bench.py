@@ -1,0 +1,146 @@
+"""Prefix cache: TTFT of requests sharing a system prefix, cache on against `--no-prefix-caching`.
+
+`inferops serve` is started twice on the tiny demo checkpoint, once as is and once with
+`--no-prefix-caching`, and each time sent the same seeded requests: all share a 256-token prefix
+and differ in a short suffix, at a modest Poisson rate so TTFT measures prefill rather than
+queueing. The report holds both runs' metrics, the TTFT p50 ratio (target <= 0.5) and each
+replica's `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run.
+
+    .venv/bin/python bench/engine/prefix_bench.py --result-json bench/engine/results/prefix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine_runs import (
+    DEFAULT_MODEL_DIR,
+    REPORTED,
+    SERVED_NAME,
+    RunningServer,
+    inferops_spec,
+    load_average,
+    metric_total,
+    port_is_free,
+)
+
+from runtime.engine.demo_model import write_demo_model
+from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
+
+HERE = Path(__file__).resolve().parent
+TTFT_RATIO_TARGET = 0.5
+
+
+def shared_prefix_workload(base_url: str, model_dir: Path, args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        base_url=base_url,
+        model=SERVED_NAME,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        input_len=LengthRange(args.suffix_len, args.suffix_len),
+        output_len=LengthRange(args.output_len, args.output_len),
+        shared_prefix_len=args.prefix_len,
+        shared_prefix_ratio=1.0,
+        tokenizer_dir=str(model_dir),
+        seed=args.seed,
+        show_progress=False,
+    )
+
+
+def warm_up(base_url: str, model_dir: Path) -> None:
+    """Two short unshared requests, so lazy initialisation is not charged to the run."""
+    config = BenchConfig(
+        base_url=base_url,
+        model=SERVED_NAME,
+        num_prompts=2,
+        input_len=LengthRange(32, 32),
+        output_len=LengthRange(4, 4),
+        tokenizer_dir=str(model_dir),
+        seed=12345,
+        show_progress=False,
+    )
+    run_benchmark(config)
+
+
+def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Namespace) -> dict:
+    base_url = f"http://127.0.0.1:{args.port}"
+    if not port_is_free(args.port):
+        return {"skipped": f"port {args.port} is taken; pass --port"}
+    spec = inferops_spec(model_dir, args.port, args.threads, extra)
+    server = RunningServer(spec, HERE / "work" / f"prefix_{label}.log")
+    try:
+        server.wait_ready(base_url, args.startup_timeout)
+        warm_up(base_url, model_dir)
+        hits_before = metric_total(base_url, "vllm:prefix_cache_hits_total")
+        queries_before = metric_total(base_url, "vllm:prefix_cache_queries_total")
+        load_before = load_average()
+        print(f"benchmarking prefix cache {label} ...", file=sys.stderr)
+        metrics = run_benchmark(shared_prefix_workload(base_url, model_dir, args))
+        hits = metric_total(base_url, "vllm:prefix_cache_hits_total") - hits_before
+        queries = metric_total(base_url, "vllm:prefix_cache_queries_total") - queries_before
+    except RuntimeError as error:
+        return {"skipped": str(error)}
+    finally:
+        server.stop()
+    result = {key: metrics[key] for key in REPORTED}
+    result.update(
+        prefix_cache_hits=hits,
+        prefix_cache_queries=queries,
+        prefix_cache_hit_rate=round(hits / queries, 4) if queries else None,
+        load_average_before=load_before,
+        load_average_after=load_average(),
+    )
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--prefix-len", type=int, default=256)
+    parser.add_argument("--suffix-len", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--request-rate", type=float, default=2.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--port", type=int, default=8032)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--result-json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model_dir = args.model or DEFAULT_MODEL_DIR
+    if not (model_dir / "config.json").is_file():
+        write_demo_model(model_dir, preset="tiny", seed=0)
+    (HERE / "work").mkdir(exist_ok=True)
+    runs = {
+        "cache_on": run_once("on", [], model_dir, args),
+        "cache_off": run_once("off", ["--no-prefix-caching"], model_dir, args),
+    }
+    report = {
+        "workload": {
+            key: value for key, value in vars(args).items() if key not in ("result_json", "model")
+        },
+        "model": str(model_dir),
+        "runs": runs,
+    }
+    on, off = runs["cache_on"], runs["cache_off"]
+    if on.get("median_ttft_ms") and off.get("median_ttft_ms"):
+        ratio = on["median_ttft_ms"] / off["median_ttft_ms"]
+        report["ttft_p50_on_over_off"] = round(ratio, 3)
+        report["target_met"] = ratio <= TTFT_RATIO_TARGET
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
