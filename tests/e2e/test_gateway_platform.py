@@ -176,7 +176,9 @@ def test_redis_stopped_and_restarted_ledger_counts_every_request(platform):
         assert one_request(client, i)[0] == "ok"
         sent += 1
     spooled = list((platform["tmp"] / "spool").glob("*.jsonl"))
-    assert spooled and sum(len(p.read_text().splitlines()) for p in spooled) == 6
+    # At least the six sent while Redis was down; an event of the last earlier request may still
+    # have been in the gateway's write batch when Redis went away.
+    assert spooled and sum(len(p.read_text().splitlines()) for p in spooled) >= 6
     redis_server.start()
     assert wait_for(lambda: ledger_requests() == sent, 60, "spooled events to replay and be ingested")
     assert one_request(client, 99)[0] == "ok"
