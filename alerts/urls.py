@@ -1,6 +1,12 @@
 from django.urls import path
 
-from alerts import api
+from alerts import api, views
+
+app_name = "alerts"
+
+urlpatterns = [
+    path("", views.alert_list, name="list"),
+]
 
 api_urlpatterns = [
     path("alerts/", api.AlertList.as_view(), name="api-alert-list"),

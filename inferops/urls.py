@@ -19,6 +19,7 @@ urlpatterns = [
     path("deployments/", include("deployments.urls")),
     path("tenants/", include("tenants.urls")),
     path("slos/", include("slo.urls")),
+    path("alerts/", include("alerts.urls")),
     path("assets/plotly.min.js", views.plotly_js, name="plotly-js"),
     path("audit/", views.audit_log, name="audit"),
     path("healthz", views.healthz, name="healthz"),

@@ -10,7 +10,6 @@ from registry.models import AuditEvent
 
 # Console sections that later issues fill; until then each says plainly what will be there.
 UPCOMING_SECTIONS = {
-    "alerts": "Alerts: burn-rate alerts that are firing or resolved, with their deliveries.",
     "costs": "Costs: price books, usage ledgers and monthly reports per tenant.",
 }
 
