@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -80,6 +80,9 @@ class ServerMetrics:
                  buckets: dict[str, tuple[float, ...]] | None = None) -> None:
         chosen = {**DEFAULT_BUCKETS, **(buckets or {})}
         self.registry = CollectorRegistry()
+        # process_start_time_seconds (and the other process_* series vLLM exposes too) lets the
+        # scraper tell a restarted replica from one whose counters merely grew.
+        ProcessCollector(registry=self.registry)
         labels = {"engine": "0", "model_name": model_name}
 
         def histogram(name: str, help_text: str, key: str) -> Histogram:

@@ -221,6 +221,8 @@ def test_metrics_count_the_tokens_sent_and_received(server, client):
     assert delta("vllm:prefix_cache_queries_total") >= 0
     assert after[("vllm:num_requests_running", None)] == 0
     assert 0 <= after[("vllm:kv_cache_usage_perc", None)] <= 1
+    # Restarts are told apart from growth by the process start time, as on vLLM.
+    assert after[("process_start_time_seconds", None)] == before[("process_start_time_seconds", None)] > 0
 
 
 @pytest.mark.parametrize("payload, status, param", [
