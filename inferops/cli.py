@@ -14,7 +14,7 @@ import sys
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("inferops.launcher", "start the whole platform (web, worker, beat) on embedded defaults"),
+    "run": ("inferops.launcher", "start the whole platform (web, gateway, worker, beat, demo) on embedded defaults"),
     "serve": ("runtime.engine.server", "serve a local HF checkpoint with the built-in engine"),
     "demo-model": ("runtime.engine.demo_model", "write a small deterministic demo checkpoint"),
     "bench": ("runtime.loadgen", "load-test any OpenAI-compatible endpoint"),
