@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--py-spy", default="/tmp/pyspy-venv/bin/py-spy")
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--bursts", type=int, default=3)
+    parser.add_argument("--bursts", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8035)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
