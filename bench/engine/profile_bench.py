@@ -140,8 +140,10 @@ def summarise(stacks: list[tuple[str, list[str], int]]) -> dict:
     }
 
 
-def burst(base_url: str, model_dir: Path, num_prompts: int) -> BenchConfig:
-    return BenchConfig(
+def burst(base_url: str, model_dir: Path, num_prompts: int, workload: str = "A") -> BenchConfig:
+    """Workload A's requests, or workload B's mix (32-512 + 256-token shared prefix for 30 %,
+    16-256 out), all sent at once."""
+    config = BenchConfig(
         base_url=base_url,
         model=SERVED_NAME,
         num_prompts=num_prompts,
@@ -150,6 +152,10 @@ def burst(base_url: str, model_dir: Path, num_prompts: int) -> BenchConfig:
         tokenizer_dir=str(model_dir),
         show_progress=False,
     )
+    if workload == "B":
+        config.input_len, config.output_len = LengthRange(32, 512), LengthRange(16, 256)
+        config.shared_prefix_len, config.shared_prefix_ratio = 256, 0.3
+    return config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--py-spy", default="/tmp/pyspy-venv/bin/py-spy")
     parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument("--workload", choices=("A", "B"), default="A")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--bursts", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
@@ -176,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     if not port_is_free(args.port):
         print(f"port {args.port} is taken; pass --port", file=sys.stderr)
         return 1
-    raw_path = HERE / "work" / "profile_A.txt"
+    raw_path = HERE / "work" / f"profile_{args.workload}.txt"
     server = RunningServer(inferops_spec(model_dir, args.port, args.threads, []), HERE / "work" / "profile.log")
     try:
         server.wait_ready(base_url, args.startup_timeout)
         run_benchmark(burst(base_url, model_dir, 2))
         load_before = load_average()
-        workload = burst(base_url, model_dir, args.num_prompts)
+        workload = burst(base_url, model_dir, args.num_prompts, args.workload)
         throughputs: list[float] = []
 
         def bursts() -> None:
@@ -201,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     report = {
         "workload": {
-            "num_prompts": args.num_prompts, "bursts": args.bursts, "input_len": 64, "output_len": 64,
-            "threads": args.threads,
+            "name": args.workload, "num_prompts": args.num_prompts, "bursts": args.bursts,
+            "input_len": f"{workload.input_len.low}-{workload.input_len.high}",
+            "output_len": f"{workload.output_len.low}-{workload.output_len.high}",
+            "shared_prefix_len": workload.shared_prefix_len, "threads": args.threads,
         },
         "profile_seconds": args.seconds,
         "load_average_before": load_before,
