@@ -137,7 +137,9 @@ class LocalProcessDriver:
         return f"process {replica.identity.get('pid')} exited; see the log tail"
 
     def _signal(self, replica, signum: int) -> None:
-        pid = self._pid(replica)
+        # A process whose pid never reached the row (its worker died right after the spawn) is
+        # still found by the replica id in its environment.
+        pid = self._pid(replica) or (find_process_by_replica_id(replica.pk) if replica.pk else None)
         if pid is None:
             return
         try:

@@ -105,6 +105,7 @@ def test_deploy_two_replicas_then_sigkill_one_is_replaced_quickly(tiny_model, op
     victim = live_replicas(deployment)[0]
     os.kill(victim.identity["pid"], signal.SIGKILL)
     killed_at = time.monotonic()
+    os.waitpid(victim.identity["pid"], 0)  # gone for sure before the first pass looks at it
     ready_at = reconcile_until(deployment, all_ready(2), timeout=30)
     print(f"SIGKILLed replica routable again after {ready_at - killed_at:.1f}s")
     assert ready_at - killed_at < 15
