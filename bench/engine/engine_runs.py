@@ -28,6 +28,8 @@ from serving_bench import (  # noqa: E402
     server_specs,
 )
 
+from runtime.loadgen import BenchConfig, LengthRange, run_benchmark  # noqa: E402
+
 __all__ = [
     "DEFAULT_MODEL_DIR",
     "REPORTED",
@@ -41,6 +43,7 @@ __all__ = [
     "port_is_free",
     "rss_bytes",
     "vllm_spec",
+    "warm_up",
 ]
 
 
@@ -103,3 +106,18 @@ class RssSampler:
     @property
     def peak(self) -> int:
         return max(self.samples, default=0)
+
+
+def warm_up(base_url: str, model_dir: Path) -> None:
+    """Two short unshared requests, so lazy initialisation is not charged to the run."""
+    config = BenchConfig(
+        base_url=base_url,
+        model=SERVED_NAME,
+        num_prompts=2,
+        input_len=LengthRange(32, 32),
+        output_len=LengthRange(4, 4),
+        tokenizer_dir=str(model_dir),
+        seed=12345,
+        show_progress=False,
+    )
+    run_benchmark(config)

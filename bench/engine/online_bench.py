@@ -27,6 +27,7 @@ from engine_runs import (
     load_average,
     port_is_free,
     vllm_spec,
+    warm_up,
 )
 from serving_bench import VLLM_PYTHON
 
@@ -53,19 +54,6 @@ def workload_b(base_url: str, model_dir: Path, args: argparse.Namespace, rate: f
         show_progress=False,
     )
 
-
-def warm_up(base_url: str, model_dir: Path) -> None:
-    config = BenchConfig(
-        base_url=base_url,
-        model=SERVED_NAME,
-        num_prompts=2,
-        input_len=LengthRange(32, 32),
-        output_len=LengthRange(4, 4),
-        tokenizer_dir=str(model_dir),
-        seed=12345,
-        show_progress=False,
-    )
-    run_benchmark(config)
 
 
 class ServerSession:

@@ -25,6 +25,7 @@ from engine_runs import (
     load_average,
     metric_total,
     port_is_free,
+    warm_up,
 )
 
 from runtime.engine.demo_model import write_demo_model
@@ -49,20 +50,6 @@ def shared_prefix_workload(base_url: str, model_dir: Path, args: argparse.Namesp
         show_progress=False,
     )
 
-
-def warm_up(base_url: str, model_dir: Path) -> None:
-    """Two short unshared requests, so lazy initialisation is not charged to the run."""
-    config = BenchConfig(
-        base_url=base_url,
-        model=SERVED_NAME,
-        num_prompts=2,
-        input_len=LengthRange(32, 32),
-        output_len=LengthRange(4, 4),
-        tokenizer_dir=str(model_dir),
-        seed=12345,
-        show_progress=False,
-    )
-    run_benchmark(config)
 
 
 def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Namespace) -> dict:
