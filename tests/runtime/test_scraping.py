@@ -6,6 +6,7 @@ Replicas are small in-test HTTP servers that render the built-in server's own me
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -50,7 +51,7 @@ class MetricsStub:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's naming)
-                body = stub.metrics.render() if self.path == "/metrics" else b"not found"
+                body = stub.render() if self.path == "/metrics" else b"not found"
                 self.send_response(200 if self.path == "/metrics" else 404)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
@@ -69,12 +70,18 @@ class MetricsStub:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def restart(self) -> None:
-        """A new process: every counter and histogram starts again from zero."""
+        """A new process: every counter and histogram starts again from zero, and the process
+        start time moves on (the stub lives in the test's own process, whose real one cannot)."""
+        self.started = getattr(self, "started", 1_700_000_000.0) + 60
         self.stats = SimpleNamespace(
             num_running=0, num_waiting=0, kv_cache_usage=0.0, prompt_tokens_total=0,
             generation_tokens_total=0, num_preemptions_total=0, prefix_cache_queries_total=0,
             prefix_cache_hits_total=0)
         self.metrics = ServerMetrics("tiny", lambda: self.stats)
+
+    def render(self) -> bytes:
+        return re.sub(rb"^process_start_time_seconds .*$", b"process_start_time_seconds %.1f" % self.started,
+                      self.metrics.render(), flags=re.MULTILINE)
 
     def serve_requests(self, count: int, *, prompt: int, output: int, ttft_s: float) -> None:
         self.stats.prompt_tokens_total += count * prompt
