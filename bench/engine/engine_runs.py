@@ -24,6 +24,7 @@ from serving_bench import (  # noqa: E402
     SERVED_NAME,
     RunningServer,
     ServerSpec,
+    benchmark_model,
     port_is_free,
     server_specs,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "RssSampler",
     "RunningServer",
     "ServerSpec",
+    "benchmark_model",
     "inferops_spec",
     "load_average",
     "metric_total",

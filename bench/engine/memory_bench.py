@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 from engine_runs import (
-    DEFAULT_MODEL_DIR,
     REPORTED,
     SERVED_NAME,
     RssSampler,
     RunningServer,
+    benchmark_model,
     inferops_spec,
     load_average,
     metric_total,
@@ -31,7 +31,6 @@ from engine_runs import (
 )
 
 from runtime.engine.config import ModelConfig
-from runtime.engine.demo_model import write_demo_model
 from runtime.engine.model_runner import kv_bytes_per_block
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
@@ -115,10 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = args.model or DEFAULT_MODEL_DIR
-    if not (model_dir / "config.json").is_file():
-        write_demo_model(model_dir, preset="tiny", seed=0)
-    (HERE / "work").mkdir(exist_ok=True)
+    model_dir = benchmark_model(args.model)
     small = blocks_for_sequences(args.fits_sequences, args)
     runs = {}
     # Alternating rounds, so that other work on a shared machine shows up as spread, not as a

@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 
 from engine_runs import (
-    DEFAULT_MODEL_DIR,
     REPORTED,
     SERVED_NAME,
     RunningServer,
     ServerSpec,
+    benchmark_model,
     inferops_spec,
     load_average,
     port_is_free,
@@ -31,7 +31,6 @@ from engine_runs import (
 )
 from serving_bench import VLLM_PYTHON
 
-from runtime.engine.demo_model import write_demo_model
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
 HERE = Path(__file__).resolve().parent
@@ -153,10 +152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = args.model or DEFAULT_MODEL_DIR
-    if not (model_dir / "config.json").is_file():
-        write_demo_model(model_dir, preset="tiny", seed=0)
-    (HERE / "work").mkdir(exist_ok=True)
+    model_dir = benchmark_model(args.model)
     results, rate_info = run_all(model_dir, args)
     report = {
         "workload": {

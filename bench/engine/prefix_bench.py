@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 from engine_runs import (
-    DEFAULT_MODEL_DIR,
     REPORTED,
     SERVED_NAME,
     RunningServer,
+    benchmark_model,
     inferops_spec,
     load_average,
     metric_total,
@@ -28,7 +28,6 @@ from engine_runs import (
     warm_up,
 )
 
-from runtime.engine.demo_model import write_demo_model
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
 HERE = Path(__file__).resolve().parent
@@ -103,10 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = args.model or DEFAULT_MODEL_DIR
-    if not (model_dir / "config.json").is_file():
-        write_demo_model(model_dir, preset="tiny", seed=0)
-    (HERE / "work").mkdir(exist_ok=True)
+    model_dir = benchmark_model(args.model)
     flags = {"cache_on": ("on", []), "cache_off": ("off", ["--no-prefix-caching"])}
     # Alternating rounds (and an option for the order), so that a drift in the machine's load
     # shows up as spread between rounds rather than as a difference between the settings.

@@ -24,15 +24,14 @@ import threading
 from pathlib import Path
 
 from engine_runs import (
-    DEFAULT_MODEL_DIR,
     SERVED_NAME,
     RunningServer,
+    benchmark_model,
     inferops_spec,
     load_average,
     port_is_free,
 )
 
-from runtime.engine.demo_model import write_demo_model
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
 HERE = Path(__file__).resolve().parent
@@ -175,10 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = args.model or DEFAULT_MODEL_DIR
-    if not (model_dir / "config.json").is_file():
-        write_demo_model(model_dir, preset="tiny", seed=0)
-    (HERE / "work").mkdir(exist_ok=True)
+    model_dir = benchmark_model(args.model)
     base_url = f"http://127.0.0.1:{args.port}"
     if not port_is_free(args.port):
         print(f"port {args.port} is taken; pass --port", file=sys.stderr)

@@ -34,6 +34,15 @@ from runtime.loadgen import BenchConfig, LengthRange, run_benchmark  # noqa: E40
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = HERE / "work" / "tiny"
+
+
+def benchmark_model(model_dir: Path | None) -> Path:
+    """The checkpoint to benchmark: the one given, else the tiny demo (written on first use)."""
+    model_dir = model_dir or DEFAULT_MODEL_DIR
+    if not (model_dir / "config.json").is_file():
+        write_demo_model(model_dir, preset="tiny", seed=0)
+    (HERE / "work").mkdir(exist_ok=True)
+    return model_dir
 VLLM_PYTHON = HERE / ".venv-vllm" / "bin" / "python"
 SERVED_NAME = "tiny"
 REPORTED = (
@@ -221,10 +230,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = args.model or DEFAULT_MODEL_DIR
-    if not (model_dir / "config.json").is_file():
-        write_demo_model(model_dir, preset="tiny", seed=0)
-    (HERE / "work").mkdir(exist_ok=True)
+    model_dir = benchmark_model(args.model)
     wanted = {name.strip() for name in args.servers.split(",")}
     results = {
         spec.name: bench_server(spec, model_dir, args)
