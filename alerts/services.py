@@ -119,7 +119,7 @@ def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:
                 changes.resolved += 1
     changes.updated = Alert.objects.bulk_update(still_firing, ["annotations", "updated_at"], batch_size=500)
     # An SLO deleted along with its deployment leaves its firing alerts without a source: end them.
-    for orphan in Alert.objects.filter(status=AlertStatus.FIRING, slo__isnull=True):
+    for orphan in Alert.objects.filter(status=AlertStatus.FIRING, slo__isnull=True, labels__alertname=ALERT_NAME):
         alert_resolve(alert=orphan, now=now)
         changes.resolved += 1
     return changes
@@ -132,6 +132,23 @@ def alert_open(*, slo, severity: str, evaluation, now: datetime) -> Alert:
             fingerprint=fingerprint_of(labels), labels=labels, severity=severity, status=AlertStatus.FIRING,
             annotations=alert_annotations(slo, evaluation, severity), starts_at=now, slo=slo,
         )
+        audit_record(actor=None, action="alert.open", obj=alert, after=snapshot(alert))
+        _enqueue_notifications(alert, AlertStatus.FIRING)
+    log.warning("alert opened: %s", alert)
+    return alert
+
+
+def alert_raise(*, labels: dict[str, str], annotations: dict[str, str], severity: str, now: datetime) -> Alert:
+    """An alert not tied to an SLO (e.g. an aborted rollout); one firing row per label set."""
+    fingerprint = fingerprint_of(labels)
+    with transaction.atomic():
+        alert = Alert.objects.select_for_update().filter(fingerprint=fingerprint, status=AlertStatus.FIRING).first()
+        if alert is not None:
+            alert.annotations = annotations
+            alert.save(update_fields=["annotations", "updated_at"])
+            return alert
+        alert = Alert.objects.create(fingerprint=fingerprint, labels=labels, severity=severity,
+                                     status=AlertStatus.FIRING, annotations=annotations, starts_at=now)
         audit_record(actor=None, action="alert.open", obj=alert, after=snapshot(alert))
         _enqueue_notifications(alert, AlertStatus.FIRING)
     log.warning("alert opened: %s", alert)

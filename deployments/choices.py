@@ -19,3 +19,25 @@ class DeploymentStatus(models.TextChoices):
     FAILED = "failed", "Failed"               # none ready and replicas crash-looping
     PAUSED = "paused", "Paused"               # reconciliation paused by an operator
     DELETING = "deleting", "Deleting"
+
+
+class Strategy(models.TextChoices):
+    CANARY = "canary", "Canary"
+    BLUE_GREEN = "blue-green", "Blue-green"
+
+
+class RolloutStatus(models.TextChoices):
+    PROGRESSING = "progressing", "Progressing"
+    PAUSED = "paused", "Paused"        # a pause step, an inconclusive analysis, or waiting for promote
+    SUCCEEDED = "succeeded", "Succeeded"
+    ABORTED = "aborted", "Aborted"
+
+
+ACTIVE_ROLLOUT = (RolloutStatus.PROGRESSING, RolloutStatus.PAUSED)
+
+
+class Verdict(models.TextChoices):
+    RUNNING = "running", "Running"      # window not over, nothing failed yet
+    PASS = "pass", "Pass"
+    FAIL = "fail", "Fail"
+    INCONCLUSIVE = "inconclusive", "Inconclusive"

@@ -10,12 +10,13 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from deployments.choices import Backend, DeploymentStatus, DriverName
+from deployments.choices import ACTIVE_ROLLOUT, Backend, DeploymentStatus, DriverName
 from deployments.models import Deployment
 from inferops.api import Conflict
 from registry.models import Alias, ModelVersion, RegisteredModel
 from registry.services import audit_record, snapshot
 from runtime import engine_args as engine_args_mod
+from runtime.gateway.state import PREVIEW_SUFFIX
 
 RESOURCE_KEYS = {"gpu_type": str, "gpu_count": int, "cpu": (int, float, str), "memory": str}
 
@@ -81,6 +82,8 @@ def deployment_create(*, name: str, model: RegisteredModel, actor, version: int 
                       driver: str = DriverName.LOCAL, replicas: int = 1, min_replicas: int | None = None,
                       max_replicas: int | None = None, autoscale: bool = False,
                       engine_args: dict | None = None, resources: dict | None = None) -> Deployment:
+    if name.endswith(PREVIEW_SUFFIX):
+        raise ValidationError({"name": [f"Names ending in {PREVIEW_SUFFIX!r} are reserved for rollout previews."]})
     pinned = resolve_version(model, version=version, alias=alias)
     min_replicas = replicas if min_replicas is None else min_replicas
     max_replicas = max(replicas, min_replicas) if max_replicas is None else max_replicas
@@ -111,6 +114,11 @@ def deployment_update(*, deployment: Deployment, actor, version: int | None = No
         if locked.deleted_at:
             raise Conflict(f"Deployment {locked.name!r} is being deleted.")
         before = snapshot(locked)
+        changes_spec = version is not None or alias or "engine_args" in changes
+        active = locked.rollouts.filter(status__in=ACTIVE_ROLLOUT).first() if changes_spec else None
+        if active is not None:
+            raise Conflict(f"Rollout {active.pk} of {locked.name!r} is {active.status}: the version and engine "
+                           "args change through it (promote or abort it first).")
         if version is not None or alias:
             locked.version = resolve_version(locked.model, version=version, alias=alias)
             locked.alias = alias or ""

@@ -16,6 +16,10 @@ class Replica(models.Model):
     # Process identity (pid + start time, so a recycled pid is never mistaken for ours) or pod name.
     identity = models.JSONField(default=dict, blank=True)
     engine_args = models.JSONField(default=dict, blank=True)
+    # Set on replicas a rollout started as its candidate: analysis tells the tracks apart by it
+    # (a candidate may differ only in engine args), and an abort drains exactly these.
+    rollout = models.ForeignKey("deployments.Rollout", null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="replicas")
     state = models.CharField(max_length=16, choices=ReplicaState.choices, default=ReplicaState.PENDING)
     restarts = models.PositiveIntegerField(default=0)
     consecutive_failures = models.PositiveIntegerField(default=0)

@@ -23,8 +23,9 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from deployments.choices import DeploymentStatus
-from deployments.models import Deployment
+from deployments import rollouts
+from deployments.choices import DeploymentStatus, RolloutStatus, Strategy
+from deployments.models import Deployment, Rollout
 from inferops.locks import try_advisory_lock
 from registry.checkpoint import CheckpointError, artifact_path
 from runtime import routing
@@ -67,6 +68,35 @@ def backoff_s(failures: int, timings: Timings) -> float:
     return min(timings.backoff_base_s * 2 ** (failures - 2), timings.backoff_max_s)
 
 
+@dataclass(frozen=True)
+class Track:
+    """A set of replicas of one spec: the stable one, a rollout's candidate, or a blue-green's old set."""
+
+    name: str
+    version_id: int
+    engine_args: dict
+    desired: int | None  # None: keep the ones there are, start none (an old set kept warm)
+    weight: int | None  # percent of traffic; None: a share of what explicit weights leave, by ready replicas
+    rollout_id: int | None = None  # set on the replicas it starts
+
+    def matches(self, replica: Replica) -> bool:
+        return replica.version_id == self.version_id and replica.engine_args == self.engine_args
+
+
+def plan_tracks(deployment: Deployment, rollout: Rollout | None, now: datetime) -> list[Track]:
+    """The stable track first, then a running rollout's candidate or a blue-green's warm old set."""
+    stable = Track("stable", deployment.version_id, deployment.engine_args, deployment.replicas, None)
+    if rollout is not None:
+        return [stable, Track("candidate", rollout.candidate_version_id, rollout.candidate_engine_args,
+                              rollouts.candidate_size(rollout, deployment.replicas), rollout.weight, rollout.pk)]
+    kept = (deployment.rollouts.filter(status=RolloutStatus.SUCCEEDED, strategy=Strategy.BLUE_GREEN,
+                                       scale_down_at__gt=now).order_by("-id").first())
+    if kept is not None and (kept.stable_version_id, kept.stable_engine_args) != (stable.version_id,
+                                                                                   stable.engine_args):
+        return [stable, Track("previous", kept.stable_version_id, kept.stable_engine_args, None, 0)]
+    return [stable]
+
+
 def probe_health(url: str, timeout_s: float) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=timeout_s).status_code == 200
@@ -96,6 +126,8 @@ class Reconciler:
         self.replicas = list(
             deployment.replica_set.exclude(state=ReplicaState.STOPPED).select_related("version")
         )
+        self.rollout: Rollout | None = None
+        self.tracks = [Track("stable", deployment.version_id, deployment.engine_args, deployment.replicas, None)]
 
     # -- one pass ---------------------------------------------------------------------------
 
@@ -107,6 +139,8 @@ class Reconciler:
         elif not self.deployment.paused:
             if self.deployment.autoscale:
                 autoscale(self.deployment, self.now)
+            self.rollout = self.advance_rollout()
+            self.tracks = plan_tracks(self.deployment, self.rollout, self.now)
             self.converge()
             self.start_due()
         self.replicas = [r for r in self.replicas if r.state != ReplicaState.STOPPED]
@@ -211,40 +245,63 @@ class Reconciler:
             if replica.state != ReplicaState.DRAINING:
                 self.drain(replica)
 
-    def new_replica(self) -> Replica:
+    def advance_rollout(self) -> Rollout | None:
+        """Let the running rollout take its due transitions, given its candidate's replicas."""
+        rollout = self.deployment.rollouts.filter(status__in=(RolloutStatus.PROGRESSING, RolloutStatus.PAUSED)).first()
+        if rollout is None:
+            return None
+        candidate = Track("candidate", rollout.candidate_version_id, rollout.candidate_engine_args, None, None)
+        mine = [r for r in self.replicas if candidate.matches(r)]
+        ready = sum(r.state == ReplicaState.READY for r in mine)
+        looping = [r for r in mine if r.crash_looping]
+        failure = looping[0].last_error if looping and len(looping) * 2 >= max(len(mine), 1) else ""
+        return rollouts.advance(self.deployment, rollouts.CandidateState(ready=ready, failure=failure), self.now)
+
+    def new_replica(self, track: Track) -> Replica:
         replica = Replica.objects.create(
-            deployment=self.deployment, version=self.deployment.version, driver=self.deployment.driver,
+            deployment=self.deployment, version_id=track.version_id, driver=self.deployment.driver,
             node=getattr(self.driver, "node", "") or _node_name(self.deployment.driver),
-            engine_args=self.deployment.engine_args, state=ReplicaState.PENDING,
+            engine_args=track.engine_args, state=ReplicaState.PENDING, rollout_id=track.rollout_id,
         )
+        replica.version  # noqa: B018 - load it now: the spec and the routing table read its number
         self.replicas.append(replica)
         return replica
 
+    def track_of(self, replica: Replica) -> Track | None:
+        return next((track for track in self.tracks if track.matches(replica)), None)
+
     def converge(self) -> None:
-        target = self.deployment.version_id
-        desired = self.deployment.replicas
         live = [r for r in self.replicas if r.state in (ReplicaState.PENDING, ReplicaState.STARTING,
                                                          ReplicaState.READY, ReplicaState.FAILED)]
-        # Spec drift: a replica started with other engine args is replaced like an old version.
-        current = [r for r in live if r.version_id == target and r.engine_args == self.deployment.engine_args]
-        outdated = [r for r in live if r not in current]
-        # Outdated replicas that serve nothing go at once; ready ones wait for their replacement.
-        for replica in [r for r in outdated if r.state != ReplicaState.READY]:
+        # Spec drift: a replica of no track (another version, other engine args) is outdated.
+        outdated = [r for r in live if self.track_of(r) is None]
+        # Outdated replicas that serve nothing go at once, and so does an aborted rollout's
+        # candidate (traffic leaves it now); other ready ones wait for their replacement.
+        aborted = set(Rollout.objects.filter(pk__in={r.rollout_id for r in outdated if r.rollout_id},
+                                             status=RolloutStatus.ABORTED).values_list("pk", flat=True))
+        for replica in [r for r in outdated if r.state != ReplicaState.READY or r.rollout_id in aborted]:
             self.drain(replica)
-        outdated_ready = [r for r in outdated if r.state == ReplicaState.READY]
+        outdated_ready = [r for r in outdated if r.state == ReplicaState.READY and r.rollout_id not in aborted]
+        stable, *others = self.tracks
+        self.scale_track(stable, [r for r in live if stable.matches(r)], outdated_ready)
+        for track in others:
+            if track.desired is not None:
+                self.scale_track(track, [r for r in live if track.matches(r)], [])
 
+    def scale_track(self, track: Track, current: list[Replica], outdated_ready: list[Replica]) -> None:
+        desired = track.desired
         if outdated_ready:
             # Surge one: never more than desired + 1 live replicas during a replacement.
             room = desired + 1 - len(current) - len(outdated_ready)
             for _ in range(max(0, min(room, desired - len(current)))):
-                current.append(self.new_replica())
+                current.append(self.new_replica(track))
             ready_current = sum(r.state == ReplicaState.READY for r in current)
             excess = ready_current + len(outdated_ready) - desired
             for replica in outdated_ready[:max(0, excess)]:
                 self.drain(replica)
             return
         for _ in range(desired - len(current)):
-            current.append(self.new_replica())
+            current.append(self.new_replica(track))
         if len(current) > desired:
             # Drop the least useful first: not yet started, then failing, then the newest ready.
             order = {ReplicaState.PENDING: 0, ReplicaState.FAILED: 1, ReplicaState.STARTING: 2,
@@ -257,7 +314,8 @@ class Reconciler:
         for replica in self.replicas:
             if replica.state not in (ReplicaState.PENDING, ReplicaState.FAILED):
                 continue
-            if replica.version_id != self.deployment.version_id:
+            track = self.track_of(replica)
+            if track is None or track.desired is None:
                 continue
             if replica.not_before and replica.not_before > self.now:
                 continue
@@ -286,9 +344,9 @@ class Reconciler:
         deployment = self.deployment
         if deployment.deleted_at:
             return
-        target = [r for r in self.replicas if r.version_id == deployment.version_id]
+        target = [r for r in self.replicas if self.tracks[0].matches(r)]
         ready = sum(r.state == ReplicaState.READY for r in target)
-        outdated = [r for r in self.replicas if r not in target and r.state != ReplicaState.DRAINING]
+        outdated = [r for r in self.replicas if self.track_of(r) is None and r.state != ReplicaState.DRAINING]
         crash_looping = [r for r in target if r.crash_looping]
         if deployment.paused:
             status, message = DeploymentStatus.PAUSED, "Reconciliation paused by an operator."
@@ -298,6 +356,10 @@ class Reconciler:
         elif crash_looping:
             status = DeploymentStatus.DEGRADED
             message = f"{len(crash_looping)} replica(s) crash-looping: {crash_looping[0].last_error}"
+        elif self.rollout is not None:
+            status = DeploymentStatus.PROGRESSING
+            message = (f"Rollout {self.rollout.pk} {self.rollout.status}: {self.rollout.weight}% on "
+                       f"v{self.rollout.candidate_version.number}. {self.rollout.message}").strip()
         elif ready >= deployment.replicas and not outdated:
             status, message = DeploymentStatus.READY, ""
         elif ready == 0 and not outdated:
@@ -313,7 +375,20 @@ class Reconciler:
         if self.deployment.deleted_at:
             return
         ready = [r for r in self.replicas if r.state == ReplicaState.READY]
-        routing.publish(routing.routing_entry(self.deployment, ready))
+        groups: dict[tuple[str, int], list[Replica]] = {}
+        for replica in ready:
+            track = self.track_of(replica)
+            groups.setdefault((track.name if track else "outdated", replica.version.number), []).append(replica)
+        weights = {track.name: track.weight for track in self.tracks}
+        routing.publish(routing.routing_entry(self.deployment, [
+            (name, number, weights.get(name), replicas) for (name, number), replicas in groups.items()]))
+        preview = routing.preview_name(self.deployment.name)
+        candidates = groups.get(("candidate", self.rollout.candidate_version.number), []) if self.rollout else []
+        if candidates:
+            routing.publish(routing.routing_entry(
+                self.deployment, [("candidate", candidates[0].version.number, 100, candidates)], name=preview))
+        elif routing.is_published(preview):
+            routing.unpublish(preview)
 
 
 def _node_name(driver: str) -> str:

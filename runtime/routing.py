@@ -15,6 +15,8 @@ import time
 import redis
 from django.conf import settings
 
+from runtime.gateway.state import PREVIEW_SUFFIX
+
 ROUTING_KEY = "inferops:routing"
 GENERATION_KEY = "inferops:routing:generation"
 CHANGED_CHANNEL = "inferops:routing:changed"
@@ -24,28 +26,34 @@ def redis_client() -> redis.Redis:
     return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=3, socket_connect_timeout=3)
 
 
-def routing_entry(deployment, ready_replicas, weights: dict[int, int] | None = None) -> dict:
-    """Versions with their ready replicas; weights by version number (percent).
+def routing_entry(deployment, groups: list[tuple[str, int, int | None, list]], name: str | None = None) -> dict:
+    """The table entry for a deployment (or its preview route `name`) from groups of ready replicas.
 
-    Without explicit weights (no rollout running) each version's share follows its number of
-    ready replicas, so a rolling replacement shifts traffic as new replicas become ready.
+    Each group is (track, version number, weight percent or None, ready replicas). A rollout gives
+    its candidate an explicit weight; groups without one share the rest by their number of ready
+    replicas, so with no rollout a rolling replacement shifts traffic as new replicas become ready.
     """
-    by_version: dict[int, list] = {}
-    for replica in ready_replicas:
-        by_version.setdefault(replica.version.number, []).append({"id": replica.pk, "url": replica.url})
-    total = sum(len(replicas) for replicas in by_version.values())
+    groups = [group for group in groups if group[3]]
+    explicit = sum(weight for _, _, weight, _ in groups if weight is not None)
+    implicit = sum(len(replicas) for _, _, weight, replicas in groups if weight is None)
     versions = []
-    for number, replicas in sorted(by_version.items()):
-        weight = weights.get(number, 0) if weights is not None else round(100 * len(replicas) / total)
-        versions.append({"version": number, "weight": weight, "replicas": replicas})
+    for track, number, weight, replicas in groups:
+        if weight is None:
+            weight = round(max(0, 100 - explicit) * len(replicas) / implicit)
+        versions.append({"version": number, "track": track, "weight": weight,
+                         "replicas": [{"id": r.pk, "url": r.url} for r in replicas]})
     return {
-        "deployment": deployment.name,
+        "deployment": name or deployment.name,
         "model": deployment.model.name,
         "task": deployment.model.task,
         "backend": deployment.backend,
         "versions": versions,
         "published_at": time.time(),
     }
+
+
+def preview_name(deployment_name: str) -> str:
+    return deployment_name + PREVIEW_SUFFIX
 
 
 def publish(entry: dict) -> None:
@@ -64,6 +72,10 @@ def unpublish(name: str) -> None:
         pipe.incr(GENERATION_KEY)
         pipe.publish(CHANGED_CHANNEL, name)
         pipe.execute()
+
+
+def is_published(name: str) -> bool:
+    return bool(redis_client().hexists(ROUTING_KEY, name))
 
 
 def read_table() -> dict[str, dict]:

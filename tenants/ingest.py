@@ -58,6 +58,7 @@ EVENT_FIELDS: dict[str, tuple[str, bool, object]] = {
     "deployment": ("text", False, 63),
     "version": ("int", False, INT4),
     "replica": ("int", False, INT8),
+    "failed_replica": ("int", False, INT8),
     "priority": ("int", False, INT4),
     "endpoint": ("text", True, 16),
     "stream": ("bool", False, None),

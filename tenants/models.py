@@ -131,6 +131,9 @@ class UsageEvent(models.Model):
     deployment = models.CharField(max_length=63, null=True, blank=True)  # noqa: DJ001
     version = models.IntegerField(null=True, blank=True)
     replica = models.BigIntegerField(null=True, blank=True)
+    # The first replica that failed this request before the gateway retried it elsewhere: a
+    # candidate's errors must count against it even when the retry hid them from the client.
+    failed_replica = models.BigIntegerField(null=True, blank=True)
     priority = models.IntegerField(default=0)
     endpoint = models.CharField(max_length=16)
     stream = models.BooleanField(default=False)

@@ -88,6 +88,7 @@ class RequestRecord:
     deployment: str | None = None
     version: int | None = None
     replica: int | None = None
+    failed_replica: int | None = None  # the first replica that failed it before a retry
     stream: bool = False
     prompt_estimate: int = 0
     sent_upstream: bool = False
@@ -120,6 +121,7 @@ class RequestRecord:
             "request_id": self.request_id, "time": self.started_at,
             "tenant": self.key.tenant if self.key else None, "key_prefix": self.key.prefix if self.key else None,
             "deployment": self.deployment, "version": self.version, "replica": self.replica,
+            "failed_replica": self.failed_replica,
             "priority": self.key.priority if self.key else 0, "endpoint": self.endpoint, "stream": self.stream,
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "ttft_ms": ttft * 1000 if ttft is not None else None, "tpot_ms": tpot * 1000 if tpot is not None else None,
@@ -446,6 +448,8 @@ class Gateway:
                 except UpstreamFailure as failure:
                     # Unreachable or refused: no work done. Timed out: the replica may have done it.
                     record.sent_upstream = failure.kind == TIMEOUT
+                    if record.failed_replica is None:
+                        record.failed_replica = choice.replica.id
                     last_failure = failure
                     self.metrics.upstream_errors.labels(route.deployment, failure.kind).inc()
                     if self.router.record_failure(choice.replica):

@@ -30,6 +30,9 @@ KEYS_KEY = "inferops:keys"
 KEYS_GENERATION_KEY = "inferops:keys:generation"
 KEYS_CHANNEL = "inferops:keys:changed"
 
+# `<deployment>--preview`: a rollout's candidate alone, for smoke tests before it takes traffic.
+PREVIEW_SUFFIX = "--preview"
+
 
 def hash_api_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
@@ -77,7 +80,9 @@ class ApiKey:
         return self.expires_at is not None and now >= self.expires_at
 
     def may_use(self, deployment: str) -> bool:
-        return not self.deployments or deployment in self.deployments
+        """A key allowed a deployment may also call its rollout's preview route."""
+        return (not self.deployments or deployment in self.deployments
+                or deployment.removesuffix(PREVIEW_SUFFIX) in self.deployments)
 
 
 @dataclass(frozen=True)
