@@ -439,7 +439,7 @@ def _track_stats(rollout: Rollout, slos: list[Slo], start: datetime, end: dateti
     with connection.cursor() as cursor:
         cursor.execute(_TRACK_STATS, params)
         for track, requests, failures, *percentiles in cursor.fetchall():
-            rounded = {k: round(v, 2) if v is not None else None for k, v in zip(_PERCENTILES, percentiles, strict=True)}
+            rounded = {k: None if v is None else round(v, 2) for k, v in zip(_PERCENTILES, percentiles, strict=True)}
             tracks[track].update(requests=requests, failures=failures, **rounded)
         cursor.execute(_FAILED_ATTEMPTS, params)
         for track, count in cursor.fetchall():
