@@ -51,7 +51,7 @@ class Rollout(models.Model):
     strategy = models.CharField(max_length=16, choices=Strategy.choices, default=Strategy.CANARY)
     # Normalised steps: {"set_weight": 20}, {"pause": 60.0} or {"pause": None} (until promoted),
     # {"analysis": {"duration": 120.0, "min_requests": 20, "max_burn_rate": 2.0, "thresholds": {}}}.
-    steps = models.JSONField(default=list)
+    steps = models.JSONField(default=list, blank=True)
     scale_down_delay_s = models.FloatField(default=0, help_text="Blue-green: how long the old set stays warm.")
     rollback = models.BooleanField(default=False, help_text="Undo or an explicit rollback: no budget gate.")
     override_reason = models.TextField(blank=True, help_text="Why the error-budget policy was overridden.")

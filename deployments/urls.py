@@ -16,4 +16,13 @@ api_urlpatterns = [
     path("deployments/<str:name>/", api.DeploymentDetail.as_view(), name="api-deployment-detail"),
     path("deployments/<str:name>/replicas/", api.ReplicaList.as_view(), name="api-deployment-replicas"),
     path("deployments/<str:name>/metrics/", api.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
+    path("deployments/<str:name>/rollouts/", api.RolloutListCreate.as_view(), name="api-rollout-list"),
+    path("deployments/<str:name>/rollouts/undo/", api.RolloutUndo.as_view(), name="api-rollout-undo"),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/", api.RolloutDetail.as_view(), name="api-rollout-detail"),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/promote/", api.RolloutPromote.as_view(),
+         name="api-rollout-promote"),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/abort/", api.RolloutAbort.as_view(),
+         name="api-rollout-abort"),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/retry/", api.RolloutRetry.as_view(),
+         name="api-rollout-retry"),
 ]

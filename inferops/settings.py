@@ -173,7 +173,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     # Several serializers have a "status" field; these name their enums after what they mean.
-    "ENUM_NAME_OVERRIDES": {"SloStateEnum": "slo.choices.SloState"},
+    "ENUM_NAME_OVERRIDES": {"SloStateEnum": "slo.choices.SloState",
+                            "RolloutStatusEnum": "deployments.choices.RolloutStatus"},
 }
 
 CELERY_BROKER_URL = REDIS_URL.replace("unix://", "redis+socket://", 1)
