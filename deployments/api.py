@@ -429,6 +429,9 @@ class RolloutDetailSerializer(RolloutSerializer):
         return MeasurementSerializer(latest, many=True).data
 
 
+ACTION_RESPONSES = {200: RolloutDetailSerializer, **ROLLOUT_ERRORS, **ROLLOUT_CONFLICT}
+
+
 def rollout_queryset():
     return Rollout.objects.select_related("deployment", "stable_version", "candidate_version", "created_by")
 
@@ -489,7 +492,7 @@ class RolloutDetail(APIView):
 
 @extend_schema(tags=["rollouts"])
 class RolloutPromote(APIView):
-    @extend_schema(request=PromoteSerializer, responses={200: RolloutDetailSerializer, **ROLLOUT_ERRORS, **ROLLOUT_CONFLICT},
+    @extend_schema(request=PromoteSerializer, responses=ACTION_RESPONSES,
                    description="Go on to the next step now (ends a pause or an inconclusive analysis), or "
                                "with `full` skip every remaining step.")
     def post(self, request, name: str, rollout_id: int):
@@ -500,7 +503,7 @@ class RolloutPromote(APIView):
 
 @extend_schema(tags=["rollouts"])
 class RolloutAbort(APIView):
-    @extend_schema(request=AbortSerializer, responses={200: RolloutDetailSerializer, **ROLLOUT_ERRORS, **ROLLOUT_CONFLICT},
+    @extend_schema(request=AbortSerializer, responses=ACTION_RESPONSES,
                    description="Traffic back on the stable version at once; the candidate's replicas are drained.")
     def post(self, request, name: str, rollout_id: int):
         rollout = get_rollout(name, rollout_id)
@@ -510,7 +513,7 @@ class RolloutAbort(APIView):
 
 @extend_schema(tags=["rollouts"])
 class RolloutRetry(APIView):
-    @extend_schema(request=RetrySerializer, responses={200: RolloutDetailSerializer, **ROLLOUT_ERRORS, **ROLLOUT_CONFLICT},
+    @extend_schema(request=RetrySerializer, responses=ACTION_RESPONSES,
                    description="Start an aborted rollout again from its first step.")
     def post(self, request, name: str, rollout_id: int):
         rollout = get_rollout(name, rollout_id)

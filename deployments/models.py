@@ -63,6 +63,7 @@ class Rollout(models.Model):
     # The alias moved to the candidate on success ("" to move none).
     promote_alias = models.CharField(max_length=63, blank=True, default="champion")
     status = models.CharField(max_length=16, choices=RolloutStatus.choices, default=RolloutStatus.PROGRESSING)
+    attempt = models.PositiveIntegerField(default=1, help_text="1, then one more per retry.")
     step_index = models.PositiveIntegerField(default=0, help_text="len(steps) once every step is done.")
     step_started_at = models.DateTimeField()
     weight = models.PositiveSmallIntegerField(default=0, help_text="Percent of traffic on the candidate now.")
@@ -101,6 +102,7 @@ class RolloutMeasurement(models.Model):
     """One look at candidate vs stable during an analysis step, with every check and its verdict."""
 
     rollout = models.ForeignKey(Rollout, on_delete=models.CASCADE, related_name="measurements")
+    attempt = models.PositiveIntegerField(default=1)
     step_index = models.PositiveIntegerField()
     taken_at = models.DateTimeField()
     window_start = models.DateTimeField()

@@ -32,7 +32,7 @@ from deployments.models import Deployment, Rollout, RolloutMeasurement
 from deployments.rollout_spec import normalise
 from deployments.services import request_reconcile, resolve_version, validate_engine_args
 from inferops.api import Conflict
-from registry.models import Alias
+from registry.models import Alias, slug_validator
 from registry.services import alias_set, audit_record, snapshot
 from slo.choices import Scope, SliKind
 from slo.models import Slo
@@ -74,7 +74,7 @@ def _check_budget(deployment: Deployment, *, rollback: bool, override_reason: st
         return
     exhausted = exhausted_slos(deployment)
     if exhausted:
-        names = ", ".join(f"{name!r} ({remaining:.0%} of its budget left)" for name, remaining in exhausted)
+        names = ", ".join(f"{name!r} ({-remaining:.0%} over its budget)" for name, remaining in exhausted)
         raise Conflict(
             f"Error budget exhausted for SLO {names} on deployment {deployment.name!r}: new rollouts are "
             "refused until it recovers. A rollback (\"rollback\": true, or the undo action) is allowed; "
@@ -89,6 +89,11 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
     """Validate everything, then start a rollout; 409 while another runs or a budget is spent."""
     normalised_steps, delay = normalise(strategy, steps=steps, scale_down_delay=scale_down_delay,
                                         preview=preview, analysis=analysis)
+    if promote_alias:  # checked now: a bad name would otherwise fail the finalizing transaction every pass
+        try:
+            slug_validator(promote_alias)
+        except ValidationError as exc:
+            raise ValidationError({"promote_alias": exc.messages}) from None
     if version is None and not alias and engine_args is None:
         raise ValidationError({"version": ["Give the candidate: a version, an alias and/or engine_args."]})
     now = timezone.now()
@@ -141,8 +146,13 @@ def rollout_promote(*, rollout: Rollout, actor, full: bool = False) -> Rollout:
         locked = _locked(rollout)
         if not locked.active:
             raise Conflict(f"Rollout {locked.pk} is {locked.status}; only a running or paused rollout is promoted.")
+        step = locked.current_step
+        if not full and (step is None or "set_weight" in step):
+            # Skipping a weight would send traffic the candidate was never warmed (or judged) for.
+            raise Conflict(f"Rollout {locked.pk} is warming the candidate for its next weight and moves on by "
+                           "itself once it is ready; promote ends a pause or an analysis (or use full).")
         before = snapshot(locked)
-        target = len(locked.steps) if full else min(locked.step_index + 1, len(locked.steps))
+        target = len(locked.steps) if full else locked.step_index + 1
         _timeline(locked, now, "promoted", f"by {getattr(actor, 'username', 'system')}" + (" (full)" if full else ""))
         _enter_step(locked, target, now)
         locked.save()
@@ -182,6 +192,7 @@ def rollout_retry(*, rollout: Rollout, actor, override_reason: str = "") -> Roll
         before = snapshot(locked)
         locked.finished_at = None
         locked.weight = 0
+        locked.attempt += 1
         if override_reason:
             locked.override_reason = override_reason
         _timeline(locked, now, "retried", f"by {getattr(actor, 'username', 'system')}")
@@ -189,6 +200,9 @@ def rollout_retry(*, rollout: Rollout, actor, override_reason: str = "") -> Roll
         locked.save()
         _resolve_abort_alerts(deployment, now)
         audit_record(actor=actor, action="rollout.retry", obj=locked, before=before, after=snapshot(locked))
+        if override_reason and (exhausted := exhausted_slos(deployment)):
+            audit_record(actor=actor, action="rollout.budget_override", obj=locked,
+                         after={"reason": override_reason, "exhausted": exhausted})
         request_reconcile(deployment)
     return locked
 
@@ -358,13 +372,14 @@ def _step_once(rollout: Rollout, deployment: Deployment, state: CandidateState, 
 def _analyse(rollout: Rollout, config: dict, now: datetime, elapsed: float) -> bool:
     window_over = elapsed >= config["duration"]
     result = measure(rollout, config, rollout.step_started_at, now, final=window_over)
-    last = (RolloutMeasurement.objects.filter(rollout=rollout, step_index=rollout.step_index)
-            .order_by("-taken_at").values_list("taken_at", flat=True).first())
+    this_step = RolloutMeasurement.objects.filter(rollout=rollout, attempt=rollout.attempt,
+                                                  step_index=rollout.step_index)
+    last = this_step.order_by("-taken_at").values_list("taken_at", flat=True).first()
     if result.verdict != Verdict.RUNNING or last is None or (now - last).total_seconds() >= MEASURE_EVERY_S:
         RolloutMeasurement.objects.create(
-            rollout=rollout, step_index=rollout.step_index, taken_at=now, window_start=rollout.step_started_at,
-            window_end=now, verdict=result.verdict, candidate=result.candidate, stable=result.stable,
-            checks=result.checks, reason=result.reason,
+            rollout=rollout, attempt=rollout.attempt, step_index=rollout.step_index, taken_at=now,
+            window_start=rollout.step_started_at, window_end=now, verdict=result.verdict,
+            candidate=result.candidate, stable=result.stable, checks=result.checks, reason=result.reason,
         )
     if result.verdict == Verdict.FAIL:
         _timeline(rollout, now, "analysis failed", result.reason)

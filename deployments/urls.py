@@ -9,6 +9,15 @@ urlpatterns = [
     path("new/", views.deployment_create, name="create"),
     path("<slug:name>/", views.deployment_detail, name="detail"),
     path("<slug:name>/edit/", views.deployment_edit, name="edit"),
+    path("<slug:name>/rollouts/new/", views.rollout_start, name="rollout-start"),
+    path("<slug:name>/rollouts/undo/", views.rollout_undo, name="rollout-undo"),
+    path("<slug:name>/rollouts/<int:pk>/", views.rollout_detail, name="rollout"),
+    path("<slug:name>/rollouts/<int:pk>/promote/", views.rollout_action, {"action": "promote"},
+         name="rollout-promote"),
+    path("<slug:name>/rollouts/<int:pk>/promote-full/", views.rollout_action, {"action": "promote-full"},
+         name="rollout-promote-full"),
+    path("<slug:name>/rollouts/<int:pk>/abort/", views.rollout_action, {"action": "abort"}, name="rollout-abort"),
+    path("<slug:name>/rollouts/<int:pk>/retry/", views.rollout_action, {"action": "retry"}, name="rollout-retry"),
 ]
 
 api_urlpatterns = [

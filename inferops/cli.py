@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo-model": ("runtime.engine.demo_model", "write a small deterministic demo checkpoint"),
     "bench": ("runtime.loadgen", "load-test any OpenAI-compatible endpoint"),
     "gateway": ("runtime.gateway.server", "the API gateway: keys, rate limits, routing, usage events"),
+    "rollout": ("inferops.rollout_cli", "start a progressive rollout through the REST API and follow it (for CI)"),
 }
 
 

@@ -30,7 +30,7 @@ from runtime.gateway.limits import Admission, RateLimiter, Refusal, estimate_pro
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.proxy import CONNECT, TIMEOUT, Opened, StreamObserver, Upstream, UpstreamFailure, read_usage
 from runtime.gateway.router import NoReplica, Router, Saturated, affinity_key
-from runtime.gateway.state import ApiKey, RedisHealth, Route, StateSync, hash_api_key
+from runtime.gateway.state import PREVIEW_SUFFIX, ApiKey, RedisHealth, Route, StateSync, hash_api_key
 from runtime.gateway.usage import UsageSink
 
 logger = logging.getLogger(__name__)
@@ -369,6 +369,10 @@ class Gateway:
                                "PermissionDeniedError", "forbidden", "model")
         record.stream = payload.get("stream") is True and record.endpoint != "embeddings"
         record.prompt_estimate = estimate_prompt_tokens(payload)
+        if deployment.endswith(PREVIEW_SUFFIX):
+            # A rollout's candidate serves under the deployment's own name.
+            payload["model"] = deployment.removesuffix(PREVIEW_SUFFIX)
+            body = json.dumps(payload).encode()
         strip_usage = False
         if record.stream:
             options = payload.get("stream_options")

@@ -50,7 +50,8 @@ def usage_event(**overrides) -> dict:
     """One event as the gateway writes it (the contract's fields), successful by default."""
     event = {
         "request_id": f"gw-{uuid.uuid4().hex}", "time": time.time(), "tenant": "acme", "key_prefix": "0a1b2c3d",
-        "deployment": "chat", "version": 1, "replica": 7, "priority": 0, "endpoint": "chat", "stream": True,
+        "deployment": "chat", "version": 1, "replica": 7, "failed_replica": None, "priority": 0, "endpoint": "chat",
+        "stream": True,
         "prompt_tokens": 12, "completion_tokens": 30, "ttft_ms": 40.0, "tpot_ms": 8.0, "e2e_ms": 272.0,
         "status": 200, "finish_reason": "stop", "error_kind": None, "retries": 0,
     }

@@ -1,0 +1,253 @@
+"""`inferops rollout`: start a progressive rollout from CI through the REST API, and wait for it.
+
+    INFEROPS_URL=https://inferops.example INFEROPS_TOKEN=... \\
+        inferops rollout --deployment chat --version 7 --engine-arg max_num_seqs=64 --wait
+
+Exit codes: 0 succeeded (or created, without --wait); 1 aborted (rolled back); 2 refused by the
+API (bad request, unknown deployment, no permission, another rollout active, error budget
+exhausted); 3 timed out or the server could not be reached.
+
+Only httpx: no Django, so it runs from any CI image with the package installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+
+import httpx
+
+EXIT_SUCCEEDED, EXIT_ABORTED, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3
+DEFAULT_URL = "http://127.0.0.1:8000"
+FINAL = ("succeeded", "aborted")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--deployment", required=True, help="deployment (route) name")
+    candidate = parser.add_mutually_exclusive_group()
+    candidate.add_argument("--version", type=int, help="candidate model version number")
+    candidate.add_argument("--alias", help="candidate version by alias (e.g. champion)")
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="candidate engine argument (repeatable), set over the deployment's current "
+                             "engine args; values parse as JSON when they can (64 -> int, true -> bool), "
+                             "else as text")
+    parser.add_argument("--strategy", choices=["canary", "blue-green"], default="canary")
+    parser.add_argument("--steps", metavar="JSON",
+                        help='canary steps, e.g. \'[{"set_weight": 20}, {"analysis": "2m"}]\'')
+    parser.add_argument("--scale-down-delay", metavar="DURATION", help="blue-green: keep the old set warm (10m)")
+    parser.add_argument("--preview", metavar="DURATION",
+                        help="blue-green: time on the preview route first ('{}' = until promoted)")
+    parser.add_argument("--analysis", metavar="DURATION|JSON", help="blue-green: analysis after the switch (1m)")
+    parser.add_argument("--promote-alias", help="alias moved to the candidate on success (default champion; '' none)")
+    parser.add_argument("--rollback", action="store_true", help="this is a rollback (allowed with no error budget)")
+    parser.add_argument("--override-reason", metavar="TEXT",
+                        help="go ahead although an error budget is exhausted (audited)")
+    parser.add_argument("--wait", action="store_true", help="follow the rollout until it succeeds or aborts")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds to wait with --wait (default 3600)")
+    parser.add_argument("--poll-interval", type=float, default=2, help="seconds between polls (default 2)")
+
+
+def parse_value(text: str):
+    """JSON when it parses (64, 0.9, true, {"a": 1}), else the text itself ("10m", "fp8")."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def build_body(args, current_engine_args: dict | None = None) -> dict:
+    """The POST body; ValueError with a message for a malformed option.
+
+    `--engine-arg`s are set over the deployment's current engine args: changing one option keeps
+    the others (the API itself takes the candidate's complete engine args).
+    """
+    body: dict = {"strategy": args.strategy}
+    if args.version is not None:
+        body["version"] = args.version
+    if args.alias:
+        body["alias"] = args.alias
+    if args.engine_arg:
+        engine_args = dict(current_engine_args or {})
+        for item in args.engine_arg:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--engine-arg {item!r}: expected KEY=VALUE, e.g. max_num_seqs=64")
+            engine_args[key.strip()] = parse_value(value)
+        body["engine_args"] = engine_args
+    if args.steps is not None:
+        try:
+            body["steps"] = json.loads(args.steps)
+        except ValueError as exc:
+            raise ValueError(f"--steps is not valid JSON ({exc}); e.g. '[{{\"set_weight\": 20}}]'") from None
+    for field in ("scale_down_delay", "preview", "analysis"):
+        if (value := getattr(args, field)) is not None:
+            body[field] = parse_value(value)
+    if args.promote_alias is not None:
+        body["promote_alias"] = args.promote_alias
+    if args.rollback:
+        body["rollback"] = True
+    if args.override_reason:
+        body["override_reason"] = args.override_reason
+    return body
+
+
+def error_message(response: httpx.Response) -> str:
+    """DRF's error body as one line: `detail`, or `field: message; message` per field."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500] or response.reason_phrase
+    if isinstance(body, dict):
+        if set(body) == {"detail"}:
+            return str(body["detail"])
+        parts = []
+        for field, messages in body.items():
+            for message in messages if isinstance(messages, list) else [messages]:
+                text = str(message)
+                # rollout_spec's messages already start with their field ("steps[1].pause: ...").
+                named = field in ("detail", "non_field_errors") or text.startswith(field)
+                parts.append(text if named else f"{field}: {text}")
+        return "; ".join(parts)
+    return "; ".join(map(str, body)) if isinstance(body, list) else str(body)
+
+
+def _stamp() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _say(text: str, stream=None) -> None:
+    print(f"{_stamp()} {text}", file=stream or sys.stdout, flush=True)
+
+
+def _steps(count: int) -> str:
+    return f"{count} step" if count == 1 else f"{count} steps"
+
+
+def _describe_step(step) -> str:
+    if not step:
+        return "all steps done"
+    (kind, value), = step.items()
+    if kind == "set_weight":
+        return f"set_weight {value}%"
+    if kind == "pause":
+        return "pause until promoted" if value is None else f"pause {value:g}s"
+    return f"analysis {value['duration']:g}s" if isinstance(value, dict) else f"analysis {value}"
+
+
+def describe(rollout: dict) -> str:
+    current = rollout.get("current_step") or {}
+    index, total = current.get("index", 0), len(rollout.get("steps") or [])
+    line = (f"rollout {rollout['id']}: {rollout['status']}, step {min(index + 1, total)}/{total} "
+            f"({_describe_step(current.get('step'))}), weight {rollout['weight']}%")
+    return f"{line}: {rollout['message']}" if rollout.get("message") else line
+
+
+def _state(rollout: dict) -> tuple:
+    return (rollout["status"], (rollout.get("current_step") or {}).get("index"), rollout["weight"],
+            rollout.get("message"))
+
+
+def _unreachable(base: str, exc: Exception) -> int:
+    _say(f"error: cannot reach inferops at {base} ({exc.__class__.__name__}: {exc}). Check INFEROPS_URL, that "
+         "the control plane is running, and that this machine can reach it.", sys.stderr)
+    return EXIT_UNREACHABLE
+
+
+def _refused(response: httpx.Response, base: str) -> int:
+    message = error_message(response).rstrip(".")
+    hint = ""
+    if response.status_code == 401:
+        hint = (" Check INFEROPS_TOKEN (a token from `manage.py drf_create_token`)." if os.environ.get("INFEROPS_TOKEN")
+                else " INFEROPS_TOKEN is not set.")
+    elif response.status_code == 403:
+        hint = " The token's user needs the operator role."
+    elif response.status_code == 404:
+        hint = " Check --deployment and INFEROPS_URL."
+    elif response.status_code >= 500:
+        _say(f"error: inferops at {base} failed with HTTP {response.status_code}: {message}. Check the server's "
+             "logs.", sys.stderr)
+        return EXIT_UNREACHABLE
+    _say(f"refused (HTTP {response.status_code}): {message}.{hint}", sys.stderr)
+    return EXIT_REFUSED
+
+
+def wait(client: httpx.Client, url: str, rollout: dict, *, timeout: float, poll_interval: float, base: str) -> int:
+    deadline = time.monotonic() + timeout
+    last = _state(rollout)
+    failing = False
+    while rollout["status"] not in FINAL:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            _say(f"timed out after {timeout:g}s waiting for rollout {rollout['id']}, which is still "
+                 f"{rollout['status']} at {rollout['weight']}% and keeps going on the server: promote or abort "
+                 f"it ({url}promote/ or abort/), or wait longer with --timeout.", sys.stderr)
+            return EXIT_UNREACHABLE
+        time.sleep(min(poll_interval, remaining))
+        try:
+            response = client.get(url)
+        except httpx.HTTPError as exc:  # keep polling through a blip until the deadline
+            if not failing:
+                _say(f"warning: polling {url} failed ({exc.__class__.__name__}: {exc}); retrying", sys.stderr)
+            failing = True
+            continue
+        if response.status_code >= 500:
+            if not failing:
+                _say(f"warning: polling {url} answered HTTP {response.status_code}; retrying", sys.stderr)
+            failing = True
+            continue
+        if response.status_code != 200:
+            return _refused(response, base)
+        failing = False
+        rollout = response.json()
+        if _state(rollout) != last:
+            last = _state(rollout)
+            _say(describe(rollout))
+    if rollout["status"] == "succeeded":
+        candidate = rollout["candidate"]
+        _say(f"rollout {rollout['id']} succeeded: v{candidate['version']} serves all traffic on "
+             f"{rollout['deployment']}.")
+        return EXIT_SUCCEEDED
+    _say(f"rollout {rollout['id']} aborted, traffic back on v{rollout['stable']['version']}: "
+         f"{rollout.get('message') or 'no reason given'}", sys.stderr)
+    return EXIT_ABORTED
+
+
+def main(args) -> int:
+    base = (os.environ.get("INFEROPS_URL") or DEFAULT_URL).rstrip("/")
+    token = os.environ.get("INFEROPS_TOKEN", "")
+    try:
+        build_body(args)  # a malformed option fails before any request
+    except ValueError as exc:
+        _say(f"error: {exc}", sys.stderr)
+        return EXIT_REFUSED
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Token {token}"
+    deployment_url = f"{base}/api/v1/deployments/{args.deployment}/"
+    collection = f"{deployment_url}rollouts/"
+    with httpx.Client(headers=headers, timeout=httpx.Timeout(30.0, connect=10.0)) as client:
+        try:
+            current = None
+            if args.engine_arg:
+                response = client.get(deployment_url)
+                if response.status_code != 200:
+                    return _refused(response, base)
+                current = response.json().get("engine_args") or {}
+            response = client.post(collection, json=build_body(args, current))
+        except httpx.HTTPError as exc:
+            return _unreachable(base, exc)
+        if response.status_code != 201:
+            return _refused(response, base)
+        rollout = response.json()
+        stable, candidate = rollout["stable"], rollout["candidate"]
+        _say(f"rollout {rollout['id']} of {rollout['deployment']} created: v{stable['version']} → "
+             f"v{candidate['version']} ({rollout['strategy']}, {_steps(len(rollout['steps']))})")
+        _say(describe(rollout))
+        if not args.wait:
+            return EXIT_SUCCEEDED
+        return wait(client, f"{collection}{rollout['id']}/", rollout, timeout=args.timeout,
+                    poll_interval=args.poll_interval, base=base)
