@@ -19,15 +19,13 @@ from datetime import datetime, timedelta
 from django.db import connection
 
 from runtime.gateway.state import PREVIEW_SUFFIX
-from slo.sli import SERVER_ERROR_KINDS
+from slo.sli import SERVER_FAILURE_SQL
 
 TRACKS = ("stable", "candidate")
 DEFAULT_BUCKET_S = 10
 # A long rollout (a pause until promoted, left for a day) widens the buckets to stay this many.
 MAX_BUCKETS = 1440
 
-_SERVER_FAILURE = (f"(e.status >= 500 OR coalesce(e.error_kind IN ({', '.join(repr(k) for k in SERVER_ERROR_KINDS)}),"
-                   " false))")
 # Each event gives one attempt by the replica that served it and, when an earlier replica failed
 # it, one failed attempt by that replica (no latency: the client never saw it).
 _SERIES_SQL = f"""
@@ -40,7 +38,7 @@ _SERIES_SQL = f"""
            percentile_cont(0.95) WITHIN GROUP (ORDER BY a.tpot_ms) FILTER (WHERE NOT a.failed) AS tpot_p95
     FROM tenants_usageevent e
     CROSS JOIN LATERAL (VALUES
-        (e.replica, false, {_SERVER_FAILURE}, e.ttft_ms, e.tpot_ms),
+        (e.replica, false, {SERVER_FAILURE_SQL}, e.ttft_ms, e.tpot_ms),
         (e.failed_replica, true, true, NULL::double precision, NULL::double precision)
     ) AS a(replica, retried, failed, ttft_ms, tpot_ms)
     JOIN runtime_replica r ON r.id = a.replica AND r.deployment_id = %(deployment_id)s

@@ -36,7 +36,7 @@ from registry.models import Alias, slug_validator
 from registry.services import alias_set, audit_record, snapshot
 from slo.choices import Scope, SliKind
 from slo.models import Slo
-from slo.sli import REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SERVER_ERROR_KINDS
+from slo.sli import REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SERVER_FAILURE_SQL
 
 log = logging.getLogger(__name__)
 
@@ -410,8 +410,6 @@ class Measurement:
     reason: str
 
 
-_SERVER_FAILURE = (f"(e.status >= 500 OR coalesce(e.error_kind IN ({', '.join(repr(k) for k in SERVER_ERROR_KINDS)}),"
-                   " false))")
 # Events of one deployment in a window, each labelled with the track that served it.
 _TRACKED_EVENTS = """
     SELECT e.*, CASE WHEN r.rollout_id = %(rollout)s THEN 'candidate' ELSE 'stable' END AS track
@@ -419,11 +417,11 @@ _TRACKED_EVENTS = """
     WHERE e.deployment = %(deployment)s AND e.time >= %(start)s AND e.time < %(end)s
 """
 _TRACK_STATS = f"""
-    SELECT e.track, count(*), count(*) FILTER (WHERE {_SERVER_FAILURE}),
-           percentile_cont(0.5) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {_SERVER_FAILURE}),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {_SERVER_FAILURE}),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.tpot_ms) FILTER (WHERE NOT {_SERVER_FAILURE}),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.e2e_ms) FILTER (WHERE NOT {_SERVER_FAILURE})
+    SELECT e.track, count(*), count(*) FILTER (WHERE {SERVER_FAILURE_SQL}),
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.tpot_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.e2e_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL})
     FROM ({_TRACKED_EVENTS}) e GROUP BY e.track
 """
 # Attempts a replica failed before the gateway retried the request elsewhere (the client never

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from slo.choices import Scope, SliKind
 
 SERVER_ERROR_KINDS = ("shed", "upstream_timeout", "upstream_error", "upstream_connect", "internal")
-_SERVER_FAILURE = (f"(e.status >= 500 OR coalesce(e.error_kind IN ({', '.join(repr(k) for k in SERVER_ERROR_KINDS)}), "
-                   "false))")
-_CLIENT_ERROR = f"(NOT {_SERVER_FAILURE} AND (e.status >= 400 OR e.error_kind IS NOT NULL))"
+# A server failure as SQL over an event row `e` (rollout analysis and charts use it too).
+SERVER_FAILURE_SQL = ("(e.status >= 500 OR coalesce(e.error_kind IN "
+                      f"({', '.join(repr(k) for k in SERVER_ERROR_KINDS)}), false))")
+_CLIENT_ERROR = f"(NOT {SERVER_FAILURE_SQL} AND (e.status >= 400 OR e.error_kind IS NOT NULL))"
 _SUCCEEDED = "(e.status < 400 AND e.error_kind IS NULL)"
 _LATENCY = ("ttft_ms", "tpot_ms", "e2e_ms")
 # Thresholds the SLO (row s) names: each must be met; a request lacking the value...
