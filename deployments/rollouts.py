@@ -27,7 +27,7 @@ from django.utils import timezone
 from alerts.choices import AlertStatus, Severity
 from alerts.models import Alert
 from alerts.services import alert_raise, alert_resolve
-from deployments.choices import ACTIVE_ROLLOUT, RolloutStatus, Strategy, Verdict
+from deployments.choices import ACTIVE_ROLLOUT, DriverName, RolloutStatus, Strategy, Verdict
 from deployments.models import Deployment, Rollout, RolloutMeasurement
 from deployments.rollout_spec import normalise
 from deployments.services import request_reconcile, resolve_version, validate_engine_args
@@ -111,6 +111,12 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
             raise ValidationError({"version": [
                 f"The candidate (v{candidate.number} with the same engine args) is what {locked.name!r} "
                 "already serves: nothing to roll out."]})
+        if candidate.pk == locked.version_id and locked.driver == DriverName.KUBERNETES:
+            # The Kubernetes driver keeps one Deployment object per version: two tracks of one
+            # version would fight over it.
+            raise ValidationError({"engine_args": [
+                "On Kubernetes a candidate must be a new version; register the same checkpoint as a new "
+                "version to roll out engine args alone."]})
         active = locked.rollouts.filter(status__in=ACTIVE_ROLLOUT).first()
         if active is not None:
             raise Conflict(f"Rollout {active.pk} of {locked.name!r} is {active.status}; promote or abort it first.")
@@ -207,6 +213,13 @@ def rollout_retry(*, rollout: Rollout, actor, override_reason: str = "") -> Roll
     return locked
 
 
+def undo_target(deployment: Deployment) -> Rollout | None:
+    """The succeeded rollout that brought the deployment to what it serves now, if any."""
+    last = (deployment.rollouts.filter(status=RolloutStatus.SUCCEEDED, candidate_version_id=deployment.version_id)
+            .select_related("stable_version").order_by("-finished_at", "-id").first())
+    return last if last is not None and last.candidate_engine_args == deployment.engine_args else None
+
+
 def rollout_undo(*, deployment: Deployment, actor) -> Rollout:
     """Back to the previous spec: aborts a running rollout, else rolls back the last one that succeeded.
 
@@ -218,9 +231,8 @@ def rollout_undo(*, deployment: Deployment, actor) -> Rollout:
     if active is not None:
         return rollout_abort(rollout=active, actor=actor, reason="undo")
     deployment.refresh_from_db()
-    last = (deployment.rollouts.filter(status=RolloutStatus.SUCCEEDED, candidate_version_id=deployment.version_id)
-            .order_by("-finished_at", "-id").first())
-    if last is None or last.candidate_engine_args != deployment.engine_args:
+    last = undo_target(deployment)
+    if last is None:
         raise Conflict(f"Nothing to undo: no succeeded rollout brought {deployment.name!r} to what it serves now.")
     return rollout_create(
         deployment=deployment, actor=actor, version=last.stable_version.number,

@@ -236,9 +236,8 @@ def undo_text(deployment, active) -> str | None:
     """What the Undo button would do (see rollouts.rollout_undo), or None when there is nothing to undo."""
     if active is not None:
         return f"abort rollout {active.pk}"
-    last = (deployment.rollouts.filter(status=RolloutStatus.SUCCEEDED, candidate_version_id=deployment.version_id)
-            .select_related("stable_version").order_by("-finished_at", "-id").first())
-    if last is None or last.candidate_engine_args != deployment.engine_args:
+    last = rollouts.undo_target(deployment)
+    if last is None:
         return None
     return f"roll back to v{last.stable_version.number}" + (
         " with its engine args" if last.stable_engine_args != last.candidate_engine_args else "")

@@ -16,7 +16,8 @@ from deployments.models import Deployment, Rollout
 from inferops import cli
 from registry.models import RegisteredModel
 from tests.conftest import free_port
-from tests.deployments.test_rollouts_api import exhaust_budget, make_version
+from tests.deployments.conftest import make_version
+from tests.deployments.test_rollouts_api import exhaust_budget
 
 
 @pytest.fixture
@@ -40,13 +41,18 @@ def rollout(*options: str) -> int:
     return cli.main(["rollout", "--deployment", "chat", *options])
 
 
-def in_thread(action, delay: float = 0.5) -> threading.Thread:
-    """Run `action(rollout)` on the active rollout after `delay`, as an operator or the reconcile pass would."""
+def in_thread(action, delay: float = 1.5) -> threading.Thread:
+    """Run `action(rollout)` on the active rollout `delay` after it appears, as an operator or the
+    reconcile pass would (the CLI polls every 0.1 s meanwhile, even on a loaded machine)."""
 
     def run():
         try:
+            deadline = time.monotonic() + 30
+            while not (active := Rollout.objects.filter(status__in=("progressing", "paused")).first()):
+                assert time.monotonic() < deadline, "the CLI never created the rollout"
+                time.sleep(0.05)
             time.sleep(delay)
-            action(Rollout.objects.get(status__in=("progressing", "paused")))
+            action(active)
         finally:
             connection.close()
 

@@ -328,3 +328,11 @@ def test_blue_green_spec_and_durations():
         normalise("blue-green", steps=[])
     with pytest.raises(ValidationError, match="Unknown strategy"):
         normalise("linear")
+
+
+def test_engine_args_alone_cannot_roll_out_on_kubernetes(world):
+    Deployment.objects.filter(pk=world.deployment.pk).update(driver="kubernetes")
+    world.deployment.refresh_from_db()
+    with pytest.raises(ValidationError, match="new version"):
+        start(world, engine_args={"max_num_seqs": 8})
+    assert not Rollout.objects.exists()
