@@ -27,11 +27,22 @@ class PrefillAttention:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) whose contexts are gathered together, padded to the longest."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [(end - start) * max_blocks] block tables, padded
+    mask: torch.Tensor  # [end - start, 1, 1, max_blocks * block_size] bool
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] flat cache slot written by each row
     num_decodes: int = 0
-    decode_blocks: torch.Tensor | None = None  # [decodes * max_blocks] block tables, padded
-    decode_mask: torch.Tensor | None = None  # [decodes, 1, 1, max_blocks * block_size] bool
+    # Decode rows come sorted by context length and split into groups of similar length, so
+    # a short context is not padded to the longest one in the batch.
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillAttention] = field(default_factory=list)
 
 
@@ -162,23 +173,23 @@ def paged_attention(
     """Store this step's k/v in their slots, then attend each row to its sequence's context.
 
     Caches are [num_blocks, block_size, kv_heads, head_dim]; context is read whole blocks at a
-    time (one index_select, several times faster than advanced indexing on CPU) and the
-    positions past each sequence's length are masked out.
+    time (one index_select per decode group, several times faster than advanced indexing on
+    CPU) and the positions past each sequence's length are masked out.
     """
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    if meta.num_decodes:
-        n = meta.num_decodes
-        batch_blocks = meta.decode_blocks
-        keys = k_cache.index_select(0, batch_blocks).view(n, -1, kv_heads, head_dim)
-        values = v_cache.index_select(0, batch_blocks).view(n, -1, kv_heads, head_dim)
+    for group in meta.decode_groups:
+        n = group.end - group.start
+        keys = k_cache.index_select(0, group.blocks).view(n, -1, kv_heads, head_dim)
+        values = v_cache.index_select(0, group.blocks).view(n, -1, kv_heads, head_dim)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q[:n].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
+            q[group.start : group.end].unsqueeze(2), keys, values, attn_mask=group.mask,
+            enable_gqa=True,
         )
-        out[:n] = o.squeeze(2)
+        out[group.start : group.end] = o.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_end)
         query = q[rows].transpose(0, 1).unsqueeze(0)

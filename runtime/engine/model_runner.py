@@ -6,8 +6,12 @@ import torch
 
 from runtime.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
 from runtime.engine.loader import load_state_dict
-from runtime.engine.model import AttentionMetadata, CausalLM, PrefillAttention
+from runtime.engine.model import AttentionMetadata, CausalLM, DecodeGroup, PrefillAttention
 from runtime.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+# What one more decode group costs per layer (two gathers and an SDPA call), in blocks of
+# context per sequence: measured on CPU, see _decode_groups.
+GROUP_OVERHEAD_BLOCKS = 32
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -67,30 +71,33 @@ class ModelRunner:
         token_ids: list[int] = []
         position_list: list[int] = []
         slots: list[int] = []
-        sample_rows: list[int] = []
         bs = self.block_size
-        for chunk in out.decodes:
+        # Decode rows go longest context first, so that groups of similar length are
+        # contiguous rows (see _decode_groups); sample_rows maps them back to chunk order.
+        decodes = sorted(out.decodes, key=lambda c: c.end, reverse=True)
+        row_of = {id(chunk): row for row, chunk in enumerate(decodes)}
+        sample_rows = [row_of[id(chunk)] for chunk in out.decodes]
+        for chunk in decodes:
             seq, pos = chunk.seq, chunk.start
             token_ids.append(seq.token_ids[pos])
             position_list.append(pos)
             slots.append(seq.block_table[pos // bs] * bs + pos % bs)
-            sample_rows.append(len(token_ids) - 1)
         prefill_rows: list[tuple[ScheduledChunk, int]] = []
         for chunk in out.prefills:
             seq = chunk.seq
             first_row = len(token_ids)
             token_ids.extend(seq.token_ids[chunk.start : chunk.end])
             table = seq.block_table
-            for pos in range(chunk.start, chunk.end):
-                position_list.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
+            position_list.extend(range(chunk.start, chunk.end))
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(chunk.start, chunk.end))
             prefill_rows.append((chunk, first_row))
             if chunk.completes_sequence:
                 sample_rows.append(len(token_ids) - 1)
         positions = torch.tensor(position_list, dtype=torch.long)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
-        if out.decodes:
-            self._decode_metadata(out.decodes, meta)
+        if decodes:
+            meta.num_decodes = len(decodes)
+            meta.decode_groups = self._decode_groups(decodes)
         meta.prefills = [self._prefill_metadata(chunk, row) for chunk, row in prefill_rows]
         return (
             torch.tensor(token_ids, dtype=torch.long),
@@ -99,20 +106,45 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.long),
         )
 
-    def _decode_metadata(self, decodes: list[ScheduledChunk], meta: AttentionMetadata) -> None:
+    def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:
+        """Split decodes (sorted longest first) into groups read with one gather each.
+
+        One gather for the whole batch pads every context to the longest one, so with mixed
+        lengths most gathered and attended keys are padding. A group costs a fixed overhead
+        per layer (two gathers and an SDPA call), worth about GROUP_OVERHEAD_BLOCKS blocks per
+        sequence, so a new group starts only where the padding it saves the sequences left
+        outweighs that: their count times the difference in blocks.
+        """
         bs = self.block_size
-        lengths = [c.end for c in decodes]
-        max_blocks = -(-max(lengths) // bs)
-        tables = [c.seq.block_table[:max_blocks] for c in decodes]
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        num_blocks = [-(-c.end // bs) for c in decodes]
+        groups, start = [], 0
+        for i in range(1, len(decodes) + 1):
+            if i < len(decodes):
+                saved = (num_blocks[start] - num_blocks[i]) * (len(decodes) - i)
+                if saved <= GROUP_OVERHEAD_BLOCKS:
+                    continue
+            groups.append(self._decode_group(decodes, start, i, num_blocks[start]))
+            start = i
+        return groups
+
+    def _decode_group(
+        self, decodes: list[ScheduledChunk], start: int, end: int, max_blocks: int
+    ) -> DecodeGroup:
+        bs = self.block_size
+        members = decodes[start:end]
+        lengths = [c.end for c in members]
+        blocks: list[int] = []
+        for chunk in members:
+            table = chunk.seq.block_table[:max_blocks]
+            blocks.extend(table)
+            blocks.extend([0] * (max_blocks - len(table)))
         key_positions = torch.arange(max_blocks * bs)
         length_tensor = torch.tensor(lengths).unsqueeze(1)
         allowed = key_positions.unsqueeze(0) < length_tensor
         if self.sliding_window is not None:
             allowed &= key_positions.unsqueeze(0) > length_tensor - 1 - self.sliding_window
-        meta.num_decodes = len(decodes)
-        meta.decode_blocks = torch.tensor(padded, dtype=torch.long).flatten()
-        meta.decode_mask = allowed[:, None, None, :]
+        return DecodeGroup(start, end, torch.tensor(blocks, dtype=torch.long),
+                           allowed[:, None, None, :])
 
     def _prefill_metadata(self, chunk: ScheduledChunk, first_row: int) -> PrefillAttention:
         rows = (first_row, first_row + chunk.num_tokens)

@@ -21,10 +21,11 @@ as transformers does. When the checkpoint has no template, this fallback is used
 i.e. `<|{role}|>\\n{content}\\n` per message, then `<|assistant|>\\n` when
 `add_generation_prompt` is true.
 
-`IncrementalDetokenizer` turns a growing list of output ids into text deltas: it decodes the
-whole output (with a few prompt tokens in front so a leading space survives), diffs against
-what was already emitted, holds back a trailing U+FFFD (a multi-byte character still
-incomplete) and the last `len(longest stop string) - 1` characters, and cuts at stop strings.
+`IncrementalDetokenizer` turns a growing list of output ids into text deltas: it decodes a
+window of the last tokens (with a few prompt tokens in front at the start, so a leading space
+survives), appends what the window adds to the text decoded so far, holds back a trailing
+U+FFFD (a multi-byte character still incomplete) and the last `len(longest stop string) - 1`
+characters, and cuts at stop strings.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 REPLACEMENT_CHAR = "\ufffd"
 DETOKENIZE_CONTEXT_TOKENS = 4
+DETOKENIZE_WINDOW_TOKENS = 24
 
 
 class ChatTemplateError(ValueError):
@@ -87,6 +89,12 @@ class Tokenizer:
                 eos_ids.append(token_id)
         self.eos_token_ids: list[int] = eos_ids
         self._compiled_template = None
+        # Special tokens decode to nothing (skip_special_tokens), so a detokenizer window never
+        # starts at one.
+        self.special_ids = frozenset(
+            token_id for token_id, token in backend.get_added_tokens_decoder().items()
+            if token.special
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -188,29 +196,95 @@ def _flatten_content(message: dict) -> dict:
 
 
 class IncrementalDetokenizer:
-    """Text deltas for one sequence's growing output ids."""
+    """Text deltas for one sequence's growing output ids.
+
+    Each update decodes one window: the tokens since the window's start, which stays put
+    while the window grows and moves up to the last few tokens once it holds more than
+    DETOKENIZE_WINDOW_TOKENS. So an update costs one short decode however long the output
+    grows (decoding the whole output every step made a 256-token stream cost O(n^2)), and
+    only a window reset costs a second one.
+    """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):
         self.tokenizer = tokenizer
         self.context_ids = list(prompt_token_ids[-DETOKENIZE_CONTEXT_TOKENS:])
-        self.context_text = tokenizer.decode(self.context_ids)
         self.stop = list(stop)
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.text = ""  # emitted so far (stop strings never included)
+        # _ids = context + output seen so far. The window is _ids[_prefix_offset:];
+        # _prefix_text is the text of its part up to _read_offset, already in _decoded.
+        self._ids = list(self.context_ids)
+        self._num_output = 0
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._prefix_text = tokenizer.decode(self._ids) if self._ids else ""
+        self._decoded = ""  # text of all output ids read so far
+        self._searched_upto = 0  # stop strings cannot start before this index of _decoded
+        self._next_reset = DETOKENIZE_WINDOW_TOKENS
 
-    def _decode(self, output_ids: list[int]) -> str:
-        if self.context_ids and not self.context_text.endswith(REPLACEMENT_CHAR):
+    def _advance(self, output_ids: list[int], finished: bool) -> None:
+        """Extend `_decoded` with the text of the output ids not read yet."""
+        self._ids.extend(output_ids[self._num_output :])
+        self._num_output = len(output_ids)
+        if self._read_offset >= len(self._ids):
+            return
+        window = self.tokenizer.decode(self._ids[self._prefix_offset :])
+        if window.endswith(REPLACEMENT_CHAR) and not finished:
+            return  # a multi-byte character is still incomplete: wait for its next token
+        prefix = self._prefix_text
+        if window.startswith(prefix) and not prefix.endswith(REPLACEMENT_CHAR):
+            self._decoded += window[len(prefix) :]
+        else:  # the window does not extend its prefix (rare): decode the output as a whole
+            self._decoded = self._decode_all(output_ids)
+        self._read_offset = len(self._ids)
+        self._prefix_text = window
+        if self._read_offset - self._prefix_offset >= self._next_reset:
+            self._reset_window()
+
+    def _reset_window(self) -> None:
+        """Move the window's start up to a few tokens before the end: to a token that starts
+        a word and is not special, since a WordPiece `##` piece or a special token decodes
+        differently at the start of a window than after the tokens before it."""
+        backend = self.tokenizer.backend
+        end = self._read_offset
+        for start in range(end - DETOKENIZE_CONTEXT_TOKENS, end - 2 * DETOKENIZE_CONTEXT_TOKENS, -1):
+            if start <= self._prefix_offset:
+                break
+            token_id = self._ids[start]
+            if token_id in self.tokenizer.special_ids:
+                continue
+            if (backend.id_to_token(token_id) or "").startswith("##"):
+                continue
+            self._prefix_offset = start
+            self._prefix_text = self.tokenizer.decode(self._ids[start:end])
+            self._next_reset = DETOKENIZE_WINDOW_TOKENS
+            return
+        # No clean start near the end (a long run of word pieces): grow, try again later.
+        self._next_reset = end - self._prefix_offset + DETOKENIZE_CONTEXT_TOKENS
+
+    def _decode_all(self, output_ids: list[int]) -> str:
+        context_text = self.tokenizer.decode(self.context_ids) if self.context_ids else ""
+        if self.context_ids and not context_text.endswith(REPLACEMENT_CHAR):
             full = self.tokenizer.decode(self.context_ids + list(output_ids))
-            if full.startswith(self.context_text):
-                return full[len(self.context_text) :]
+            if full.startswith(context_text):
+                return full[len(context_text) :]
         return self.tokenizer.decode(output_ids)
 
     def update(self, output_ids: list[int], finished: bool) -> tuple[str, bool]:
         """Return (new text, whether a stop string ended the output)."""
-        text = self._decode(output_ids)
+        self._advance(output_ids, finished)
+        text = self._decoded
         if not finished:
             text = text.rstrip(REPLACEMENT_CHAR)
-        stop_at = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        stop_at = -1
+        if self.stop:
+            # Earlier updates found no stop string in the text they saw, so a new one ends in
+            # what was added since: search from its first possible start only.
+            start = max(0, self._searched_upto - self.max_stop_len + 1)
+            stop_at = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0),
+                          default=-1)
+            self._searched_upto = len(text)
         stopped = stop_at >= 0
         if stopped:
             text = text[:stop_at]
