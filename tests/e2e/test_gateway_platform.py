@@ -175,10 +175,12 @@ def test_redis_stopped_and_restarted_ledger_counts_every_request(platform):
     for i in range(6):  # served from the gateway's last known routes and keys; events spool to disk
         assert one_request(client, i)[0] == "ok"
         sent += 1
-    spooled = list((platform["tmp"] / "spool").glob("*.jsonl"))
-    # At least the six sent while Redis was down; an event of the last earlier request may still
-    # have been in the gateway's write batch when Redis went away.
-    assert spooled and sum(len(p.read_text().splitlines()) for p in spooled) >= 6
+    def spooled() -> int:
+        return sum(len(p.read_text().splitlines()) for p in (platform["tmp"] / "spool").glob("*.jsonl"))
+
+    # At least the six sent while Redis was down (each written just after its response); an event
+    # of the last earlier request may still have been in the gateway's write batch when Redis went away.
+    assert wait_for(lambda: spooled() >= 6, 15, "six events in the disk spool")
     redis_server.start()
     assert wait_for(lambda: ledger_requests() == sent, 60, "spooled events to replay and be ingested")
     assert one_request(client, 99)[0] == "ok"

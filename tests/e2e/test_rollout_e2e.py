@@ -200,8 +200,12 @@ def test_bad_candidate_is_aborted_and_rolled_back_with_no_failed_request(platfor
     last_on_candidate = (UsageEvent.objects.filter(replica__in=candidate_ids).order_by("-time")
                          .values_list("time", flat=True).first())
     assert served_by(candidate_ids, aborted + PROPAGATION) == 0
-    wait_for(lambda: not Replica.objects.filter(pk__in=candidate_ids).exclude(state="stopped").exists(), 60,
-             "the candidate replicas to stop")
+
+    def candidate_stopped():
+        reconcile_deployment(deployment.pk)  # the passes that SIGTERM the drained candidate and see it exit
+        return not Replica.objects.filter(pk__in=candidate_ids).exclude(state="stopped").exists()
+
+    wait_for(candidate_stopped, 90, "the candidate replicas to stop")
     deployment.refresh_from_db()
     assert deployment.engine_args == {} and routing.read_table()["chat"]["versions"][0]["track"] == "stable"
     print(f"timeline bad candidate ({fault}): traffic at 50% then detected and aborted "
