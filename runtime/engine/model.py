@@ -117,15 +117,18 @@ class CausalLM:
     ):
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = state["model.embed_tokens.weight"]
         self.layers = [
             DecoderLayer(state, f"model.layers.{i}", config) for i in range(config.num_layers)
         ]
         self.norm = state["model.norm.weight"]
-        if config.tie_word_embeddings or "lm_head.weight" not in state:
-            self.lm_head = self.embed_tokens
-        else:
-            self.lm_head = state["lm_head.weight"]
+        # The LM head is kept transposed ([hidden, vocab], contiguous): on CPU `x @ W^T` with W
+        # stored that way runs about 2x faster than F.linear for the few rows of a decode step
+        # (a vocabulary-sized GEMV), and never slower for more. Tied embeddings read their
+        # rows from the same tensor (a strided view), so the weights are not held twice.
+        tied = config.tie_word_embeddings or "lm_head.weight" not in state
+        head = state["model.embed_tokens.weight"] if tied else state["lm_head.weight"]
+        self.lm_head_t = head.t().contiguous()
+        self.embed_tokens = self.lm_head_t.t() if tied else state["model.embed_tokens.weight"]
         self.rotary = RotaryTables(config.rope, config.head_dim, max_len, dtype)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -159,7 +162,7 @@ class CausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return torch.mm(x, self.lm_head_t).float()
 
 
 def paged_attention(
