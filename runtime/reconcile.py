@@ -411,7 +411,9 @@ def reconcile_deployment(deployment_id: int, now: datetime | None = None) -> str
         reconciler.run()
         if deployment.deleted_at and not reconciler.replicas:
             with transaction.atomic():
-                routing.unpublish(deployment.name)
+                for name in (deployment.name, routing.preview_name(deployment.name)):
+                    if name == deployment.name or routing.is_published(name):
+                        routing.unpublish(name)
                 deployment.delete()
             return "deleted"
         return "ok"
