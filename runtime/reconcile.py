@@ -411,9 +411,9 @@ def reconcile_deployment(deployment_id: int, now: datetime | None = None) -> str
         reconciler.run()
         if deployment.deleted_at and not reconciler.replicas:
             with transaction.atomic():
-                for name in (deployment.name, routing.preview_name(deployment.name)):
-                    if name == deployment.name or routing.is_published(name):
-                        routing.unpublish(name)
+                routing.unpublish(deployment.name)
+                if routing.is_published(routing.preview_name(deployment.name)):
+                    routing.unpublish(routing.preview_name(deployment.name))
                 deployment.delete()
             return "deleted"
         return "ok"
