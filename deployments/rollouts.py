@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, connection, transaction
 from django.db.models import Q
@@ -286,7 +287,9 @@ def _abort(rollout: Rollout, now: datetime, reason: str) -> None:
         labels={"alertname": ALERT_NAME, "deployment": rollout.deployment.name, "rollout": str(rollout.pk),
                 "severity": Severity.TICKET},
         annotations={"summary": f"Rollout {rollout.pk} of {rollout.deployment.name} was aborted and rolled back",
-                     "description": reason},
+                     "description": reason,
+                     "rollout_url": f"{settings.INFEROPS_EXTERNAL_URL}/deployments/{rollout.deployment.name}"
+                                    f"/rollouts/{rollout.pk}/"},
         severity=Severity.TICKET, now=now,
     )
     log.warning("rollout %s aborted: %s", rollout.pk, reason)

@@ -36,3 +36,11 @@ def test_alert_page_lists_firing_first_with_deliveries(client, make_user):
 def test_alert_page_needs_login(client):
     response = client.get("/alerts/")
     assert response.status_code == 302 and "/login/" in response["Location"]
+
+
+def test_a_rollout_alert_links_to_its_rollout(client, make_user):
+    client.force_login(make_user("viewer"))
+    Alert.objects.create(fingerprint="c3", labels={"alertname": "RolloutAborted", "deployment": "chat", "rollout": "7"},
+                         severity="ticket", starts_at=timezone.now(), annotations={"summary": "rollout 7 aborted"})
+    text = client.get("/alerts/").content.decode()
+    assert '<a href="/deployments/chat/rollouts/7/">rollout 7 of chat</a>' in text

@@ -189,6 +189,7 @@ def test_candidate_with_errors_is_aborted_and_traffic_returns_at_once(world):
     assert Replica.objects.get(pk=candidate.pk).state in (ReplicaState.DRAINING, ReplicaState.STOPPED)
     alert = Alert.objects.get(labels__alertname="RolloutAborted")
     assert alert.status == "firing" and alert.labels["deployment"] == "chat"
+    assert alert.annotations["rollout_url"].endswith(f"/deployments/chat/rollouts/{rollout.pk}/")
     assert [e["event"] for e in rollout.timeline][-2:] == ["aborted", "traffic on stable"]
     assert Deployment.objects.get(pk=world.deployment.pk).engine_args == {}
 
