@@ -23,6 +23,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # Prefill tokens a step may carry while it also runs decodes (None: the whole budget).
+    # Smaller keeps a long prompt from stretching every running stream's time per token.
+    max_prefill_tokens_with_decodes: int | None = None
     max_model_len: int | None = None  # default: config max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -39,6 +42,10 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens_with_decodes is not None and \
+                self.max_prefill_tokens_with_decodes < 1:
+            raise ValueError("max_prefill_tokens_with_decodes must be >= 1, got "
+                             f"{self.max_prefill_tokens_with_decodes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:

@@ -100,7 +100,8 @@ class LLMEngine:
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_prefill_tokens_with_decodes,
         )
         self.sampler = Sampler()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(

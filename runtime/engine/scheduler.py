@@ -3,6 +3,8 @@
 Pure Python, no torch. Each step spends a token budget (`max_num_batched_tokens`):
 
 1. running sequences with one token to compute (decodes) go first, one token each;
+   when there are any, prefill chunks get at most `max_prefill_tokens_with_decodes` of what
+   is left (if set), so a long prompt does not stretch every stream's time per token;
 2. running sequences still in their prompt get the next chunk of it;
 3. waiting sequences are admitted (higher priority first, first come first served within a
    priority), using the prefix cache, with a first chunk that fits what is left.
@@ -61,10 +63,12 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_tokens_with_decodes: int | None = None):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
         # Both kept sorted by Sequence.schedule_key: front = highest priority, oldest.
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -100,6 +104,9 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         for want_decode in (True, False):
+            cap = self.max_prefill_tokens_with_decodes
+            if not want_decode and out.decodes and cap is not None:
+                budget = min(budget, cap)
             for seq in list(self.running):
                 if budget == 0:
                     break

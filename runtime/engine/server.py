@@ -597,6 +597,7 @@ def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
             block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed))
     return AsyncEngine(load_engine)
@@ -722,6 +723,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most sequences in one batch")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512,
                         help="token budget of one step (prefill chunks plus decodes)")
+    engine.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
+                        help="prefill tokens a step may add while decodes run (default: the "
+                             "whole --max-num-batched-tokens); lower trades TTFT for TPOT")
     engine.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV cache size in blocks (overrides --kv-cache-memory)")
     engine.add_argument("--kv-cache-memory", type=_size_in_bytes, default=None,

@@ -172,6 +172,35 @@ def test_decodes_keep_going_while_a_long_prompt_prefills(make_engine, prompts):
         assert "short" in produced and "long" not in produced
 
 
+def test_mixed_length_decodes_grouped_for_attention_match_each_prompt_alone(
+    make_engine, prompts, monkeypatch
+):
+    import runtime.engine.model_runner as model_runner
+
+    # Lengths from 2 to 10 blocks of 4 tokens; no group overhead: a group per distinct length.
+    mixed = [prompts[1] * 3, prompts[2], prompts[0] * 2, prompts[3], prompts[1]]
+    alone = [make_engine().generate([p], GREEDY)[0] for p in mixed]
+    monkeypatch.setattr(model_runner, "GROUP_OVERHEAD_BLOCKS", 0)
+    engine = make_engine()
+    sizes = []
+    original = engine.runner._decode_groups
+
+    def spy(decodes):
+        groups = original(decodes)
+        sizes.append([g.end - g.start for g in groups])
+        return groups
+
+    monkeypatch.setattr(engine.runner, "_decode_groups", spy)
+    assert engine.generate(mixed, GREEDY) == alone
+    assert max(len(s) for s in sizes) > 1  # several groups in one step really ran
+
+
+def test_prefill_cap_with_decodes_keeps_greedy_output(make_engine, prompts):
+    expected = make_engine().generate(prompts, GREEDY)
+    capped = make_engine(max_prefill_tokens_with_decodes=2)
+    assert capped.generate(prompts, GREEDY) == expected
+
+
 def test_repeated_prompt_hits_the_prefix_cache(make_engine, prompts):
     engine = make_engine()
     long_prompt = prompts[1] * 2

@@ -9,9 +9,11 @@ from runtime.engine.sequence import Sequence, SequenceStatus
 NEXT_TOKEN = 7
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, prefix=True):
+def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=16, prefix=True,
+                   prefill_cap=None):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    return Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                     max_prefill_tokens_with_decodes=prefill_cap)
 
 
 def seq(request_id: str, prompt_len: int, priority: int = 0, arrival: int = 0, first=100):
@@ -58,6 +60,18 @@ def test_decodes_go_first_and_prefill_fills_the_rest_of_the_budget():
     assert plan(out) == [("a", 3, 1), ("b", 3, 1), ("c", 0, 4)]
     assert out.num_batched_tokens == 6
     assert [x.seq.request_id for x in out.decodes] == ["a", "b"]
+
+
+def test_prefill_cap_applies_only_while_decodes_run():
+    s = make_scheduler(budget=12, prefill_cap=3)
+    a = seq("a", 10)
+    s.add(a)
+    assert plan(run_step(s)) == [("a", 0, 10)]  # no decodes yet: the whole budget
+    b, c = seq("b", 20, arrival=1), seq("c", 5, arrival=2)
+    s.add(b)
+    s.add(c)
+    assert plan(run_step(s)) == [("a", 10, 1), ("b", 0, 3)]  # a decodes: prefills get 3
+    assert plan(run_step(s)) == [("a", 11, 1), ("b", 3, 3)]
 
 
 def test_budget_is_never_exceeded_and_waiting_admission_stops_when_spent():
