@@ -67,7 +67,7 @@ def test_prefill_cap_applies_only_while_decodes_run():
     a = seq("a", 10)
     s.add(a)
     assert plan(run_step(s)) == [("a", 0, 10)]  # no decodes yet: the whole budget
-    b, c = seq("b", 20, arrival=1), seq("c", 5, arrival=2)
+    b, c = seq("b", 20, arrival=1, first=500), seq("c", 5, arrival=2, first=900)
     s.add(b)
     s.add(c)
     assert plan(run_step(s)) == [("a", 10, 1), ("b", 0, 3)]  # a decodes: prefills get 3
