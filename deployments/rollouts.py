@@ -61,6 +61,17 @@ def _locked(rollout: Rollout) -> Rollout:
     return Rollout.objects.select_for_update().select_related("deployment").get(pk=rollout.pk)
 
 
+def _locked_active(rollout: Rollout, done_to_it: str) -> Rollout:
+    locked = _locked(rollout)
+    if not locked.active:
+        raise Conflict(f"Rollout {locked.pk} is {locked.status}; only a running or paused rollout is {done_to_it}.")
+    return locked
+
+
+def _who(actor) -> str:
+    return getattr(actor, "username", None) or "system"
+
+
 def exhausted_slos(deployment: Deployment) -> list[tuple[str, float]]:
     """(SLO name, budget remaining) of every SLO on this deployment whose error budget is spent."""
     covering = Slo.objects.filter(
@@ -150,9 +161,7 @@ def rollout_promote(*, rollout: Rollout, actor, full: bool = False) -> Rollout:
     """Next step now (ends a pause, skips the rest of an analysis), or all the way with `full`."""
     now = timezone.now()
     with transaction.atomic():
-        locked = _locked(rollout)
-        if not locked.active:
-            raise Conflict(f"Rollout {locked.pk} is {locked.status}; only a running or paused rollout is promoted.")
+        locked = _locked_active(rollout, "promoted")
         step = locked.current_step
         if not full and (step is None or "set_weight" in step):
             # Skipping a weight would send traffic the candidate was never warmed (or judged) for.
@@ -160,7 +169,7 @@ def rollout_promote(*, rollout: Rollout, actor, full: bool = False) -> Rollout:
                            "itself once it is ready; promote ends a pause or an analysis (or use full).")
         before = snapshot(locked)
         target = len(locked.steps) if full else locked.step_index + 1
-        _timeline(locked, now, "promoted", f"by {getattr(actor, 'username', 'system')}" + (" (full)" if full else ""))
+        _timeline(locked, now, "promoted", f"by {_who(actor)}" + (" (full)" if full else ""))
         _enter_step(locked, target, now)
         locked.save()
         audit_record(actor=actor, action="rollout.promote", obj=locked, before=before, after=snapshot(locked))
@@ -171,12 +180,9 @@ def rollout_promote(*, rollout: Rollout, actor, full: bool = False) -> Rollout:
 def rollout_abort(*, rollout: Rollout, actor, reason: str = "") -> Rollout:
     now = timezone.now()
     with transaction.atomic():
-        locked = _locked(rollout)
-        if not locked.active:
-            raise Conflict(f"Rollout {locked.pk} is {locked.status}; only a running or paused rollout is aborted.")
+        locked = _locked_active(rollout, "aborted")
         before = snapshot(locked)
-        who = getattr(actor, "username", None) or "system"
-        _abort(locked, now, f"aborted by {who}" + (f": {reason}" if reason else ""))
+        _abort(locked, now, f"aborted by {_who(actor)}" + (f": {reason}" if reason else ""))
         audit_record(actor=actor, action="rollout.abort", obj=locked, before=before, after=snapshot(locked))
         request_reconcile(locked.deployment)
     return locked
@@ -202,7 +208,7 @@ def rollout_retry(*, rollout: Rollout, actor, override_reason: str = "") -> Roll
         locked.attempt += 1
         if override_reason:
             locked.override_reason = override_reason
-        _timeline(locked, now, "retried", f"by {getattr(actor, 'username', 'system')}")
+        _timeline(locked, now, "retried", f"by {_who(actor)}")
         _enter_step(locked, 0, now)
         locked.save()
         _resolve_abort_alerts(deployment, now)
