@@ -24,7 +24,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from deployments import rollouts
-from deployments.choices import DeploymentStatus, RolloutStatus, Strategy
+from deployments.choices import ACTIVE_ROLLOUT, DeploymentStatus, RolloutStatus, Strategy
 from deployments.models import Deployment, Rollout
 from inferops.locks import try_advisory_lock
 from registry.checkpoint import CheckpointError, artifact_path
@@ -247,7 +247,7 @@ class Reconciler:
 
     def advance_rollout(self) -> Rollout | None:
         """Let the running rollout take its due transitions, given its candidate's replicas."""
-        rollout = self.deployment.rollouts.filter(status__in=(RolloutStatus.PROGRESSING, RolloutStatus.PAUSED)).first()
+        rollout = self.deployment.rollouts.filter(status__in=ACTIVE_ROLLOUT).first()
         if rollout is None:
             return None
         candidate = Track("candidate", rollout.candidate_version_id, rollout.candidate_engine_args, None, None)

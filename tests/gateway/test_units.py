@@ -76,6 +76,7 @@ def test_key_scope_and_expiry():
     key = ApiKey.from_json({"prefix": "abcd1234", "tenant": "acme", "deployments": ["a"], "expires_at": 100.0,
                             "limits": {"key": {"rpm": 5}, "tenant": None}})
     assert key.may_use("a") and not key.may_use("b")
+    assert key.may_use("a--preview") and not key.may_use("b--preview")  # a rollout's preview route of `a`
     assert key.expired(100.0) and not key.expired(99.9)
     assert key.key_limits.rpm == 5 and key.tenant_limits.unlimited
     assert ApiKey.from_json({"prefix": "p", "tenant": "t", "deployments": []}).may_use("anything")
