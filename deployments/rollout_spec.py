@@ -25,6 +25,7 @@ DEFAULT_MAX_BURN_RATE = 2.0
 THRESHOLDS = ("ttft_p95_ratio", "tpot_p95_ratio", "e2e_p95_ratio", "error_rate_max")
 ANALYSIS_KEYS = {"duration", "min_requests", "max_burn_rate", "thresholds"}
 MAX_STEPS = 50
+MAX_MIN_REQUESTS = 1_000_000
 MAX_DURATION_S = 7 * 24 * 3600
 _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
@@ -58,8 +59,8 @@ def _analysis(value, field: str) -> dict:
     if duration <= 0:
         raise ValueError(f"{field}.duration: must be longer than 0s")
     min_requests = value.get("min_requests", DEFAULT_MIN_REQUESTS)
-    if type(min_requests) is not int or min_requests < 1:
-        raise ValueError(f"{field}.min_requests: expected an integer >= 1")
+    if type(min_requests) is not int or not 1 <= min_requests <= MAX_MIN_REQUESTS:
+        raise ValueError(f"{field}.min_requests: expected an integer from 1 to {MAX_MIN_REQUESTS:,}")
     max_burn = value.get("max_burn_rate", DEFAULT_MAX_BURN_RATE)
     if isinstance(max_burn, bool) or not isinstance(max_burn, int | float) or max_burn <= 0:
         raise ValueError(f"{field}.max_burn_rate: expected a number > 0")

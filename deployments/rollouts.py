@@ -150,9 +150,9 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
         except IntegrityError:  # a concurrent request created one between our check and insert
             raise Conflict(f"Another rollout of {locked.name!r} started at the same time.") from None
         audit_record(actor=actor, action="rollout.create", obj=rollout, after=snapshot(rollout))
-        if override_reason and exhausted_slos(locked):
+        if override_reason and (exhausted := exhausted_slos(locked)):
             audit_record(actor=actor, action="rollout.budget_override", obj=rollout,
-                         after={"reason": override_reason, "exhausted": exhausted_slos(locked)})
+                         after={"reason": override_reason, "exhausted": exhausted})
         request_reconcile(locked)
     return rollout
 

@@ -109,6 +109,8 @@ def test_candidate_by_alias_engine_args_and_defaults(api, deployment):
     ({"version": "two"}, "version", "valid integer"),
     ({"version": 0}, "version", "greater than or equal to 1"),
     ({"version": 9}, "version", "no version 9"),
+    ({"version": 2**40}, "version", "no version 1099511627776"),
+    ({"steps": [{"analysis": {"duration": "2m", "min_requests": 2**70}}]}, "steps", "min_requests"),
     ({"version": None, "alias": "missing"}, "alias", "no alias 'missing'"),
     ({"alias": "canary"}, "version", "not both"),
     ({"version": 1}, "version", "nothing to roll out"),
