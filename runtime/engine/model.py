@@ -94,41 +94,126 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a oneDNN GEMM runs with: exact up to 32, then 4 sizes per doubling.
+
+    oneDNN builds (JIT-compiles) a kernel per input shape, ~0.5-1 ms each, and caches 1,024.
+    A step's row count can be anything up to the token budget, so with exact shapes a busy
+    server would keep several thousand kernels (hundreds of MB) or rebuild them all the time.
+    Rounding up wastes under a quarter of a GEMM's rows and leaves 48 shapes up to 512 rows.
+    """
+    if rows <= 32:
+        return rows
+    step = 1 << (rows.bit_length() - 3)
+    return -(-rows // step) * step
+
+
+class Linear:
+    """`x @ weight^T + bias`, with the weight packed once into oneDNN's blocked layout.
+
+    torch's `F.linear` goes to MKL, whose fp32 GEMM on this kind of CPU (AMD EPYC, AVX-512)
+    reaches 15-70 GFLOP/s for a step's few rows and a vocabulary-sized weight; oneDNN with a
+    weight reordered ahead of time reaches 110-210 GFLOP/s on the same shapes (bench/README.md,
+    "Third round"). Results differ from MKL's only in summation order (fp32 throughout).
+
+    `backend`: "onednn" packs or fails; "torch" never packs; "auto" packs where this torch
+    build and CPU can (oneDNN has no fp16 path without AVX512-FP16, for one) and otherwise
+    falls back to F.linear. `transposed_fallback` keeps the fallback's weight as W^T for
+    `torch.mm`, which beats F.linear for a vocabulary-sized weight and few rows.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        backend: str = "auto",
+        transposed_fallback: bool = False,
+    ):
+        if backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, not {backend!r}")
+        self.bias = bias
+        self.packed = self.weight_t = self.weight = None
+        if backend != "torch":
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+            except (RuntimeError, AttributeError) as error:
+                if backend == "onednn":
+                    raise ValueError(
+                        f"oneDNN cannot run a {weight.dtype} linear here: {error}"
+                    ) from error
+        if self.packed is not None:
+            return
+        if transposed_fallback and bias is None:
+            self.weight_t = weight.t().contiguous()
+        else:
+            self.weight = weight
+
+    @property
+    def backend(self) -> str:
+        return "onednn" if self.packed is not None else "torch"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            rows = x.shape[0]
+            padding = padded_rows(rows) - rows
+            if padding:
+                x = F.pad(x, (0, 0, 0, padding))
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return out[:rows] if padding else out
+        if self.weight_t is not None:
+            return torch.mm(x, self.weight_t)
+        return F.linear(x, self.weight, self.bias)
+
+
 class DecoderLayer:
-    def __init__(self, state: dict[str, torch.Tensor], prefix: str, config: ModelConfig):
+    def __init__(
+        self, state: dict[str, torch.Tensor], prefix: str, config: ModelConfig, backend: str
+    ):
         attn = f"{prefix}.self_attn"
         self.input_norm = state[f"{prefix}.input_layernorm.weight"]
         self.post_attention_norm = state[f"{prefix}.post_attention_layernorm.weight"]
         # Fused projections: one matmul for q/k/v and one for gate/up.
-        self.qkv_weight = torch.cat([state[f"{attn}.{p}_proj.weight"] for p in "qkv"])
-        self.qkv_bias = (
-            torch.cat([state[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.qkv_bias else None
+        self.qkv_proj = Linear(
+            torch.cat([state[f"{attn}.{p}_proj.weight"] for p in "qkv"]),
+            torch.cat([state[f"{attn}.{p}_proj.bias"] for p in "qkv"]) if config.qkv_bias else None,
+            backend=backend,
         )
-        self.o_weight = state[f"{attn}.o_proj.weight"]
-        self.gate_up_weight = torch.cat(
-            [state[f"{prefix}.mlp.gate_proj.weight"], state[f"{prefix}.mlp.up_proj.weight"]]
+        self.o_proj = Linear(state[f"{attn}.o_proj.weight"], backend=backend)
+        self.gate_up_proj = Linear(
+            torch.cat(
+                [state[f"{prefix}.mlp.gate_proj.weight"], state[f"{prefix}.mlp.up_proj.weight"]]
+            ),
+            backend=backend,
         )
-        self.down_weight = state[f"{prefix}.mlp.down_proj.weight"]
+        self.down_proj = Linear(state[f"{prefix}.mlp.down_proj.weight"], backend=backend)
 
 
 class CausalLM:
     def __init__(
-        self, config: ModelConfig, state: dict[str, torch.Tensor], max_len: int, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        state: dict[str, torch.Tensor],
+        max_len: int,
+        dtype: torch.dtype,
+        linear_backend: str = "auto",
     ):
         self.config = config
         self.dtype = dtype
         self.layers = [
-            DecoderLayer(state, f"model.layers.{i}", config) for i in range(config.num_layers)
+            DecoderLayer(state, f"model.layers.{i}", config, linear_backend)
+            for i in range(config.num_layers)
         ]
         self.norm = state["model.norm.weight"]
-        # The LM head is kept transposed ([hidden, vocab], contiguous): on CPU `x @ W^T` with W
-        # stored that way runs about 2x faster than F.linear for the few rows of a decode step
-        # (a vocabulary-sized GEMV), and never slower for more. Tied embeddings read their
-        # rows from the same tensor (a strided view), so the weights are not held twice.
+        self.embed_tokens = state["model.embed_tokens.weight"]
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
-        head = state["model.embed_tokens.weight"] if tied else state["lm_head.weight"]
-        self.lm_head_t = head.t().contiguous()
-        self.embed_tokens = self.lm_head_t.t() if tied else state["model.embed_tokens.weight"]
+        head = self.embed_tokens if tied else state["lm_head.weight"]
+        # With tied embeddings and oneDNN, the packed head is a second copy of the embedding
+        # table (vocab x hidden): the lookup needs plain rows, the GEMM the blocked layout.
+        self.lm_head = Linear(head, backend=linear_backend, transposed_fallback=True)
         self.rotary = RotaryTables(config.rope, config.head_dim, max_len, dtype)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
@@ -146,7 +231,7 @@ class CausalLM:
         hidden = F.embedding(input_ids, self.embed_tokens)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv_proj(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(tokens, cfg.num_heads, cfg.head_dim)
             k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -154,15 +239,15 @@ class CausalLM:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-            hidden = hidden + F.linear(attn.reshape(tokens, self.q_size), layer.o_weight)
+            hidden = hidden + layer.o_proj(attn.reshape(tokens, self.q_size))
             x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_weight).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_weight)
+            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down_proj(F.silu(gate) * up)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = rms_norm(hidden, self.norm, self.config.rms_norm_eps)
-        return torch.mm(x, self.lm_head_t).float()
+        return self.lm_head(x).float()
 
 
 def paged_attention(

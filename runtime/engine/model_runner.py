@@ -51,7 +51,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.dtype = dtype
         state = load_state_dict(config.model, dtype)
-        self.model = CausalLM(model_config, state, max_model_len, dtype)
+        self.model = CausalLM(model_config, state, max_model_len, dtype, config.linear_backend)
+        del state  # the layers hold what they need (packed copies, with oneDNN)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))

@@ -53,6 +53,10 @@ CASES = {
 }
 
 
+ONEDNN = torch.backends.mkldnn.is_available()
+_hf_outputs: dict[str, list[list[int]]] = {}
+
+
 def hf_greedy(model_dir, prompts, max_new_tokens=MAX_NEW_TOKENS):
     from transformers import AutoModelForCausalLM
 
@@ -71,12 +75,24 @@ def hf_greedy(model_dir, prompts, max_new_tokens=MAX_NEW_TOKENS):
     return outputs
 
 
+# Both ways of multiplying by the weights: oneDNN's packed weights sum in another order than
+# MKL (which transformers uses), and the tokens must still be the same.
+@pytest.mark.parametrize(
+    "linear_backend",
+    [pytest.param("onednn", marks=pytest.mark.skipif(not ONEDNN, reason="no oneDNN")), "torch"],
+)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_matches_transformers(case, checkpoint_factory, make_engine):
+def test_greedy_matches_transformers(case, linear_backend, checkpoint_factory, make_engine):
     kind, overrides = CASES[case]
     model_dir = checkpoint_factory(f"parity-{case}", kind, seed=7, **SHARP, **overrides)
-    expected = hf_greedy(model_dir, PROMPTS)
-    engine = make_engine(model_dir, block_size=4, max_num_batched_tokens=12, max_num_seqs=8)
+    if case not in _hf_outputs:
+        _hf_outputs[case] = hf_greedy(model_dir, PROMPTS)
+    expected = _hf_outputs[case]
+    engine = make_engine(
+        model_dir, block_size=4, max_num_batched_tokens=12, max_num_seqs=8,
+        linear_backend=linear_backend,
+    )
+    assert {layer.qkv_proj.backend for layer in engine.runner.model.layers} == {linear_backend}
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert engine.generate(PROMPTS, params) == expected
     # The fifth prompt reused the second one's computed blocks.
