@@ -26,6 +26,16 @@ def test_greedy_takes_the_argmax_per_row():
     assert Sampler()(logits, params, [gen(0), gen(1)]) == [1, 0]
 
 
+def test_greedy_ties_go_to_the_lowest_token_id_as_in_torch():
+    logits = torch.full((3, 30522), -1.0)
+    logits[0, [7, 3, 30000]] = 2.0
+    logits[1, 30521] = 0.5
+    logits[2, [0, 1]] = 4.0
+    greedy = SamplingParams(temperature=0)
+    tokens = Sampler()(logits, [greedy] * 3, [torch.Generator()] * 3)
+    assert tokens == [3, 30521, 0] == logits.argmax(dim=-1).tolist()
+
+
 def test_temperature_scales_logits_before_softmax():
     logits = torch.tensor([[1.0, 2.0, 4.0]])
     probs = Sampler.probabilities(logits, [SamplingParams(temperature=2.0)])
