@@ -4,7 +4,10 @@
 system prefix, the same seeded prompts, arrival times, rate and goodput SLOs for both servers,
 one after the other in the same run. Unless `--request-rate` is given, the rate is found first
 with a quick probe: a burst of `--probe-prompts` requests of the same mix against
-`inferops serve`, whose completed requests per second is taken as its saturation rate.
+`inferops serve`, whose completed requests per second is taken as its saturation rate. With
+several rates (`--request-rate 4,6,8,10`) each server runs all of them and its goodput is the
+best over the sweep: at a rate both keep up with, both goodputs equal the rate, so a goodput
+ratio only shows where one server saturates before the other.
 
     .venv/bin/python bench/engine/online_bench.py --result-json bench/engine/results/online_tiny.json
 """
@@ -37,7 +40,9 @@ HERE = Path(__file__).resolve().parent
 GOODPUT_RATIO_TARGET = 1.5
 
 
-def workload_b(base_url: str, model_dir: Path, args: argparse.Namespace, rate: float) -> BenchConfig:
+def workload_b(
+    base_url: str, model_dir: Path, args: argparse.Namespace, rate: float, seed_offset: int = 0
+) -> BenchConfig:
     return BenchConfig(
         base_url=base_url,
         model=SERVED_NAME,
@@ -49,7 +54,7 @@ def workload_b(base_url: str, model_dir: Path, args: argparse.Namespace, rate: f
         shared_prefix_ratio=args.shared_prefix_ratio,
         goodput_slos_ms={"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
         tokenizer_dir=str(model_dir),
-        seed=args.seed,
+        seed=args.seed + seed_offset,
         show_progress=False,
     )
 
@@ -92,10 +97,14 @@ def probe_saturation_rate(session: ServerSession, args: argparse.Namespace) -> d
     }
 
 
-def measure(session: ServerSession, args: argparse.Namespace, rate: float, name: str) -> dict:
+def measure(
+    session: ServerSession, args: argparse.Namespace, rate: float, name: str, seed_offset: int
+) -> dict:
     load_before = load_average()
     print(f"benchmarking {name} at {rate:.3f} req/s ...", file=sys.stderr)
-    metrics = run_benchmark(workload_b(session.base_url, session.model_dir, args, rate))
+    metrics = run_benchmark(
+        workload_b(session.base_url, session.model_dir, args, rate, seed_offset)
+    )
     result = {key: metrics[key] for key in REPORTED}
     result.update(load_average_before=load_before, load_average_after=load_average())
     return result
@@ -103,29 +112,55 @@ def measure(session: ServerSession, args: argparse.Namespace, rate: float, name:
 
 def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
     wanted = {name.strip() for name in args.servers.split(",")}
+    # The same KV cache memory for both: vLLM's CPU backend otherwise sizes its own from free
+    # RAM (2.6 GiB here), the engine's default is 512 MiB, and a larger pool keeps more of
+    # the shared prefix and of preempted work.
+    kv = args.kv_cache_gib
+    vllm = vllm_spec(model_dir, args.port, args.threads)
     specs = [
-        inferops_spec(model_dir, args.port, args.threads, []),
-        vllm_spec(model_dir, args.port, args.threads),
+        inferops_spec(model_dir, args.port, args.threads, ["--kv-cache-memory", f"{kv}GiB"]),
+        ServerSpec(vllm.name, vllm.command, {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": str(kv)}),
     ]
     return [spec for spec in specs if spec.name in wanted]
 
 
 def run_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict, dict]:
-    """Each server in turn; the first one (inferops) also probes the rate when none is given."""
-    rate, probe, results = args.request_rate, {}, {}
+    """Each server in turn, at every rate; the first one (inferops) also probes the rate when
+    none is given."""
+    rates, probe, results = args.request_rate, {}, {}
     for spec in server_list(model_dir, args):
         if spec.name == "vllm" and not VLLM_PYTHON.is_file():
             results[spec.name] = {"skipped": f"{VLLM_PYTHON} missing; run bench/engine/peers.sh"}
             continue
         try:
             with ServerSession(spec, model_dir, args) as session:
-                if rate is None:
+                if rates is None:
                     probe = probe_saturation_rate(session, args)
-                    rate = round(probe["probe_request_throughput"], 3)
-                results[spec.name] = measure(session, args, rate, spec.name)
+                    rates = [round(probe["probe_request_throughput"], 3)]
+                # Each rate draws its own prompts (the same for every server at that rate):
+                # with one seed for all, a later rate would find the earlier rate's prompts in
+                # whichever prefix cache is large enough to keep them.
+                by_rate = {
+                    str(rate): measure(session, args, rate, spec.name, seed_offset)
+                    for seed_offset, rate in enumerate(rates)
+                }
         except RuntimeError as error:
             results[spec.name] = {"skipped": str(error)}
-    return results, {**probe, "request_rate": rate}
+            continue
+        best = max(by_rate, key=lambda rate: by_rate[rate]["request_goodput"] or 0)
+        results[spec.name] = {
+            "max_goodput": by_rate[best]["request_goodput"],
+            "max_goodput_rate": float(best),
+            "by_rate": by_rate,
+        }
+    return results, {**probe, "request_rates": rates}
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = [float(part) for part in text.split(",") if part.strip()]
+    if not rates or any(rate <= 0 for rate in rates):
+        raise argparse.ArgumentTypeError(f"expected positive rates like 4,6,8, not {text!r}")
+    return rates
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -137,9 +172,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", default="16-256")
     parser.add_argument("--shared-prefix-len", type=int, default=256)
     parser.add_argument("--shared-prefix-ratio", type=float, default=0.3)
-    parser.add_argument("--request-rate", type=float, default=None,
-                        help="requests per second (default: probe inferops' saturation rate)")
+    parser.add_argument("--request-rate", type=parse_rates, default=None,
+                        help="requests per second, or several (4,6,8) for a sweep with each "
+                             "server's best goodput compared (default: probe inferops' rate)")
     parser.add_argument("--probe-prompts", type=int, default=32)
+    parser.add_argument("--kv-cache-gib", type=int, default=2,
+                        help="KV cache memory of each server (GiB)")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--threads", type=int, default=2)
@@ -163,13 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         "servers": results,
     }
     ours, peer = results.get("inferops", {}), results.get("vllm", {})
-    if "request_goodput" in ours and "request_goodput" in peer:
-        if peer["request_goodput"]:
-            report["inferops_over_vllm_goodput"] = round(ours["request_goodput"] / peer["request_goodput"], 3)
-        report["target_met"] = (
-            ours["request_goodput"] >= GOODPUT_RATIO_TARGET * peer["request_goodput"]
-            and ours["p99_ttft_ms"] < peer["p99_ttft_ms"]
-        )
+    if "max_goodput" in ours and "max_goodput" in peer:
+        if peer["max_goodput"]:
+            report["inferops_over_vllm_goodput"] = round(ours["max_goodput"] / peer["max_goodput"], 3)
+        # Best goodput over the rates tried, and a lower p99 TTFT at every one of them.
+        report["target_met"] = ours["max_goodput"] >= GOODPUT_RATIO_TARGET * peer["max_goodput"] \
+            and all(ours["by_rate"][rate]["p99_ttft_ms"] < peer["by_rate"][rate]["p99_ttft_ms"]
+                    for rate in ours["by_rate"])
     text = json.dumps(report, indent=2, default=str)
     print(text)
     if args.result_json:

@@ -1,8 +1,10 @@
 """Workload A over HTTP: the built-in engine (`inferops serve`) against vLLM on the same checkpoint.
 
-Each server is started in turn on the tiny demo checkpoint, loaded with the same seeded prompts
-through `runtime.loadgen.run_benchmark` (the code behind `inferops bench`), and stopped. The JSON
-report holds each server's metrics and the built-in engine's throughput as a ratio of vLLM's.
+Each server in turn is started on the tiny demo checkpoint, warmed up with an untimed burst, loaded
+`--rounds` times with the same seeded prompts through `runtime.loadgen.run_benchmark` (the code
+behind `inferops bench`) and stopped; `--sessions` such sessions per server, alternating. The JSON
+report holds every round's metrics, each server's median output throughput and the built-in
+engine's as a ratio of vLLM's (of the medians, and round by round).
 
 vLLM runs from its own virtualenv, bench/engine/.venv-vllm (make it with peers.sh); it is
 skipped, with the reason recorded, when that venv is missing or the server does not come up.
@@ -18,6 +20,7 @@ import math
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -186,28 +189,75 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def bench_server(spec: ServerSpec, model_dir: Path, args: argparse.Namespace) -> dict:
+def start_server(spec: ServerSpec, port: int, model_dir: Path, args: argparse.Namespace):
+    """Start one server, wait for it and warm it up; (server, base_url) or {"skipped": why}."""
     if spec.name == "vllm" and not VLLM_PYTHON.is_file():
         return {"skipped": f"{VLLM_PYTHON} missing; run bench/engine/peers.sh"}
-    base_url = f"http://127.0.0.1:{args.port}"
-    if not port_is_free(args.port):
+    base_url = f"http://127.0.0.1:{port}"
+    if not port_is_free(port):
         # Otherwise the readiness probe could find someone else's server and bench that.
-        return {"skipped": f"port {args.port} is taken; pass --port"}
+        return {"skipped": f"port {port} is taken; pass --port"}
     log_path = HERE / "work" / f"{spec.name}.log"
     server = RunningServer(spec, log_path)
     try:
         server.wait_ready(base_url, args.startup_timeout)
-        # One short untimed run first, so lazy initialisation is not charged to the workload.
+        # A short run, then one whole untimed burst of the workload (another seed): lazy
+        # initialisation, first-touch page faults and per-shape kernels (oneDNN builds one per
+        # GEMM shape, on both servers) are not charged to the measured rounds.
         warm_up = workload_a(base_url, model_dir, args)
         warm_up.num_prompts, warm_up.output_len = 2, LengthRange(4, 4)
         run_benchmark(warm_up)
-        print(f"benchmarking {spec.name} ...", file=sys.stderr)
-        metrics = run_benchmark(workload_a(base_url, model_dir, args))
+        burst = workload_a(base_url, model_dir, args)
+        burst.seed = args.seed + 1
+        run_benchmark(burst)
     except RuntimeError as error:
-        return {"skipped": str(error), "log": str(log_path)}
-    finally:
         server.stop()
-    return {key: metrics[key] for key in REPORTED}
+        return {"skipped": str(error), "log": str(log_path)}
+    return server, base_url
+
+
+def bench_servers(wanted: list[str], model_dir: Path, args: argparse.Namespace) -> dict:
+    """`--sessions` sessions per server, alternating servers (A B A B ...), each session
+    started, warmed up, measured `--rounds` times and stopped.
+
+    Only one server is up at a time: an idle vLLM still wakes the CPU often enough to slow a
+    server beside it on two cores by 20-30% (measured), so running both at once is not fair.
+    Alternating sessions spreads drift in the machine's speed over both.
+    """
+    results: dict[str, dict] = {}
+    rounds: dict[str, list[dict]] = {}
+    for session in range(args.sessions):
+        for name in wanted:
+            if "skipped" in results.get(name, {}):
+                continue
+            spec = next(s for s in server_specs(model_dir, args.port, args.threads) if s.name == name)
+            outcome = start_server(spec, args.port, model_dir, args)
+            if isinstance(outcome, dict):
+                results[name] = outcome
+                continue
+            server, base_url = outcome
+            try:
+                for round_number in range(args.rounds):
+                    print(f"session {session + 1}, round {round_number + 1}: {name} ...",
+                          file=sys.stderr)
+                    # A new seed per round (the same for both servers): repeated prompts would
+                    # be served from the prefix cache, and workload A is a cold burst.
+                    config = workload_a(base_url, model_dir, args)
+                    config.seed = args.seed + 100 + round_number
+                    metrics = run_benchmark(config)
+                    rounds.setdefault(name, []).append(
+                        {key: metrics[key] for key in REPORTED}
+                        | {"session": session + 1,
+                           "load_average": [round(v, 2) for v in os.getloadavg()]}
+                    )
+            finally:
+                server.stop()
+    for name, runs in rounds.items():
+        results[name] = {
+            "median_output_throughput": statistics.median(r["output_throughput"] for r in runs),
+            "rounds": runs,
+        }
+    return results
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -224,6 +274,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--result-json", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -231,12 +283,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = benchmark_model(args.model)
-    wanted = {name.strip() for name in args.servers.split(",")}
-    results = {
-        spec.name: bench_server(spec, model_dir, args)
-        for spec in server_specs(model_dir, args.port, args.threads)
-        if spec.name in wanted
-    }
+    wanted = [name.strip() for name in args.servers.split(",")]
+    results = bench_servers(wanted, model_dir, args)
     report = {
         "workload": {
             key: value for key, value in vars(args).items() if key not in ("result_json", "model")
@@ -245,10 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         "servers": results,
     }
     ours, peer = results.get("inferops", {}), results.get("vllm", {})
-    if "output_throughput" in ours and "output_throughput" in peer:
+    if "rounds" in ours and "rounds" in peer:
         report["inferops_over_vllm_output_throughput"] = round(
-            ours["output_throughput"] / peer["output_throughput"], 3
+            ours["median_output_throughput"] / peer["median_output_throughput"], 3
         )
+        report["per_round_ratio"] = [
+            round(a["output_throughput"] / b["output_throughput"], 3)
+            for a, b in zip(ours["rounds"], peer["rounds"], strict=True)
+        ]
     # Strict JSON has no Infinity; write an unlimited rate the way `inferops bench` takes it.
     if math.isinf(args.request_rate):
         report["workload"]["request_rate"] = "inf"
