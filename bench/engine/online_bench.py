@@ -115,11 +115,18 @@ def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
     # The same KV cache memory for both: vLLM's CPU backend otherwise sizes its own from free
     # RAM (2.6 GiB here), the engine's default is 512 MiB, and a larger pool keeps more of
     # the shared prefix and of preempted work.
+    # Likewise the same scheduler limits (vLLM's CPU server defaults, 128 sequences and 2,048
+    # tokens a step; the engine's own are 64 and 512): otherwise the comparison is partly one
+    # of defaults.
     kv = args.kv_cache_gib
+    limits = ["--max-num-seqs", str(args.max_num_seqs),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     vllm = vllm_spec(model_dir, args.port, args.threads)
     specs = [
-        inferops_spec(model_dir, args.port, args.threads, ["--kv-cache-memory", f"{kv}GiB"]),
-        ServerSpec(vllm.name, vllm.command, {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": str(kv)}),
+        inferops_spec(model_dir, args.port, args.threads,
+                      ["--kv-cache-memory", f"{kv}GiB", *limits]),
+        ServerSpec(vllm.name, [*vllm.command, *limits],
+                   {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": str(kv)}),
     ]
     return [spec for spec in specs if spec.name in wanted]
 
@@ -158,8 +165,10 @@ def run_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict, dict]:
 
 def parse_rates(text: str) -> list[float]:
     rates = [float(part) for part in text.split(",") if part.strip()]
-    if not rates or any(rate <= 0 for rate in rates):
-        raise argparse.ArgumentTypeError(f"expected positive rates like 4,6,8, not {text!r}")
+    if not rates or any(rate <= 0 for rate in rates) or len(set(rates)) < len(rates):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct positive rates like 4,6,8, not {text!r}"
+        )
     return rates
 
 
@@ -178,6 +187,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--probe-prompts", type=int, default=32)
     parser.add_argument("--kv-cache-gib", type=int, default=2,
                         help="KV cache memory of each server (GiB)")
+    parser.add_argument("--max-num-seqs", type=int, default=128,
+                        help="both servers' limit of sequences in a step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="both servers' token budget of a step")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--threads", type=int, default=2)
