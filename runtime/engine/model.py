@@ -214,6 +214,10 @@ class CausalLM:
         # With tied embeddings and oneDNN, the packed head is a second copy of the embedding
         # table (vocab x hidden): the lookup needs plain rows, the GEMM the blocked layout.
         self.lm_head = Linear(head, backend=linear_backend, transposed_fallback=True)
+        if tied and self.lm_head.weight_t is not None:
+            # The torch fallback's W^T holds the same numbers: look rows up through a strided
+            # view of it rather than keeping the table twice.
+            self.embed_tokens = self.lm_head.weight_t.t()
         self.rotary = RotaryTables(config.rope, config.head_dim, max_len, dtype)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim

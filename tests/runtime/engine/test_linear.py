@@ -65,3 +65,10 @@ def test_row_padding_bounds_the_shapes_and_the_waste():
     assert all(rows <= size < 1.25 * rows for rows, size in enumerate(sizes, start=1))
     assert sizes == sorted(sizes)
     assert len(set(sizes[:512])) == 48 and len(set(sizes)) == 60
+
+
+def test_tied_embeddings_are_held_once_by_the_torch_fallback(checkpoint_factory, make_engine):
+    model_dir = checkpoint_factory("tied-llama", "llama", seed=1, tie_word_embeddings=True)
+    model = make_engine(model_dir, linear_backend="torch").runner.model
+    assert model.embed_tokens.data_ptr() == model.lm_head.weight_t.data_ptr()
+    assert torch.equal(model.embed_tokens, model.lm_head.weight_t.t())
