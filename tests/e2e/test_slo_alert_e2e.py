@@ -104,7 +104,8 @@ def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, s
             evaluate_slos()
             return Alert.objects.filter(slo=slo, severity="page").order_by("-id").first()
 
-        threading.Thread(target=load, daemon=True).start()
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
         set_fault(400)
         fault_on = time.monotonic()
         alert = wait_for(lambda: (a := cycle()) and a.status == "firing" and a, 300, "the page alert to open")
@@ -121,6 +122,7 @@ def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, s
         resolved_after = time.monotonic() - fault_off
         wait_for(lambda: any(p["status"] == "resolved" for p in received), 30, "the resolved webhook")
         stop_load.set()
+        loader.join(timeout=30)  # its last request must end before the gateway is killed
         print(f"timeline: page alert opened {opened_after:.0f}s after 400 ms of TTFT was injected; "
               f"resolved {resolved_after:.0f}s after it was removed; {len(received)} webhook deliveries")
         assert Alert.objects.filter(slo=slo, severity="page").count() == 1  # opened once, updated, resolved
