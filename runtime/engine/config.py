@@ -9,6 +9,7 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LINEAR_BACKENDS = ("auto", "onednn", "torch")  # see model.Linear
 
 
 @dataclass
@@ -42,7 +43,7 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
             )
-        if self.linear_backend not in ("auto", "onednn", "torch"):
+        if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(
                 f"linear_backend must be auto, onednn or torch, not {self.linear_backend!r}"
             )

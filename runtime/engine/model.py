@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.config import ModelConfig, RopeConfig
+from runtime.engine.config import LINEAR_BACKENDS, ModelConfig, RopeConfig
 
 
 @dataclass
@@ -92,9 +92,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
 
 
 def padded_rows(rows: int) -> int:

@@ -47,6 +47,7 @@ from runtime.engine.async_engine import (
     EngineUnavailableError,
     RequestStream,
 )
+from runtime.engine.config import LINEAR_BACKENDS
 from runtime.engine.metrics import DEFAULT_BUCKETS, RequestTimer, ServerMetrics
 from runtime.engine.openai_protocol import (
     ChoiceResult,
@@ -741,7 +742,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--cpu-threads", type=int, default=None,
                         help="torch intra-op threads for the forward pass (default: torch's, "
                              "one per core); on a busy or small host, 1 avoids oversubscription")
-    engine.add_argument("--linear-backend", default="auto", choices=["auto", "onednn", "torch"],
+    engine.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                         help="weight matmuls: onednn packs weights once (2-3x faster on CPU), "
                              "torch uses F.linear, auto picks oneDNN where this CPU supports it")
     server = parser.add_argument_group("server")
