@@ -8,6 +8,7 @@ float32 then cast, SDPA attention) so fp32 greedy output matches `generate` toke
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,11 +38,23 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecode:
+    """All decode rows at once, read in place from their blocks by a compiled kernel."""
+
+    kernel: Callable[..., torch.Tensor]  # kernels.PagedAttention
+    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, padded with block 0
+    context_lens: torch.Tensor  # [num_decodes] int32
+    window: int | None  # sliding window, None for full attention
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] flat cache slot written by each row
     num_decodes: int = 0
-    # Decode rows come sorted by context length and split into groups of similar length, so
-    # a short context is not padded to the longest one in the batch.
+    # Decodes go either to the kernel (paged_decode) or, on the torch path, come sorted by
+    # context length and split into groups of similar length, so that a short context is
+    # not padded to the longest one in the batch.
+    paged_decode: PagedDecode | None = None
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillAttention] = field(default_factory=list)
 
@@ -261,14 +274,19 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store this step's k/v in their slots, then attend each row to its sequence's context.
 
-    Caches are [num_blocks, block_size, kv_heads, head_dim]; context is read whole blocks at a
-    time (one index_select per decode group, several times faster than advanced indexing on
-    CPU) and the positions past each sequence's length are masked out.
+    Caches are [num_blocks, block_size, kv_heads, head_dim]. Decodes are read in place by the
+    compiled kernel when the runner has one; otherwise, like prefill chunks with context, whole
+    blocks at a time (one index_select per decode group, several times faster than advanced
+    indexing on CPU) with the positions past each sequence's length masked out.
     """
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
+    if (paged := meta.paged_decode) is not None:
+        n = meta.num_decodes
+        paged.kernel(q[:n], k_cache, v_cache, paged.block_tables, paged.context_lens, out[:n],
+                     paged.window)
     for group in meta.decode_groups:
         n = group.end - group.start
         keys = k_cache.index_select(0, group.blocks).view(n, -1, kv_heads, head_dim)

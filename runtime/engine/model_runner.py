@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from runtime.engine import kernels
 from runtime.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
 from runtime.engine.loader import load_state_dict
-from runtime.engine.model import AttentionMetadata, CausalLM, DecodeGroup, PrefillAttention
+from runtime.engine.model import (
+    AttentionMetadata,
+    CausalLM,
+    DecodeGroup,
+    PagedDecode,
+    PrefillAttention,
+)
 from runtime.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 # What one more decode group costs per layer (two gathers and an SDPA call), in blocks of
 # context per sequence: measured on CPU, see _decode_groups.
@@ -37,6 +48,25 @@ def num_kv_blocks_for(
     return int(blocks)
 
 
+def attention_kernel(backend: str, dtype: torch.dtype) -> kernels.PagedAttention | None:
+    """The compiled decode-attention kernel for `backend` (see EngineConfig), or None for the
+    torch path. "kernel" raises ValueError where it cannot run; "auto" falls back."""
+    if backend == "torch":
+        return None
+    reason = None
+    if dtype != kernels.PagedAttention.dtype:
+        reason = f"the kernel is float32 only, the model runs in {dtype}"
+    else:
+        try:
+            return kernels.paged_attention()
+        except kernels.KernelUnavailableError as error:
+            reason = str(error)
+    if backend == "kernel":
+        raise ValueError(f"attention backend 'kernel' cannot run here: {reason}")
+    logger.warning("decode attention falls back to torch: %s", reason)
+    return None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -59,6 +89,7 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         self.sliding_window = model_config.sliding_window
+        self.attention_kernel = attention_kernel(config.attention_backend, dtype)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -98,13 +129,27 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
         if decodes:
             meta.num_decodes = len(decodes)
-            meta.decode_groups = self._decode_groups(decodes)
+            if self.attention_kernel is not None:
+                meta.paged_decode = self._paged_decode(decodes)
+            else:
+                meta.decode_groups = self._decode_groups(decodes)
         meta.prefills = [self._prefill_metadata(chunk, row) for chunk, row in prefill_rows]
         return (
             torch.tensor(token_ids, dtype=torch.long),
             positions,
             meta,
             torch.tensor(sample_rows, dtype=torch.long),
+        )
+
+    def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode:
+        bs = self.block_size
+        tables = [c.seq.block_table[: -(-c.end // bs)] for c in decodes]
+        width = max(len(t) for t in tables)
+        return PagedDecode(
+            self.attention_kernel,
+            torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            torch.tensor([c.end for c in decodes], dtype=torch.int32),
+            self.sliding_window,
         )
 
     def _decode_groups(self, decodes: list[ScheduledChunk]) -> list[DecodeGroup]:

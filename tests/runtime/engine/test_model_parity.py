@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from runtime.engine.config import ModelConfig
+from runtime.engine.kernels import available as kernels_available
 from runtime.engine.loader import load_state_dict, safetensors_files
 from runtime.engine.sampling import SamplingParams
 
@@ -54,6 +55,7 @@ CASES = {
 
 
 ONEDNN = torch.backends.mkldnn.is_available()
+KERNELS = kernels_available()
 _hf_outputs: dict[str, list[list[int]]] = {}
 
 
@@ -75,14 +77,23 @@ def hf_greedy(model_dir, prompts, max_new_tokens=MAX_NEW_TOKENS):
     return outputs
 
 
-# Both ways of multiplying by the weights: oneDNN's packed weights sum in another order than
-# MKL (which transformers uses), and the tokens must still be the same.
+# Both ways of multiplying by the weights and of reading the KV cache: oneDNN's packed weights
+# and the compiled attention kernel sum in other orders than MKL and SDPA (which transformers
+# uses), and the tokens must still be the same.
 @pytest.mark.parametrize(
-    "linear_backend",
-    [pytest.param("onednn", marks=pytest.mark.skipif(not ONEDNN, reason="no oneDNN")), "torch"],
+    "linear_backend,attention_backend",
+    [
+        pytest.param("onednn", "kernel", marks=[
+            pytest.mark.skipif(not ONEDNN, reason="no oneDNN"),
+            pytest.mark.skipif(not KERNELS, reason="CPU kernels cannot be built here"),
+        ]),
+        ("torch", "torch"),
+    ],
 )
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_matches_transformers(case, linear_backend, checkpoint_factory, make_engine):
+def test_greedy_matches_transformers(
+    case, linear_backend, attention_backend, checkpoint_factory, make_engine
+):
     kind, overrides = CASES[case]
     model_dir = checkpoint_factory(f"parity-{case}", kind, seed=7, **SHARP, **overrides)
     if case not in _hf_outputs:
@@ -90,9 +101,10 @@ def test_greedy_matches_transformers(case, linear_backend, checkpoint_factory, m
     expected = _hf_outputs[case]
     engine = make_engine(
         model_dir, block_size=4, max_num_batched_tokens=12, max_num_seqs=8,
-        linear_backend=linear_backend,
+        linear_backend=linear_backend, attention_backend=attention_backend,
     )
     assert {layer.qkv_proj.backend for layer in engine.runner.model.layers} == {linear_backend}
+    assert (engine.runner.attention_kernel is not None) == (attention_backend == "kernel")
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert engine.generate(PROMPTS, params) == expected
     # The fifth prompt reused the second one's computed blocks.

@@ -1,0 +1,191 @@
+/* Attention over a paged KV cache, read in place (CPU, float32).
+ *
+ * The torch path gathers each sequence's blocks into a padded buffer and runs SDPA on it;
+ * this reads the keys and values straight from their blocks, so nothing is copied, nothing is
+ * padded and no mask is built. runtime/engine/kernels.py compiles it with the machine's C
+ * compiler and calls it through ctypes (which releases the GIL for the call). OpenMP is the
+ * one torch already loaded (libgomp.so.1 from torch/lib), so the kernel's threads are torch's.
+ *
+ * Layouts (all contiguous):
+ *   q, out        [rows, num_heads, head_dim]
+ *   k/v_cache     [num_blocks, block_size, kv_heads, head_dim]
+ *   block_tables  [rows, max_blocks] int32: row r's keys live in blocks block_tables[r][0..]
+ *   context_lens  [rows] int32: row r attends to key positions [0, context_lens[r])
+ * `window` > 0 keeps only the last `window` of those positions (sliding-window attention).
+ * Query heads h * group .. h * group + group - 1 share kv head h (grouped-query attention).
+ *
+ * Numerics: scores and the weighted sum in float32, softmax with the row maximum subtracted,
+ * as SDPA does; only the summation order differs.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if defined(__x86_64__)
+/* glibc's libmvec has vector expf (AVX2: 8 at a time); math.h declares it only under
+ * -ffast-math, which would also drop the infinities the softmax relies on. Scalar expf is
+ * most of the kernel's time otherwise. */
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_DOTS 1
+/* scores[j] = query . keys[j * stride], j < count <= 8, head_dim a multiple of 8: eight
+ * dot products reduced together (one horizontal add tree) instead of one at a time. */
+static inline void dots8(const float *query, const float *keys, int64_t stride, int64_t count,
+                         int64_t head_dim, float scale, float *scores) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < head_dim; i += 8) {
+        const __m256 q = _mm256_loadu_ps(query + i);
+        for (int64_t j = 0; j < count; j++)
+            acc[j] = _mm256_fmadd_ps(q, _mm256_loadu_ps(keys + j * stride + i), acc[j]);
+    }
+    const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+    const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                      _mm256_permute2f128_ps(s0123, s4567, 0x31));
+    float all[8];
+    _mm256_storeu_ps(all, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+    for (int64_t j = 0; j < count; j++) scores[j] = all[j];
+}
+#endif
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* One row: attention of its num_heads query heads over key positions [first, len), a block at
+ * a time. Keys and values of a block are [block_size, kv_heads, head_dim], contiguous, so every
+ * read is sequential; the next block is prefetched while this one is computed, since its
+ * address (a block-table lookup) is a jump the hardware prefetcher cannot guess. Softmax is
+ * the online kind: a running maximum per head, the sums rescaled when it grows. */
+static void attend_row(const float *query, const float *k_cache, const float *v_cache,
+                       const int32_t *table, int64_t first, int64_t len, int64_t num_heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                       float *out, float *scores /* [num_heads * block_size] */,
+                       float *maxima, float *sums /* [num_heads] each */) {
+    const int64_t group = num_heads / kv_heads;
+    const int64_t token_stride = kv_heads * head_dim;
+    const int64_t block_floats = block_size * token_stride;
+    for (int64_t i = 0; i < num_heads * head_dim; i++) out[i] = 0.0f;
+    for (int64_t h = 0; h < num_heads; h++) {
+        maxima[h] = -INFINITY;
+        sums[h] = 0.0f;
+    }
+    const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
+    for (int64_t b = first_block; b <= last_block; b++) {
+        const float *keys = k_cache + (int64_t)table[b] * block_floats;
+        const float *values = v_cache + (int64_t)table[b] * block_floats;
+        if (b < last_block) {
+            const char *next_keys = (const char *)(k_cache + (int64_t)table[b + 1] * block_floats);
+            const char *next_values =
+                (const char *)(v_cache + (int64_t)table[b + 1] * block_floats);
+            for (int64_t offset = 0; offset < block_floats * 4; offset += 64) {
+                __builtin_prefetch(next_keys + offset);
+                __builtin_prefetch(next_values + offset);
+            }
+        }
+        const int64_t lo = b == first_block ? first % block_size : 0;
+        const int64_t hi = b == last_block ? (len - 1) % block_size + 1 : block_size;
+#ifdef HAVE_AVX2_DOTS
+        if (head_dim % 8 == 0) {
+            for (int64_t h = 0; h < num_heads; h++)
+                for (int64_t t = lo; t < hi; t += 8)
+                    dots8(query + h * head_dim, keys + t * token_stride + (h / group) * head_dim,
+                          token_stride, hi - t < 8 ? hi - t : 8, head_dim, scale,
+                          scores + h * block_size + t);
+        } else
+#endif
+        for (int64_t t = lo; t < hi; t++) {
+            const float *key = keys + t * token_stride;
+            for (int64_t h = 0; h < num_heads; h++)
+                scores[h * block_size + t] =
+                    dot(query + h * head_dim, key + (h / group) * head_dim, head_dim) * scale;
+        }
+        for (int64_t h = 0; h < num_heads; h++) {
+            float *s = scores + h * block_size;
+            float peak = maxima[h];
+            for (int64_t t = lo; t < hi; t++) peak = s[t] > peak ? s[t] : peak;
+            if (peak > maxima[h]) {
+                const float shrink = expf(maxima[h] - peak);  /* 0 on the first block */
+                sums[h] *= shrink;
+                float *o = out + h * head_dim;
+#pragma omp simd
+                for (int64_t i = 0; i < head_dim; i++) o[i] *= shrink;
+                maxima[h] = peak;
+            }
+            float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+            for (int64_t t = lo; t < hi; t++) {
+                s[t] = expf(s[t] - peak);
+                total += s[t];
+            }
+            sums[h] += total;
+        }
+        for (int64_t t = lo; t < hi; t++) {
+            const float *value = values + t * token_stride;
+            for (int64_t h = 0; h < num_heads; h++)
+                axpy(out + h * head_dim, scores[h * block_size + t],
+                     value + (h / group) * head_dim, head_dim);
+        }
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const float inverse = 1.0f / sums[h];
+        float *o = out + h * head_dim;
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; i++) o[i] *= inverse;
+    }
+}
+
+/* Returns 0; -1 when scratch memory could not be allocated; -2 when a context length is
+ * longer than its block table or a block id it reads is outside [0, num_blocks) (nothing is
+ * read then: the caller gets an error instead of a crash). */
+int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                        int64_t num_blocks, const int32_t *block_tables,
+                        const int32_t *context_lens, int64_t rows, int64_t max_blocks,
+                        int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                        int64_t block_size, int64_t window, float scale, float *out,
+                        int num_threads) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = context_lens[r];
+        if (len > max_blocks * block_size) return -2;
+        for (int64_t b = 0; b * block_size < len; b++) {
+            const int32_t block = block_tables[r * max_blocks + b];
+            if (block < 0 || block >= num_blocks) return -2;
+        }
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(num_heads * (block_size + 2)));
+        if (scratch == NULL) failed = 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t len = context_lens[r];
+            float *result = out + r * num_heads * head_dim;
+            if (scratch == NULL || len <= 0) {
+                for (int64_t i = 0; i < num_heads * head_dim; i++) result[i] = 0.0f;
+                continue;
+            }
+            const int64_t first = (window > 0 && len > window) ? len - window : 0;
+            attend_row(q + r * num_heads * head_dim, k_cache, v_cache,
+                       block_tables + r * max_blocks, first, len, num_heads, kv_heads, head_dim,
+                       block_size, scale, result, scratch, scratch + num_heads * block_size,
+                       scratch + num_heads * (block_size + 1));
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
