@@ -10,7 +10,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEAR_BACKENDS = ("auto", "onednn", "torch")  # see model.Linear
-ATTENTION_BACKENDS = ("auto", "kernel", "torch")  # see model_runner.attention_kernel
+OPS_BACKENDS = ("auto", "kernels", "torch")  # see model_runner.compiled_kernels
 
 
 @dataclass
@@ -38,9 +38,11 @@ class EngineConfig:
     # How the forward pass multiplies by its weights: "onednn" (weights packed once into
     # oneDNN's layout, 2-3x faster on CPU), "torch" (F.linear), "auto" (oneDNN where it can).
     linear_backend: str = "auto"
-    # How decode attention reads the KV cache: "kernel" (compiled C, reads blocks in place;
-    # float32 only), "torch" (gathers blocks, then SDPA), "auto" (the kernel where it builds).
-    attention_backend: str = "auto"
+    # Decode attention and the element-wise work between matmuls (norms, rotary, SiLU, cache
+    # writes): "kernels" (compiled C, runtime/engine/csrc; attention reads KV blocks in
+    # place; float32 only), "torch" (gathers blocks for SDPA; torch ops), "auto" (the
+    # kernels where they build and the dtype is float32).
+    ops_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPE_BYTES):
@@ -51,9 +53,9 @@ class EngineConfig:
             raise ValueError(
                 f"linear_backend must be auto, onednn or torch, not {self.linear_backend!r}"
             )
-        if self.attention_backend not in ATTENTION_BACKENDS:
+        if self.ops_backend not in OPS_BACKENDS:
             raise ValueError(
-                f"attention_backend must be auto, kernel or torch, not {self.attention_backend!r}"
+                f"ops_backend must be auto, kernels or torch, not {self.ops_backend!r}"
             )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:

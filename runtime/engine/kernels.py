@@ -10,7 +10,7 @@ All of csrc/*.c build into one library, cached under $INFEROPS_KERNEL_CACHE (def
 ~/.cache/inferops/kernels) and keyed by the sources, the compiler, the flags and the CPU
 (`-march=native`), so a cache copied to another machine is never used there. Without a
 compiler, or when the build fails, `load()` raises KernelUnavailableError and the engine
-keeps its pure-torch path (EngineConfig.attention_backend "auto").
+keeps its pure-torch path (EngineConfig.ops_backend "auto").
 """
 
 from __future__ import annotations
@@ -70,13 +70,14 @@ def _build() -> Path:
     if compiler is None:
         raise KernelUnavailableError("no C compiler found (install gcc, or set CC)")
     sources = sorted(SOURCE_DIR.glob("*.c"))
+    headers = sorted(SOURCE_DIR.glob("*.h"))
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise KernelUnavailableError(f"C compiler {compiler} does not run: {error}") from error
     key = hashlib.sha256("\0".join(
-        [*(source.read_text() for source in sources), compiler, version, *CFLAGS, *LIBS,
+        [*(path.read_text() for path in sources + headers), compiler, version, *CFLAGS, *LIBS,
          _cpu_signature()]
     ).encode()).hexdigest()[:16]
     directory = cache_dir()
@@ -122,24 +123,43 @@ def available() -> bool:
     return True
 
 
-class PagedAttention:
-    """Decode (and any other row-by-row) attention that reads K/V from their cache blocks.
+_POINTER, _SIZE, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# name: argument types; every function returns int (0, or negative for an error).
+_SIGNATURES = {
+    "paged_attention_f32": [_POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _SIZE, _SIZE,
+                            _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _FLOAT, _POINTER, _INT],
+    "add_rms_norm_f32": [_POINTER, _POINTER, _POINTER, _FLOAT, _POINTER, _SIZE, _SIZE, _INT],
+    "rope_store_kv_f32": [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE,
+                          _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _INT],
+    "silu_mul_f32": [_POINTER, _POINTER, _SIZE, _SIZE, _INT],
+}
+OUT_OF_BOUNDS, NO_MEMORY = -2, -1
 
-    `__call__` fills `out[r]` with row r's attention over key positions
-    [max(0, len - window), len) of its block table (see csrc/paged_attention.c).
+
+def _float32(*tensors: torch.Tensor) -> None:
+    # The C code trusts its pointers: everything it reads or writes must be contiguous fp32.
+    if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
+        raise ValueError("CPU kernels need contiguous float32 tensors")
+
+
+class CpuKernels:
+    """The compiled kernels of csrc/, each checking the shapes it is given before the call.
+
+    Block ids, context lengths and cache slots are checked by the C code itself (cheaper than
+    torch reductions on every call) and refused with a ValueError instead of a crash.
     """
 
     dtype = torch.float32
 
     def __init__(self) -> None:
-        function = load().paged_attention_f32
-        pointer, size = ctypes.c_void_p, ctypes.c_int64
-        function.argtypes = [pointer, pointer, pointer, size, pointer, pointer, size, size, size,
-                             size, size, size, size, ctypes.c_float, pointer, ctypes.c_int]
-        function.restype = ctypes.c_int
-        self._function = function
+        library = load()
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes = argtypes
+            function.restype = ctypes.c_int
+            setattr(self, f"_{name}", function)
 
-    def __call__(
+    def paged_attention(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
@@ -149,12 +169,13 @@ class PagedAttention:
         out: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
+        """out[r] = row r's attention over key positions [max(0, len - window), len) of its
+        block table (csrc/paged_attention.c): q, out [rows, heads, head_dim], caches
+        [blocks, block_size, kv_heads, head_dim], block_tables [rows, width] and
+        context_lens [rows] int32."""
         rows, num_heads, head_dim = q.shape
         _, block_size, kv_heads, cache_head_dim = k_cache.shape
-        # The C code trusts its pointers: check the shapes here; it checks the block ids and
-        # context lengths itself (cheaper than torch reductions on every call).
-        if not all(t.dtype == self.dtype and t.is_contiguous() for t in (q, k_cache, v_cache, out)):
-            raise ValueError("paged attention kernel needs contiguous float32 q, caches and out")
+        _float32(q, k_cache, v_cache, out)
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
             raise ValueError("block_tables and context_lens must be int32")
         if (cache_head_dim != head_dim or v_cache.shape != k_cache.shape or out.shape != q.shape
@@ -163,20 +184,80 @@ class PagedAttention:
             raise ValueError("paged attention kernel got mismatched shapes")
         if rows == 0:
             return out
-        status = self._function(
+        status = self._paged_attention_f32(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
             block_tables.data_ptr(), context_lens.data_ptr(), rows, block_tables.shape[1],
             num_heads, kv_heads, head_dim, block_size, window or 0, head_dim**-0.5,
             out.data_ptr(), torch.get_num_threads(),
         )
-        if status == -2:
+        if status == OUT_OF_BOUNDS:
             raise ValueError("a context length is longer than its block table, or a block "
                              "table names a block outside the cache")
-        if status != 0:
+        if status == NO_MEMORY:
             raise MemoryError("paged attention kernel could not allocate its scratch memory")
+        return out
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """hidden += delta (in place, unless delta is None); returns RMSNorm(hidden) * weight."""
+        rows, width = hidden.shape
+        _float32(hidden, weight, *([delta] if delta is not None else []))
+        if weight.shape != (width,) or (delta is not None and delta.shape != hidden.shape):
+            raise ValueError("add_rms_norm got mismatched shapes")
+        out = torch.empty_like(hidden)
+        self._add_rms_norm_f32(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+                               weight.data_ptr(), eps, out.data_ptr(), rows, width,
+                               torch.get_num_threads())
+        return out
+
+    def rope_store_kv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotary embedding on the q and k of each qkv row ([q | k | v]), with cos/sin
+        [rows, head_dim] for the rows' positions; the rotated key and the value go to cache
+        slot `slots[r]` (int64). Returns q, k [rows, heads, head_dim] and v (a view of qkv)."""
+        rows = qkv.shape[0]
+        _, block_size, kv_heads, head_dim = k_cache.shape
+        _float32(qkv, cos, sin, k_cache, v_cache)
+        q_width, kv_width = num_heads * head_dim, kv_heads * head_dim
+        if (qkv.shape[1] != q_width + 2 * kv_width or cos.shape != (rows, head_dim)
+                or sin.shape != cos.shape or v_cache.shape != k_cache.shape
+                or slots.dtype != torch.int64 or slots.shape != (rows,)
+                or not slots.is_contiguous() or head_dim % 2):
+            raise ValueError("rope_store_kv got mismatched shapes")
+        q = torch.empty(rows, num_heads, head_dim)
+        k = torch.empty(rows, kv_heads, head_dim)
+        status = self._rope_store_kv_f32(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            k_cache.shape[0] * block_size, rows, num_heads, kv_heads, head_dim, q.data_ptr(),
+            k.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads(),
+        )
+        if status == OUT_OF_BOUNDS:
+            raise ValueError("a cache slot is outside the cache")
+        v = qkv[:, q_width + kv_width :].view(rows, kv_heads, head_dim)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows of [gate | up]."""
+        rows, width = gate_up.shape
+        _float32(gate_up)
+        if width % 2:
+            raise ValueError("silu_mul needs rows of [gate | up], an even width")
+        out = torch.empty(rows, width // 2)
+        self._silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2,
+                           torch.get_num_threads())
         return out
 
 
 @cache
-def paged_attention() -> PagedAttention:
-    return PagedAttention()
+def cpu_kernels() -> CpuKernels:
+    """The kernels, built and loaded once per process; raises KernelUnavailableError."""
+    return CpuKernels()

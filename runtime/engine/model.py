@@ -41,7 +41,7 @@ class DecodeGroup:
 class PagedDecode:
     """All decode rows at once, read in place from their blocks by a compiled kernel."""
 
-    kernel: Callable[..., torch.Tensor]  # kernels.PagedAttention
+    kernel: Callable[..., torch.Tensor]  # kernels.CpuKernels.paged_attention
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, padded with block 0
     context_lens: torch.Tensor  # [num_decodes] int32
     window: int | None  # sliding window, None for full attention
@@ -91,8 +91,8 @@ class RotaryTables:
         self.sin = angles.sin().to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        return cos, self.sin.index_select(0, positions).unsqueeze(1)
+        """cos and sin [len(positions), head_dim], contiguous."""
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,6 +179,52 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+class TorchOps:
+    """The element-wise work between a layer's matmuls, in torch ops (any dtype).
+
+    kernels.CpuKernels has the same three methods, fused in C (float32 only); the forward pass
+    calls whichever the runner picked (EngineConfig.ops_backend).
+    """
+
+    def __init__(self, config: ModelConfig):
+        self.kv_heads, self.head_dim = config.num_kv_heads, config.head_dim
+
+    def add_rms_norm(
+        self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """hidden += delta (the residual, in place; skipped for None); RMSNorm(hidden) * weight."""
+        if delta is not None:
+            hidden += delta
+        return rms_norm(hidden, weight, eps)
+
+    def rope_store_kv(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotary embedding on q and k of [q | k | v] rows; k and v stored in their cache slots."""
+        tokens, kv_heads, head_dim = qkv.shape[0], self.kv_heads, self.head_dim
+        q, k, v = qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q.view(tokens, num_heads, head_dim)
+        k = k.view(tokens, kv_heads, head_dim)
+        v = v.view(tokens, kv_heads, head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class DecoderLayer:
     def __init__(
         self, state: dict[str, torch.Tensor], prefix: str, config: ModelConfig, backend: str
@@ -210,9 +256,11 @@ class CausalLM:
         max_len: int,
         dtype: torch.dtype,
         linear_backend: str = "auto",
+        ops: TorchOps | None = None,
     ):
         self.config = config
         self.dtype = dtype
+        self.ops = ops or TorchOps(config)
         self.layers = [
             DecoderLayer(state, f"model.layers.{i}", config, linear_backend)
             for i in range(config.num_layers)
@@ -239,24 +287,21 @@ class CausalLM:
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        cfg = self.config
+        cfg, ops = self.config, self.ops
         tokens = input_ids.shape[0]
         cos, sin = self.rotary.lookup(positions)
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = F.embedding(input_ids, self.embed_tokens)  # the residual stream, added in place
+        delta = None  # the last MLP's output, added to the residual by the next norm
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv_proj(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            x = ops.add_rms_norm(hidden, delta, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = ops.rope_store_kv(layer.qkv_proj(x), cos, sin, meta.slot_mapping,
+                                        k_cache, v_cache, cfg.num_heads)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta)
-            hidden = hidden + layer.o_proj(attn.reshape(tokens, self.q_size))
-            x = rms_norm(hidden, layer.post_attention_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up_proj(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down_proj(F.silu(gate) * up)
+            x = ops.add_rms_norm(hidden, layer.o_proj(attn.reshape(tokens, self.q_size)),
+                                 layer.post_attention_norm, cfg.rms_norm_eps)
+            delta = layer.down_proj(ops.silu_mul(layer.gate_up_proj(x)))
+        if delta is not None:
+            hidden += delta
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -272,7 +317,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
-    """Store this step's k/v in their slots, then attend each row to its sequence's context.
+    """Attend each row to its sequence's context (this step's k/v already in their slots).
 
     Caches are [num_blocks, block_size, kv_heads, head_dim]. Decodes are read in place by the
     compiled kernel when the runner has one; otherwise, like prefill chunks with context, whole
@@ -280,8 +325,6 @@ def paged_attention(
     indexing on CPU) with the positions past each sequence's length masked out.
     """
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
     if (paged := meta.paged_decode) is not None:
         n = meta.num_decodes

@@ -15,6 +15,7 @@ from runtime.engine.model import (
     DecodeGroup,
     PagedDecode,
     PrefillAttention,
+    TorchOps,
 )
 from runtime.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -48,22 +49,22 @@ def num_kv_blocks_for(
     return int(blocks)
 
 
-def attention_kernel(backend: str, dtype: torch.dtype) -> kernels.PagedAttention | None:
-    """The compiled decode-attention kernel for `backend` (see EngineConfig), or None for the
-    torch path. "kernel" raises ValueError where it cannot run; "auto" falls back."""
+def compiled_kernels(backend: str, dtype: torch.dtype) -> kernels.CpuKernels | None:
+    """The compiled kernels for `backend` (EngineConfig.ops_backend), or None for torch ops.
+    "kernels" raises ValueError where they cannot run; "auto" falls back with a warning."""
     if backend == "torch":
         return None
     reason = None
-    if dtype != kernels.PagedAttention.dtype:
-        reason = f"the kernel is float32 only, the model runs in {dtype}"
+    if dtype != kernels.CpuKernels.dtype:
+        reason = f"the kernels are float32 only, the model runs in {dtype}"
     else:
         try:
-            return kernels.paged_attention()
+            return kernels.cpu_kernels()
         except kernels.KernelUnavailableError as error:
             reason = str(error)
-    if backend == "kernel":
-        raise ValueError(f"attention backend 'kernel' cannot run here: {reason}")
-    logger.warning("decode attention falls back to torch: %s", reason)
+    if backend == "kernels":
+        raise ValueError(f"ops backend 'kernels' cannot run here: {reason}")
+    logger.warning("attention and element-wise ops fall back to torch: %s", reason)
     return None
 
 
@@ -81,7 +82,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.dtype = dtype
         state = load_state_dict(config.model, dtype)
-        self.model = CausalLM(model_config, state, max_model_len, dtype, config.linear_backend)
+        self.kernels = compiled_kernels(config.ops_backend, dtype)
+        self.model = CausalLM(model_config, state, max_model_len, dtype, config.linear_backend,
+                              self.kernels or TorchOps(model_config))
         del state  # the layers hold what they need (packed copies, with oneDNN)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
@@ -89,7 +92,6 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         self.sliding_window = model_config.sliding_window
-        self.attention_kernel = attention_kernel(config.attention_backend, dtype)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -129,7 +131,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long))
         if decodes:
             meta.num_decodes = len(decodes)
-            if self.attention_kernel is not None:
+            if self.kernels is not None:
                 meta.paged_decode = self._paged_decode(decodes)
             else:
                 meta.decode_groups = self._decode_groups(decodes)
@@ -146,7 +148,7 @@ class ModelRunner:
         tables = [c.seq.block_table[: -(-c.end // bs)] for c in decodes]
         width = max(len(t) for t in tables)
         return PagedDecode(
-            self.attention_kernel,
+            self.kernels.paged_attention,
             torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
             torch.tensor([c.end for c in decodes], dtype=torch.int32),
             self.sliding_window,

@@ -47,7 +47,7 @@ from runtime.engine.async_engine import (
     EngineUnavailableError,
     RequestStream,
 )
-from runtime.engine.config import ATTENTION_BACKENDS, LINEAR_BACKENDS
+from runtime.engine.config import LINEAR_BACKENDS, OPS_BACKENDS
 from runtime.engine.metrics import DEFAULT_BUCKETS, RequestTimer, ServerMetrics
 from runtime.engine.openai_protocol import (
     ChoiceResult,
@@ -601,7 +601,7 @@ def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
             max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-            linear_backend=args.linear_backend, attention_backend=args.attention_backend))
+            linear_backend=args.linear_backend, ops_backend=args.ops_backend))
     return AsyncEngine(load_engine)
 
 
@@ -745,10 +745,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                         help="weight matmuls: onednn packs weights once (2-3x faster on CPU), "
                              "torch uses F.linear, auto picks oneDNN where this CPU supports it")
-    engine.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                        help="decode attention: kernel reads KV blocks in place (C, built on "
-                             "first use with the machine's compiler; float32), torch gathers "
-                             "them for SDPA, auto uses the kernel where it builds")
+    engine.add_argument("--ops-backend", default="auto", choices=OPS_BACKENDS,
+                        help="attention and element-wise ops: kernels are compiled C (built on "
+                             "first use with the machine's C compiler; float32; attention reads "
+                             "KV blocks in place), torch uses torch ops and gathers KV blocks "
+                             "for SDPA, auto uses the kernels where they build")
     server = parser.add_argument_group("server")
     server.add_argument("--max-body-bytes", type=_size_in_bytes, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (larger ones get 413)")

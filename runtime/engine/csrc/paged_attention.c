@@ -17,17 +17,10 @@
  * Numerics: scores and the weighted sum in float32, softmax with the row maximum subtracted,
  * as SDPA does; only the summation order differs.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__x86_64__)
-/* glibc's libmvec has vector expf (AVX2: 8 at a time); math.h declares it only under
- * -ffast-math, which would also drop the infinities the softmax relies on. Scalar expf is
- * most of the kernel's time otherwise. */
-#pragma omp declare simd notinbranch
-float expf(float);
-#endif
+#include "vector_math.h"
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float sum = 0.0f;

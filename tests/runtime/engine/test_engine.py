@@ -181,7 +181,7 @@ def test_mixed_length_decodes_grouped_for_torch_attention_match_each_prompt_alon
     mixed = [prompts[1] * 3, prompts[2], prompts[0] * 2, prompts[3], prompts[1]]
     alone = [make_engine().generate([p], GREEDY)[0] for p in mixed]
     monkeypatch.setattr(model_runner, "GROUP_OVERHEAD_BLOCKS", 0)
-    engine = make_engine(attention_backend="torch")  # the kernel reads all decodes at once
+    engine = make_engine(ops_backend="torch")  # the kernel reads all decodes at once
     sizes = []
     original = engine.runner._decode_groups
 

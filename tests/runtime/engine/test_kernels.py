@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from runtime.engine import kernels, model_runner
 from runtime.engine.config import EngineConfig
-from runtime.engine.model_runner import attention_kernel
+from runtime.engine.model_runner import compiled_kernels
 from runtime.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -56,7 +56,7 @@ def random_case(*, rows, num_heads, kv_heads, head_dim, block_size, lens, seed=0
 @pytest.fixture(scope="module")
 def kernel():
     try:
-        return kernels.paged_attention()
+        return kernels.cpu_kernels().paged_attention
     except kernels.KernelUnavailableError as error:
         pytest.skip(f"CPU kernels cannot be built here: {error}")
 
@@ -122,7 +122,7 @@ def test_paged_attention_refuses_what_it_would_read_out_of_bounds(kernel):
     outside[0, 0] = -1
     with pytest.raises(ValueError, match="outside the cache"):
         kernel(q, k_cache, v_cache, outside, lens, out)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="contiguous float32"):
         kernel(q.double(), k_cache, v_cache, tables, lens, out)
     with pytest.raises(ValueError, match="int32"):
         kernel(q, k_cache, v_cache, tables.long(), lens, out)
@@ -133,10 +133,10 @@ def test_paged_attention_refuses_what_it_would_read_out_of_bounds(kernel):
 def test_engine_output_is_the_same_with_the_kernel_and_with_torch(make_engine, kernel):
     # Mixed lengths across block boundaries (4 tokens), decoding while other prompts prefill.
     mixed = [[1] + [(i * 7 + n) % 200 + 3 for i in range(n)] for n in (37, 5, 22, 2, 13)]
-    with_torch = make_engine(attention_backend="torch")
-    with_kernel = make_engine(attention_backend="kernel")
-    assert with_torch.runner.attention_kernel is None
-    assert isinstance(with_kernel.runner.attention_kernel, kernels.PagedAttention)
+    with_torch = make_engine(ops_backend="torch")
+    with_kernel = make_engine(ops_backend="kernels")
+    assert with_torch.runner.kernels is None
+    assert isinstance(with_kernel.runner.kernels, kernels.CpuKernels)
     assert with_kernel.generate(mixed, GREEDY) == with_torch.generate(mixed, GREEDY)
 
 
@@ -146,25 +146,25 @@ def test_without_a_compiler_auto_falls_back_and_kernel_refuses(tmp_path, monkeyp
     monkeypatch.setenv("INFEROPS_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     kernels.load.cache_clear()
-    kernels.paged_attention.cache_clear()
+    kernels.cpu_kernels.cache_clear()
     try:
-        assert attention_kernel("auto", torch.float32) is None
+        assert compiled_kernels("auto", torch.float32) is None
         message, reason = warnings[0]
-        assert "falls back to torch" in message and "no-such-compiler" in reason
-        with pytest.raises(ValueError, match="attention backend 'kernel' cannot run here"):
-            attention_kernel("kernel", torch.float32)
+        assert "fall back to torch" in message and "no-such-compiler" in reason
+        with pytest.raises(ValueError, match="ops backend 'kernels' cannot run here"):
+            compiled_kernels("kernels", torch.float32)
     finally:
         kernels.load.cache_clear()
-        kernels.paged_attention.cache_clear()
-    assert attention_kernel("torch", torch.float32) is None
+        kernels.cpu_kernels.cache_clear()
+    assert compiled_kernels("torch", torch.float32) is None
 
 
-def test_kernel_is_float32_only_and_unknown_backends_are_refused():
-    assert attention_kernel("auto", torch.bfloat16) is None
+def test_kernels_are_float32_only_and_unknown_backends_are_refused():
+    assert compiled_kernels("auto", torch.bfloat16) is None
     with pytest.raises(ValueError, match="float32 only"):
-        attention_kernel("kernel", torch.bfloat16)
-    with pytest.raises(ValueError, match="attention_backend must be auto, kernel or torch"):
-        EngineConfig(model="unused", attention_backend="cuda")
+        compiled_kernels("kernels", torch.bfloat16)
+    with pytest.raises(ValueError, match="ops_backend must be auto, kernels or torch"):
+        EngineConfig(model="unused", ops_backend="cuda")
 
 
 def test_a_failing_build_says_why_and_leaves_no_partial_file(tmp_path, monkeypatch):
@@ -190,3 +190,73 @@ def test_kernels_share_torchs_openmp_runtime(kernel):
     maps = open("/proc/self/maps").read().splitlines()
     runtimes = {line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes
+
+
+def fused_case(rows, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    num_heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 16, 4, 8
+    qkv = torch.randn(rows, (num_heads + 2 * kv_heads) * head_dim, generator=generator)
+    angles = torch.rand(rows, head_dim // 2, generator=generator) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:rows]
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return qkv, cos, sin, slots, shape, num_heads
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 20])  # 20: the rows split across threads
+def test_fused_ops_equal_the_torch_ops(kernel, rows):
+    from runtime.engine.config import ModelConfig
+    from runtime.engine.model import TorchOps
+
+    compiled = kernels.cpu_kernels()
+    qkv, cos, sin, slots, shape, num_heads = fused_case(rows)
+    torch_ops = TorchOps(ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 64,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": num_heads,
+        "num_key_value_heads": shape[2],
+    }))
+    caches = {name: (torch.zeros(shape), torch.zeros(shape)) for name in ("torch", "kernels")}
+    results = {
+        name: ops.rope_store_kv(qkv, cos, sin, slots, *caches[name], num_heads)
+        for name, ops in (("torch", torch_ops), ("kernels", compiled))
+    }
+    for expected, got in zip(results["torch"], results["kernels"], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    for expected, got in zip(caches["torch"], caches["kernels"], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    hidden, delta, weight = torch.randn(3, rows, 48).unbind(0)
+    weight = weight[0] if rows else torch.randn(48)
+    for with_delta in (delta, None):
+        mine, theirs = hidden.clone(), hidden.clone()
+        out = compiled.add_rms_norm(mine, with_delta, weight, 1e-6)
+        torch.testing.assert_close(out, torch_ops.add_rms_norm(theirs, with_delta, weight, 1e-6),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine, theirs)  # the residual was updated in place alike
+
+    gate_up = torch.randn(rows, 2 * 40) * 4
+    torch.testing.assert_close(compiled.silu_mul(gate_up), torch_ops.silu_mul(gate_up),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_fused_ops_refuse_bad_shapes_and_slots(kernel):
+    compiled = kernels.cpu_kernels()
+    qkv, cos, sin, slots, shape, num_heads = fused_case(5)
+    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    bad = slots.clone()
+    bad[2] = shape[0] * shape[1]
+    with pytest.raises(ValueError, match="outside the cache"):
+        compiled.rope_store_kv(qkv, cos, sin, bad, k_cache, v_cache, num_heads)
+    assert k_cache.abs().sum() == 0  # refused before anything was written
+    with pytest.raises(ValueError, match="mismatched shapes"):
+        compiled.rope_store_kv(qkv, cos, sin, slots, k_cache, v_cache, num_heads + 1)
+    with pytest.raises(ValueError, match="mismatched shapes"):
+        compiled.rope_store_kv(qkv, cos, sin, slots.int(), k_cache, v_cache, num_heads)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        compiled.rope_store_kv(qkv[:, :-1], cos, sin, slots, k_cache, v_cache, num_heads)
+    with pytest.raises(ValueError, match="mismatched shapes"):
+        compiled.add_rms_norm(torch.randn(2, 8), torch.randn(2, 4), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        compiled.add_rms_norm(torch.randn(2, 8).double(), None, torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match="even width"):
+        compiled.silu_mul(torch.randn(2, 7))

@@ -81,9 +81,9 @@ def hf_greedy(model_dir, prompts, max_new_tokens=MAX_NEW_TOKENS):
 # and the compiled attention kernel sum in other orders than MKL and SDPA (which transformers
 # uses), and the tokens must still be the same.
 @pytest.mark.parametrize(
-    "linear_backend,attention_backend",
+    "linear_backend,ops_backend",
     [
-        pytest.param("onednn", "kernel", marks=[
+        pytest.param("onednn", "kernels", marks=[
             pytest.mark.skipif(not ONEDNN, reason="no oneDNN"),
             pytest.mark.skipif(not KERNELS, reason="CPU kernels cannot be built here"),
         ]),
@@ -92,7 +92,7 @@ def hf_greedy(model_dir, prompts, max_new_tokens=MAX_NEW_TOKENS):
 )
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_greedy_matches_transformers(
-    case, linear_backend, attention_backend, checkpoint_factory, make_engine
+    case, linear_backend, ops_backend, checkpoint_factory, make_engine
 ):
     kind, overrides = CASES[case]
     model_dir = checkpoint_factory(f"parity-{case}", kind, seed=7, **SHARP, **overrides)
@@ -101,10 +101,10 @@ def test_greedy_matches_transformers(
     expected = _hf_outputs[case]
     engine = make_engine(
         model_dir, block_size=4, max_num_batched_tokens=12, max_num_seqs=8,
-        linear_backend=linear_backend, attention_backend=attention_backend,
+        linear_backend=linear_backend, ops_backend=ops_backend,
     )
     assert {layer.qkv_proj.backend for layer in engine.runner.model.layers} == {linear_backend}
-    assert (engine.runner.attention_kernel is not None) == (attention_backend == "kernel")
+    assert (engine.runner.kernels is not None) == (ops_backend == "kernels")
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert engine.generate(PROMPTS, params) == expected
     # The fifth prompt reused the second one's computed blocks.
