@@ -59,10 +59,24 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+/* Blocks read ahead of the one being computed: a block's arithmetic is short next to the
+ * latency of fetching the next one from memory. */
+#define PREFETCH_BLOCKS 2
+
+static inline void prefetch_block(const float *k_cache, const float *v_cache, int32_t block,
+                                  int64_t block_floats) {
+    const char *keys = (const char *)(k_cache + (int64_t)block * block_floats);
+    const char *values = (const char *)(v_cache + (int64_t)block * block_floats);
+    for (int64_t offset = 0; offset < block_floats * (int64_t)sizeof(float); offset += 64) {
+        __builtin_prefetch(keys + offset);
+        __builtin_prefetch(values + offset);
+    }
+}
+
 /* One row: attention of its num_heads query heads over key positions [first, len), a block at
  * a time. Keys and values of a block are [block_size, kv_heads, head_dim], contiguous, so every
- * read is sequential; the next block is prefetched while this one is computed, since its
- * address (a block-table lookup) is a jump the hardware prefetcher cannot guess. Softmax is
+ * read is sequential; blocks ahead are prefetched while this one is computed, since their
+ * addresses (block-table lookups) are jumps the hardware prefetcher cannot guess. Softmax is
  * the online kind: a running maximum per head, the sums rescaled when it grows. */
 static void attend_row(const float *query, const float *k_cache, const float *v_cache,
                        const int32_t *table, int64_t first, int64_t len, int64_t num_heads,
@@ -78,18 +92,13 @@ static void attend_row(const float *query, const float *k_cache, const float *v_
         sums[h] = 0.0f;
     }
     const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
+    for (int64_t b = first_block; b < first_block + PREFETCH_BLOCKS && b <= last_block; b++)
+        prefetch_block(k_cache, v_cache, table[b], block_floats);
     for (int64_t b = first_block; b <= last_block; b++) {
         const float *keys = k_cache + (int64_t)table[b] * block_floats;
         const float *values = v_cache + (int64_t)table[b] * block_floats;
-        if (b < last_block) {
-            const char *next_keys = (const char *)(k_cache + (int64_t)table[b + 1] * block_floats);
-            const char *next_values =
-                (const char *)(v_cache + (int64_t)table[b + 1] * block_floats);
-            for (int64_t offset = 0; offset < block_floats * 4; offset += 64) {
-                __builtin_prefetch(next_keys + offset);
-                __builtin_prefetch(next_values + offset);
-            }
-        }
+        if (b + PREFETCH_BLOCKS <= last_block)
+            prefetch_block(k_cache, v_cache, table[b + PREFETCH_BLOCKS], block_floats);
         const int64_t lo = b == first_block ? first % block_size : 0;
         const int64_t hi = b == last_block ? (len - 1) % block_size + 1 : block_size;
 #ifdef HAVE_AVX2_DOTS
