@@ -181,7 +181,10 @@ def workload_a(base_url: str, model_dir: Path, args: argparse.Namespace) -> Benc
 
 
 def port_is_free(port: int) -> bool:
+    """Nobody listens on the port. SO_REUSEADDR, as the servers bind: connections of the
+    previous server still in TIME_WAIT must not count as taken."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
