@@ -256,7 +256,7 @@ class CausalLM:
         max_len: int,
         dtype: torch.dtype,
         linear_backend: str = "auto",
-        ops: TorchOps | None = None,
+        ops: TorchOps | None = None,  # or kernels.CpuKernels: the same three methods, in C
     ):
         self.config = config
         self.dtype = dtype
