@@ -429,8 +429,7 @@ async def drive(config: BenchConfig, planned: list[PlannedRequest]) -> tuple[lis
     # One pool for the whole run; no cap on it without --max-concurrency (0 = no limit), so
     # the pool never queues requests that the benchmark meant to have in flight.
     connector = aiohttp.TCPConnector(limit=limit or 0)
-    # Like httpx's timeout: a bound on connecting and on each wait for data, not on a whole
-    # (possibly long) stream.
+    # A bound on connecting and on each wait for data, not on a whole (possibly long) stream.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeout_s,
                                     sock_read=config.timeout_s)
     progress = tqdm(

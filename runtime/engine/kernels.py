@@ -84,14 +84,24 @@ def _build() -> Path:
     target = directory / f"{LIBRARY}-{key}.so"
     if target.is_file():
         return target
-    directory.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place: a concurrent builder (another replica
-    # starting) never loads a half-written file.
-    handle, scratch = tempfile.mkstemp(prefix=f".{LIBRARY}-", suffix=".so", dir=directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        # Built beside the target and renamed into place: a concurrent builder (another
+        # replica starting) never loads a half-written file.
+        handle, scratch = tempfile.mkstemp(prefix=f".{LIBRARY}-", suffix=".so", dir=directory)
+    except OSError as error:  # a read-only home, say: run without the kernels, not crash
+        raise KernelUnavailableError(
+            f"cannot write the kernel cache {directory} ({error}); set INFEROPS_KERNEL_CACHE"
+        ) from error
     os.close(handle)
     try:
-        result = subprocess.run([compiler, *CFLAGS, "-o", scratch, *map(str, sources), *LIBS],
-                                capture_output=True, text=True, timeout=300)
+        try:
+            result = subprocess.run(
+                [compiler, *CFLAGS, "-o", scratch, *map(str, sources), *LIBS],
+                capture_output=True, text=True, timeout=300,
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            raise KernelUnavailableError(f"building with {compiler} failed: {error}") from error
         if result.returncode != 0:
             raise KernelUnavailableError(
                 f"building {SOURCE_DIR} with {compiler} failed: {result.stderr.strip()[-2000:]}"

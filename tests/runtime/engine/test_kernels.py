@@ -184,6 +184,18 @@ def test_a_failing_build_says_why_and_leaves_no_partial_file(tmp_path, monkeypat
     assert list(cache.iterdir()) == []
 
 
+def test_an_unwritable_kernel_cache_makes_the_kernels_unavailable(tmp_path, monkeypatch):
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    monkeypatch.setenv("INFEROPS_KERNEL_CACHE", str(not_a_directory / "kernels"))
+    kernels.load.cache_clear()
+    try:
+        with pytest.raises(kernels.KernelUnavailableError, match="set INFEROPS_KERNEL_CACHE"):
+            kernels.load()
+    finally:
+        kernels.load.cache_clear()
+
+
 def test_kernels_share_torchs_openmp_runtime(kernel):
     # A second OpenMP runtime would start its own threads beside torch's and oversubscribe
     # the cores; the library must bind to the libgomp torch already loaded.
@@ -225,8 +237,8 @@ def test_fused_ops_equal_the_torch_ops(kernel, rows):
     for expected, got in zip(caches["torch"], caches["kernels"], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
-    hidden, delta, weight = torch.randn(3, rows, 48).unbind(0)
-    weight = weight[0] if rows else torch.randn(48)
+    hidden, delta = torch.randn(2, rows, 48).unbind(0)
+    weight = torch.randn(48)
     for with_delta in (delta, None):
         mine, theirs = hidden.clone(), hidden.clone()
         out = compiled.add_rms_norm(mine, with_delta, weight, 1e-6)
