@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
     vllm = vllm_spec(model_dir, args.port, args.threads)
     specs = [
         inferops_spec(model_dir, args.port, args.threads,
-                      ["--kv-cache-memory", f"{kv}GiB", *limits]),
+                      ["--kv-cache-memory", f"{kv}GiB", *limits, *shlex.split(args.inferops_args)]),
         ServerSpec(vllm.name, [*vllm.command, *limits],
                    {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": str(kv)}),
     ]
@@ -193,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="both servers' token budget of a step")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument("--inferops-args", default="",
+                        help="extra flags for inferops serve, e.g. '--max-prefill-tokens-with-decodes 512'")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8034)
     parser.add_argument("--seed", type=int, default=0)

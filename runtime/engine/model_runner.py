@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 
 import torch
@@ -49,6 +51,32 @@ def num_kv_blocks_for(
     return int(blocks)
 
 
+# glibc's mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# A step's large intermediates (a 2,048-token step on the small preset allocates ~700 MB of
+# tensors of 6-33 MB each) come back step after step. With glibc's defaults, blocks above its
+# mmap threshold (dynamic, at most 32 MiB) are fresh mappings and freed heap tops go back to
+# the OS, so every such step pays a page fault per 4 KiB of them (~110,000-180,000 faults,
+# 10-15 % of the step; bench/README.md, fifth round). Serving them from the heap and keeping
+# up to a GiB of freed memory makes later steps reuse the same pages.
+MALLOC_TRIM_THRESHOLD_BYTES = 1 << 30
+MALLOC_MMAP_THRESHOLD_BYTES = 256 << 20
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Tune glibc malloc for a process that allocates and frees the same large tensors every
+    step (what tcmalloc or jemalloc would do, without preloading one). Process-wide, like the
+    thread count; a no-op (False) where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD_BYTES)
+    )
+
+
 def compiled_kernels(backend: str, dtype: torch.dtype) -> kernels.CpuKernels | None:
     """The compiled kernels for `backend` (EngineConfig.ops_backend), or None for torch ops.
     "kernels" raises ValueError where they cannot run; "auto" falls back with a warning."""
@@ -79,6 +107,8 @@ class ModelRunner:
     ):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)  # process-wide: the engine owns the CPU
+        if not keep_freed_memory_for_reuse():
+            logger.info("not glibc: malloc left as it is")
         self.block_size = config.block_size
         self.dtype = dtype
         state = load_state_dict(config.model, dtype)

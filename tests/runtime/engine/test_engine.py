@@ -3,6 +3,9 @@ prefix cache, validation, stats."""
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -272,3 +275,33 @@ def test_num_threads_sets_torch_intra_op_threads(make_engine):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="num_threads"):
         make_engine(num_threads=0)
+
+
+
+FAULTS_AFTER_REUSE = """
+import resource, sys, torch
+from runtime.engine.model_runner import keep_freed_memory_for_reuse
+if sys.argv[1] == "tuned":
+    assert keep_freed_memory_for_reuse()
+size = 48 << 20  # above glibc's default (dynamic, at most 32 MiB) mmap threshold
+torch.ones(size // 4).sum()  # the first one may grow the heap
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    torch.ones(size // 4).sum()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt tuning is glibc's")
+def test_freed_step_tensors_are_reused_without_page_faults():
+    # A step allocates and frees the same large tensors every time; with glibc's defaults each
+    # one is a fresh mapping, faulted in again 4 KiB at a time. The engine's runner tunes
+    # malloc at start (process-wide, hence a fresh interpreter for each case).
+    def faults(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", FAULTS_AFTER_REUSE, mode],
+                             capture_output=True, text=True, check=True, timeout=120)
+        return int(run.stdout.split()[-1])
+
+    pages = 5 * (48 << 20) // 4096
+    assert faults("default") > pages // 2
+    assert faults("tuned") < pages // 20
