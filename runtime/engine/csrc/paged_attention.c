@@ -59,6 +59,36 @@ static inline void axpy(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+#ifdef HAVE_AVX2_DOTS
+/* out[0 .. 8 * VECTORS) += sum over t < count of weights[t] * rows[t * stride + ...]: the sums
+ * stay in registers across a block's tokens, so `out` is loaded and stored once a block
+ * instead of once a token (which made the weighted sum load/store bound). */
+#define DEFINE_WEIGHTED_SUM(VECTORS)                                                          \
+    static inline void weighted_sum_##VECTORS(float *out, const float *weights,             \
+                                              const float *rows, int64_t stride,             \
+                                              int64_t count) {                               \
+        __m256 acc[VECTORS];                                                                 \
+        for (int j = 0; j < VECTORS; j++) acc[j] = _mm256_loadu_ps(out + 8 * j);             \
+        for (int64_t t = 0; t < count; t++) {                                                \
+            const __m256 weight = _mm256_set1_ps(weights[t]);                                \
+            const float *row = rows + t * stride;                                            \
+            for (int j = 0; j < VECTORS; j++)                                                \
+                acc[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(row + 8 * j), acc[j]);      \
+        }                                                                                    \
+        for (int j = 0; j < VECTORS; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);             \
+    }
+DEFINE_WEIGHTED_SUM(8)
+DEFINE_WEIGHTED_SUM(1)
+
+/* The same over a head of head_dim floats (a multiple of 8): 64 at a time, then 8 at a time. */
+static inline void weighted_sum(float *out, const float *weights, const float *rows,
+                                int64_t stride, int64_t count, int64_t head_dim) {
+    int64_t i = 0;
+    for (; i + 64 <= head_dim; i += 64) weighted_sum_8(out + i, weights, rows + i, stride, count);
+    for (; i < head_dim; i += 8) weighted_sum_1(out + i, weights, rows + i, stride, count);
+}
+#endif
+
 /* Blocks read ahead of the one being computed: a block's arithmetic is short next to the
  * latency of fetching the next one from memory. */
 #define PREFETCH_BLOCKS 2
@@ -136,6 +166,14 @@ static void attend_row(const float *query, const float *k_cache, const float *v_
             }
             sums[h] += total;
         }
+#ifdef HAVE_AVX2_DOTS
+        if (head_dim % 8 == 0) {
+            for (int64_t h = 0; h < num_heads; h++)
+                weighted_sum(out + h * head_dim, scores + h * block_size + lo,
+                             values + lo * token_stride + (h / group) * head_dim, token_stride,
+                             hi - lo, head_dim);
+        } else
+#endif
         for (int64_t t = lo; t < hi; t++) {
             const float *value = values + t * token_stride;
             for (int64_t h = 0; h < num_heads; h++)
