@@ -32,25 +32,45 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2_DOTS 1
-/* scores[j] = query . keys[j * stride], j < count <= 8, head_dim a multiple of 8: eight
- * dot products reduced together (one horizontal add tree) instead of one at a time. */
-static inline void dots8(const float *query, const float *keys, int64_t stride, int64_t count,
-                         int64_t head_dim, float scale, float *scores) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < head_dim; i += 8) {
-        const __m256 q = _mm256_loadu_ps(query + i);
-        for (int64_t j = 0; j < count; j++)
-            acc[j] = _mm256_fmadd_ps(q, _mm256_loadu_ps(keys + j * stride + i), acc[j]);
+/* scores[j] = query . keys[j * stride], j < COUNT, head_dim a multiple of 8: eight dot
+ * products reduced together (one horizontal add tree) instead of one at a time. COUNT is a
+ * constant so that the accumulators stay in registers: 8 for whole groups, 1 for a tail. */
+#define DEFINE_DOTS(COUNT)                                                                    \
+    static inline void dots_##COUNT(const float *query, const float *keys, int64_t stride,  \
+                                    int64_t head_dim, float scale, float *scores) {          \
+        __m256 acc[8];                                                                       \
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();                            \
+        for (int64_t i = 0; i < head_dim; i += 8) {                                          \
+            const __m256 q = _mm256_loadu_ps(query + i);                                     \
+            for (int j = 0; j < COUNT; j++)                                                  \
+                acc[j] = _mm256_fmadd_ps(q, _mm256_loadu_ps(keys + j * stride + i), acc[j]); \
+        }                                                                                    \
+        const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]);                                   \
+        const __m256 s23 = _mm256_hadd_ps(acc[2], acc[3]);                                   \
+        const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]);                                   \
+        const __m256 s67 = _mm256_hadd_ps(acc[6], acc[7]);                                   \
+        const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);     \
+        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),        \
+                                          _mm256_permute2f128_ps(s0123, s4567, 0x31));       \
+        const __m256 scaled = _mm256_mul_ps(sums, _mm256_set1_ps(scale));                    \
+        if (COUNT == 8) {                                                                    \
+            _mm256_storeu_ps(scores, scaled);                                                \
+        } else {                                                                             \
+            float all[8];                                                                    \
+            _mm256_storeu_ps(all, scaled);                                                   \
+            for (int j = 0; j < COUNT; j++) scores[j] = all[j];                              \
+        }                                                                                    \
     }
-    const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
-    const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                                      _mm256_permute2f128_ps(s0123, s4567, 0x31));
-    float all[8];
-    _mm256_storeu_ps(all, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-    for (int64_t j = 0; j < count; j++) scores[j] = all[j];
+DEFINE_DOTS(8)
+DEFINE_DOTS(1)
+
+/* Scores of keys [0, count) of a block: eight at a time, then one at a time. */
+static inline void block_dots(const float *query, const float *keys, int64_t stride,
+                              int64_t count, int64_t head_dim, float scale, float *scores) {
+    int64_t t = 0;
+    for (; t + 8 <= count; t += 8)
+        dots_8(query, keys + t * stride, stride, head_dim, scale, scores + t);
+    for (; t < count; t++) dots_1(query, keys + t * stride, stride, head_dim, scale, scores + t);
 }
 #endif
 
@@ -134,10 +154,8 @@ static void attend_row(const float *query, const float *k_cache, const float *v_
 #ifdef HAVE_AVX2_DOTS
         if (head_dim % 8 == 0) {
             for (int64_t h = 0; h < num_heads; h++)
-                for (int64_t t = lo; t < hi; t += 8)
-                    dots8(query + h * head_dim, keys + t * token_stride + (h / group) * head_dim,
-                          token_stride, hi - t < 8 ? hi - t : 8, head_dim, scale,
-                          scores + h * block_size + t);
+                block_dots(query + h * head_dim, keys + lo * token_stride + (h / group) * head_dim,
+                           token_stride, hi - lo, head_dim, scale, scores + h * block_size + lo);
         } else
 #endif
         for (int64_t t = lo; t < hi; t++) {

@@ -67,7 +67,9 @@ def kernel():
         (4, 2, 64, 16, [1, 15, 16, 17, 100, 130]),  # block boundaries, GQA 2
         (4, 4, 64, 4, [3, 9, 40]),  # plain multi-head
         (8, 1, 32, 16, [50, 7]),  # multi-query
-        (6, 3, 24, 8, [5, 33, 64]),  # head_dim not a multiple of 8: the portable path
+        (4, 2, 128, 16, [1, 8, 9, 33]),  # head_dim in two 64-float slices
+        (2, 1, 96, 16, [23, 40]),  # one 64-float slice, then 8-float ones
+        (6, 3, 20, 8, [5, 33, 64]),  # head_dim not a multiple of 8: the portable path
     ],
 )
 def test_paged_attention_equals_sdpa_over_gathered_blocks(
