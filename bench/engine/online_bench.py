@@ -123,9 +123,10 @@ def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
     limits = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     vllm = vllm_spec(model_dir, args.port, args.threads)
+    extra = shlex.split(args.inferops_args)
     specs = [
         inferops_spec(model_dir, args.port, args.threads,
-                      ["--kv-cache-memory", f"{kv}GiB", *limits, *shlex.split(args.inferops_args)]),
+                      ["--kv-cache-memory", f"{kv}GiB", *limits, *extra]),
         ServerSpec(vllm.name, [*vllm.command, *limits],
                    {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": str(kv)}),
     ]
@@ -195,7 +196,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--inferops-args", default="",
-                        help="extra flags for inferops serve, e.g. '--max-prefill-tokens-with-decodes 512'")
+                        help="extra flags for inferops serve only, e.g. "
+                             "'--max-prefill-tokens-with-decodes 512'")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8034)
     parser.add_argument("--seed", type=int, default=0)

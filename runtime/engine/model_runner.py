@@ -56,7 +56,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 # A step's large intermediates (a 2,048-token step on the small preset allocates ~700 MB of
 # tensors of 6-33 MB each) come back step after step. With glibc's defaults, blocks above its
 # mmap threshold (dynamic, at most 32 MiB) are fresh mappings and freed heap tops go back to
-# the OS, so every such step pays a page fault per 4 KiB of them (~110,000-180,000 faults,
+# the OS, so every such step pays a page fault per 4 KiB of them (~110,000-200,000 faults,
 # 10-15 % of the step; bench/README.md, fifth round). Serving them from the heap and keeping
 # up to a GiB of freed memory makes later steps reuse the same pages.
 MALLOC_TRIM_THRESHOLD_BYTES = 1 << 30

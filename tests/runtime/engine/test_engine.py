@@ -277,7 +277,6 @@ def test_num_threads_sets_torch_intra_op_threads(make_engine):
         make_engine(num_threads=0)
 
 
-
 FAULTS_AFTER_REUSE = """
 import resource, sys, torch
 from runtime.engine.model_runner import keep_freed_memory_for_reuse
