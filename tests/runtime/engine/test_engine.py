@@ -283,7 +283,8 @@ from runtime.engine.model_runner import keep_freed_memory_for_reuse
 if sys.argv[1] == "tuned":
     assert keep_freed_memory_for_reuse()
 size = 48 << 20  # above glibc's default (dynamic, at most 32 MiB) mmap threshold
-torch.ones(size // 4).sum()  # the first one may grow the heap
+for _ in range(3):  # the first ones grow the heap (a small block may land in a freed one)
+    torch.ones(size // 4).sum()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):
     torch.ones(size // 4).sum()
@@ -295,7 +296,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_freed_step_tensors_are_reused_without_page_faults():
     # A step allocates and frees the same large tensors every time; with glibc's defaults each
     # one is a fresh mapping, faulted in again 4 KiB at a time. The engine's runner tunes
-    # malloc at start (process-wide, hence a fresh interpreter for each case).
+    # malloc at start (process-wide, hence a fresh interpreter for each case). Steady state is
+    # what counts: the first tensors grow the heap either way.
     def faults(mode: str) -> int:
         run = subprocess.run([sys.executable, "-c", FAULTS_AFTER_REUSE, mode],
                              capture_output=True, text=True, check=True, timeout=120)
@@ -303,4 +305,4 @@ def test_freed_step_tensors_are_reused_without_page_faults():
 
     pages = 5 * (48 << 20) // 4096
     assert faults("default") > pages // 2
-    assert faults("tuned") < pages // 20
+    assert faults("tuned") < pages // 20  # under a quarter of one tensor's pages
