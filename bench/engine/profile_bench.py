@@ -179,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     if not port_is_free(args.port):
         print(f"port {args.port} is taken; pass --port", file=sys.stderr)
         return 1
+    if not Path(args.py_spy).is_file():
+        print(f"no py-spy at {args.py_spy}: python3 -m venv /tmp/pyspy-venv && "
+              "/tmp/pyspy-venv/bin/pip install py-spy, or pass --py-spy", file=sys.stderr)
+        return 1
     raw_path = HERE / "work" / f"profile_{args.workload}.txt"
     server = RunningServer(inferops_spec(model_dir, args.port, args.threads, []), HERE / "work" / "profile.log")
     try:
