@@ -18,6 +18,7 @@ import collections
 import json
 import linecache
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     if not port_is_free(args.port):
         print(f"port {args.port} is taken; pass --port", file=sys.stderr)
         return 1
-    if not Path(args.py_spy).is_file():
+    if shutil.which(args.py_spy) is None:  # a path, or a name on PATH
         print(f"no py-spy at {args.py_spy}: python3 -m venv /tmp/pyspy-venv && "
               "/tmp/pyspy-venv/bin/pip install py-spy, or pass --py-spy", file=sys.stderr)
         return 1
