@@ -2,12 +2,12 @@
 
 A run starts a server with `serving_bench.RunningServer`, drives it with
 `runtime.loadgen.run_benchmark`, and reads the replica's own counters from /metrics, the
-server process's resident memory and the machine's load average around the run.
+server process's resident memory and the machine's load and CPU steal around the run
+(`MachineLoad`).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import threading
@@ -22,9 +22,11 @@ from serving_bench import (  # noqa: E402
     DEFAULT_MODEL_DIR,
     REPORTED,
     SERVED_NAME,
+    MachineLoad,
     RunningServer,
     ServerSpec,
     benchmark_model,
+    load_average,
     port_is_free,
     server_specs,
 )
@@ -35,6 +37,7 @@ __all__ = [
     "DEFAULT_MODEL_DIR",
     "REPORTED",
     "SERVED_NAME",
+    "MachineLoad",
     "RssSampler",
     "RunningServer",
     "ServerSpec",
@@ -65,10 +68,6 @@ def metric_total(base_url: str, name: str) -> float:
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
     pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", re.MULTILINE)
     return sum(float(value) for value in pattern.findall(text))
-
-
-def load_average() -> list[float]:
-    return [round(value, 2) for value in os.getloadavg()]
 
 
 def rss_bytes(pid: int) -> int | None:

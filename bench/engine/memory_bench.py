@@ -20,11 +20,11 @@ import torch
 from engine_runs import (
     REPORTED,
     SERVED_NAME,
+    MachineLoad,
     RssSampler,
     RunningServer,
     benchmark_model,
     inferops_spec,
-    load_average,
     metric_total,
     port_is_free,
     rss_bytes,
@@ -69,9 +69,8 @@ def run_once(num_blocks: int, model_dir: Path, args: argparse.Namespace) -> dict
         server.wait_ready(base_url, args.startup_timeout)
         rss_ready = rss_bytes(server.process.pid) or 0
         preemptions_before = metric_total(base_url, "vllm:num_preemptions_total")
-        load_before = load_average()
         print(f"benchmarking {num_blocks} KV blocks ...", file=sys.stderr)
-        with RssSampler(server.process.pid) as rss:
+        with MachineLoad() as machine, RssSampler(server.process.pid) as rss:
             metrics = run_benchmark(burst_workload(base_url, model_dir, args))
         preemptions = metric_total(base_url, "vllm:num_preemptions_total") - preemptions_before
     except RuntimeError as error:
@@ -87,8 +86,7 @@ def run_once(num_blocks: int, model_dir: Path, args: argparse.Namespace) -> dict
         rss_ready_mib=round(rss_ready / MIB, 1),
         rss_peak_mib=round(rss.peak / MIB, 1),
         rss_samples=len(rss.samples),
-        load_average_before=load_before,
-        load_average_after=load_average(),
+        **machine.fields(),
     )
     return result
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from engine_runs import (
     REPORTED,
     SERVED_NAME,
+    MachineLoad,
     RunningServer,
     ServerSpec,
     benchmark_model,
@@ -101,13 +102,13 @@ def probe_saturation_rate(session: ServerSession, args: argparse.Namespace) -> d
 def measure(
     session: ServerSession, args: argparse.Namespace, rate: float, name: str, seed_offset: int
 ) -> dict:
-    load_before = load_average()
     print(f"benchmarking {name} at {rate:.3f} req/s ...", file=sys.stderr)
-    metrics = run_benchmark(
-        workload_b(session.base_url, session.model_dir, args, rate, seed_offset)
-    )
+    with MachineLoad() as machine:
+        metrics = run_benchmark(
+            workload_b(session.base_url, session.model_dir, args, rate, seed_offset)
+        )
     result = {key: metrics[key] for key in REPORTED}
-    result.update(load_average_before=load_before, load_average_after=load_average())
+    result.update(machine.fields())
     return result
 
 

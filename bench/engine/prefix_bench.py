@@ -19,10 +19,10 @@ from pathlib import Path
 from engine_runs import (
     REPORTED,
     SERVED_NAME,
+    MachineLoad,
     RunningServer,
     benchmark_model,
     inferops_spec,
-    load_average,
     metric_total,
     port_is_free,
     warm_up,
@@ -62,9 +62,9 @@ def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Names
         warm_up(base_url, model_dir)
         hits_before = metric_total(base_url, "vllm:prefix_cache_hits_total")
         queries_before = metric_total(base_url, "vllm:prefix_cache_queries_total")
-        load_before = load_average()
         print(f"benchmarking prefix cache {label} ...", file=sys.stderr)
-        metrics = run_benchmark(shared_prefix_workload(base_url, model_dir, args))
+        with MachineLoad() as machine:
+            metrics = run_benchmark(shared_prefix_workload(base_url, model_dir, args))
         hits = metric_total(base_url, "vllm:prefix_cache_hits_total") - hits_before
         queries = metric_total(base_url, "vllm:prefix_cache_queries_total") - queries_before
     except RuntimeError as error:
@@ -76,8 +76,7 @@ def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Names
         prefix_cache_hits=hits,
         prefix_cache_queries=queries,
         prefix_cache_hit_rate=round(hits / queries, 4) if queries else None,
-        load_average_before=load_before,
-        load_average_after=load_average(),
+        **machine.fields(),
     )
     return result
 

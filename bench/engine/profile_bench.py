@@ -26,10 +26,10 @@ from pathlib import Path
 
 from engine_runs import (
     SERVED_NAME,
+    MachineLoad,
     RunningServer,
     benchmark_model,
     inferops_spec,
-    load_average,
     port_is_free,
 )
 
@@ -189,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server.wait_ready(base_url, args.startup_timeout)
         run_benchmark(burst(base_url, model_dir, 2))
-        load_before = load_average()
         workload = burst(base_url, model_dir, args.num_prompts, args.workload)
         throughputs: list[float] = []
 
@@ -202,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         load.start()
         spy = [args.py_spy, "record", "--pid", str(server.process.pid), "--duration", str(args.seconds),
                "--format", "raw", "--output", str(raw_path), "--threads", "--nonblocking"]
-        subprocess.run(spy, check=True, capture_output=True)
-        load_after = load_average()
+        with MachineLoad() as machine:
+            subprocess.run(spy, check=True, capture_output=True)
         load.join()
     finally:
         server.stop()
@@ -215,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             "shared_prefix_len": workload.shared_prefix_len, "threads": args.threads,
         },
         "profile_seconds": args.seconds,
-        "load_average_before": load_before,
-        "load_average_after": load_after,
+        **machine.fields(),
         "output_throughput_per_burst": [round(value, 1) for value in throughputs],
         **summarise(read_collapsed(raw_path)),
     }

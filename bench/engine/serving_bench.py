@@ -68,6 +68,56 @@ REPORTED = (
 )
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters: /proc/stat's first line (user, nice, system, idle,
+    iowait, irq, softirq, steal, ...), in clock ticks; empty where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(field) for field in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+STEAL = 7  # index of steal time in cpu_times()
+
+
+class MachineLoad:
+    """Load average and CPU steal around a measured run.
+
+    Steal is time the hypervisor gave this VM's virtual CPUs to other guests. On a shared VM
+    it is what the load average misses: 5-30 % steal made the same workload A round run at
+    130-890 tok/s minutes apart (bench/README.md, seventh round), so a run with high steal
+    ran on a slower machine and its ratio to a run without says little.
+    """
+
+    def __enter__(self) -> MachineLoad:
+        self.load_before = load_average()
+        self._cpu_before = cpu_times()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.load_after = load_average()
+        self._cpu_after = cpu_times()
+
+    @property
+    def steal_share(self) -> float | None:
+        """Share of all CPU time during the run that was stolen, 0..1 (None: not known)."""
+        before, after = self._cpu_before, self._cpu_after
+        if len(before) <= STEAL or len(after) != len(before):
+            return None
+        # guest time (fields 8 and 9) is already counted in user and nice
+        total = sum(a - b for a, b in zip(after[:STEAL + 1], before[:STEAL + 1], strict=True))
+        return round((after[STEAL] - before[STEAL]) / total, 4) if total > 0 else None
+
+    def fields(self) -> dict:
+        return {"load_average_before": self.load_before, "load_average_after": self.load_after,
+                "cpu_steal_share": self.steal_share}
+
+
+def load_average() -> list[float]:
+    return [round(value, 2) for value in os.getloadavg()]
+
+
 @dataclass
 class ServerSpec:
     name: str
@@ -247,11 +297,11 @@ def bench_servers(wanted: list[str], model_dir: Path, args: argparse.Namespace) 
                     # be served from the prefix cache, and workload A is a cold burst.
                     config = workload_a(base_url, model_dir, args)
                     config.seed = args.seed + 100 + round_number
-                    metrics = run_benchmark(config)
+                    with MachineLoad() as machine:
+                        metrics = run_benchmark(config)
                     rounds.setdefault(name, []).append(
                         {key: metrics[key] for key in REPORTED}
-                        | {"session": session + 1,
-                           "load_average": [round(v, 2) for v in os.getloadavg()]}
+                        | {"session": session + 1} | machine.fields()
                     )
             finally:
                 server.stop()
