@@ -140,3 +140,24 @@ def test_a_possible_stop_string_start_is_held_back(tokenizer):
     delta, stopped = detok.update(ids, finished=False)
     assert (delta, stopped) == ("Hello wo", False)  # the last 3 characters could start "xyz!"
     assert detok.flush(ids) == "rld"
+
+
+def first_cut_inside_a_character(tokenizer, ids):
+    return next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith(REPLACEMENT_CHAR))
+
+
+def test_an_output_ending_inside_a_character_gives_its_bytes_at_the_end(tokenizer):
+    ids = tokenizer.encode(" Tokyo 東京", add_special_tokens=False)
+    cut = first_cut_inside_a_character(tokenizer, ids)
+    deltas, _ = stream(tokenizer, tokenizer.encode("Hello"), ids[:cut])
+    assert "".join(deltas) == tokenizer.decode(ids[:cut])
+    assert deltas[-1].endswith(REPLACEMENT_CHAR)
+    assert all(REPLACEMENT_CHAR not in d for d in deltas[:-1])
+
+
+def test_a_prompt_ending_inside_a_character_keeps_it_out_of_the_output(tokenizer):
+    ids = tokenizer.encode("東京", add_special_tokens=False)
+    cut = first_cut_inside_a_character(tokenizer, ids)
+    output_ids = tokenizer.encode(" and Osaka", add_special_tokens=False)
+    deltas, _ = stream(tokenizer, ids[:cut], output_ids)
+    assert "".join(deltas) == " and Osaka"
