@@ -84,10 +84,10 @@ STEAL = 7  # index of steal time in cpu_times()
 class MachineLoad:
     """Load average and CPU steal around a measured run.
 
-    Steal is time the hypervisor gave this VM's virtual CPUs to other guests. On a shared VM
-    it is what the load average misses: 5-30 % steal made the same workload A round run at
-    130-890 tok/s minutes apart (bench/README.md, seventh round), so a run with high steal
-    ran on a slower machine and its ratio to a run without says little.
+    Steal is time the hypervisor gave this VM's virtual CPUs to other guests, which the load
+    average cannot see. A run with much of it ran on a slower machine: in the seventh round
+    (bench/README.md) a prefix-cache round with 57 % steal had a TTFT median of 726 ms where
+    the same settings gave 53-63 ms in five other rounds.
     """
 
     def __enter__(self) -> MachineLoad:
