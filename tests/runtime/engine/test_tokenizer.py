@@ -161,3 +161,26 @@ def test_a_prompt_ending_inside_a_character_keeps_it_out_of_the_output(tokenizer
     output_ids = tokenizer.encode(" and Osaka", add_special_tokens=False)
     deltas, _ = stream(tokenizer, ids[:cut], output_ids)
     assert "".join(deltas) == " and Osaka"
+
+
+def test_a_stream_that_refuses_a_token_falls_back_to_decoding_the_whole_output(tokenizer):
+    """tokenizers' DecodeStream raises when a decoder rewrote text it had already given; the
+    detokenizer then decodes the output as a whole and goes on with a fresh stream."""
+
+    class RefusesOnce:
+        def __init__(self, stream):
+            self.stream, self.refused = stream, False
+
+        def step(self, backend, token_id):
+            if not self.refused:
+                self.refused = True
+                raise Exception("Invalid prefix encountered")  # what tokenizers raises
+            return self.stream.step(backend, token_id)
+
+    prompt = tokenizer.encode("Hello")
+    output_ids = tokenizer.encode(" brave new world", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt, [])
+    detok._stream = RefusesOnce(detok._stream)
+    deltas = [detok.update(output_ids[:i], finished=i == len(output_ids))[0]
+              for i in range(1, len(output_ids) + 1)]
+    assert "".join(deltas) == " brave new world"
