@@ -151,7 +151,10 @@ def test_counts_and_latencies_follow_the_stream(responder, make_config):
     assert metrics["errors"] == {}
     # The responder sleeps at least these long; scheduling can only add.
     assert metrics["p50_ttft_ms"] >= TTFT_S * 1000
-    assert metrics["p50_itl_ms"] >= CHUNK_GAP_S * 1000
+    # Not so for one gap between chunks: a chunk that reaches the client late (a busy or
+    # CPU-starved machine) makes the next gap shorter than the responder's sleep (a p50 of
+    # 9.0 ms was seen in CI). Over all gaps only the first chunk's delay is taken off.
+    assert metrics["mean_itl_ms"] >= CHUNK_GAP_S * 1000 * 0.5
     assert metrics["mean_e2el_ms"] >= (TTFT_S + 4 * CHUNK_GAP_S) * 1000
     # TPOT is (E2EL - TTFT) / (tokens - 1) for each request.
     expected_tpot = np.mean(
