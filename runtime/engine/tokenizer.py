@@ -91,12 +91,6 @@ class Tokenizer:
                 eos_ids.append(token_id)
         self.eos_token_ids: list[int] = eos_ids
         self._compiled_template = None
-        # Special tokens decode to nothing (skip_special_tokens), so a detokenizer window never
-        # starts at one.
-        self.special_ids = frozenset(
-            token_id for token_id, token in backend.get_added_tokens_decoder().items()
-            if token.special
-        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
