@@ -8,6 +8,7 @@ processes, Redis, Postgres, the usage ingestion, and the official `openai` clien
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -146,17 +147,26 @@ def test_replica_killed_mid_load_fails_no_request_that_had_not_started_streaming
     client = platform["client"]
     victim = Replica.objects.filter(deployment=platform["deployment"], state="ready").first()
     outcomes: list[tuple[str, str | None]] = []
-    stop = threading.Event()
+    killed = threading.Event()
+    sent_after_kill = itertools.count()
 
-    def killer():
-        time.sleep(1.5)
-        os.kill(victim.identity["pid"], signal.SIGKILL)
-        stop.set()
+    # Eight clients send back to back, so about eight requests are in flight whenever the kill
+    # lands; the load is counted in requests, not seconds, so a fast CPU cannot finish it first.
+    def client_loop(first: int):
+        for index in range(first, 10_000, 8):
+            if killed.is_set() and next(sent_after_kill) >= 32:
+                return
+            outcomes.append(one_request(client, index))
 
-    threading.Thread(target=killer, daemon=True).start()
     with ThreadPoolExecutor(max_workers=8) as pool:
-        outcomes += list(pool.map(lambda i: one_request(client, i), range(64)))
-    assert stop.is_set()
+        loops = [pool.submit(client_loop, first) for first in range(8)]
+        try:
+            wait_for(lambda: len(outcomes) >= 16, 60, "the load to get going")
+            os.kill(victim.identity["pid"], signal.SIGKILL)
+        finally:
+            killed.set()
+        for loop in loops:
+            loop.result()
     failed_early = [error for kind, error in outcomes if kind == "failed_before_stream"]
     assert failed_early == [], failed_early
     mid_stream = sum(kind == "failed_mid_stream" for kind, _ in outcomes)
