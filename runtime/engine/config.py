@@ -41,7 +41,8 @@ class EngineConfig:
     # Decode attention and the element-wise work between matmuls (norms, rotary, SiLU, cache
     # writes): "kernels" (compiled C, runtime/engine/csrc; attention reads KV blocks in
     # place; float32 only), "torch" (gathers blocks for SDPA; torch ops), "auto" (the
-    # kernels where they build and the dtype is float32).
+    # kernels where they build). With bf16 weights and the kernels, activations and the KV
+    # cache stay float32 (model_runner.activation_dtype).
     ops_backend: str = "auto"
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ import torch
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.config import EngineConfig, ModelConfig
 from runtime.engine.loader import resolve_dtype
-from runtime.engine.model_runner import ModelRunner, num_kv_blocks_for
+from runtime.engine.model_runner import ModelRunner, activation_dtype, num_kv_blocks_for
 from runtime.engine.sampling import Sampler, SamplingParams
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
@@ -88,13 +88,15 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.served_model_name = config.served_model_name or config.model
-        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype)  # weights
+        self.activation_dtype = activation_dtype(config.ops_backend, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_kv_blocks = num_kv_blocks_for(
-            config, self.model_config, self.max_model_len, self.dtype
+            config, self.model_config, self.max_model_len, self.activation_dtype
         )
         self.runner = ModelRunner(
-            config, self.model_config, self.dtype, self.max_model_len, self.num_kv_blocks
+            config, self.model_config, self.dtype, self.activation_dtype, self.max_model_len,
+            self.num_kv_blocks,
         )
         self.block_manager = BlockManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching

@@ -146,6 +146,7 @@ class Linear:
         if backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, not {backend!r}")
         self.bias = bias
+        self.dtype = weight.dtype
         self.packed = self.weight_t = self.weight = None
         if backend != "torch":
             try:
@@ -167,6 +168,13 @@ class Linear:
         return "onednn" if self.packed is not None else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x in any float dtype; it is multiplied in the weight's dtype and returned in its own
+        (bf16 weights with float32 activations: see model_runner.activation_dtype)."""
+        if x.dtype != self.dtype:
+            return self._multiply(x.to(self.dtype)).to(x.dtype)
+        return self._multiply(x)
+
+    def _multiply(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             rows = x.shape[0]
             padding = padded_rows(rows) - rows
@@ -227,11 +235,16 @@ class TorchOps:
 
 class DecoderLayer:
     def __init__(
-        self, state: dict[str, torch.Tensor], prefix: str, config: ModelConfig, backend: str
+        self,
+        state: dict[str, torch.Tensor],
+        prefix: str,
+        config: ModelConfig,
+        backend: str,
+        dtype: torch.dtype,
     ):
         attn = f"{prefix}.self_attn"
-        self.input_norm = state[f"{prefix}.input_layernorm.weight"]
-        self.post_attention_norm = state[f"{prefix}.post_attention_layernorm.weight"]
+        self.input_norm = state[f"{prefix}.input_layernorm.weight"].to(dtype)
+        self.post_attention_norm = state[f"{prefix}.post_attention_layernorm.weight"].to(dtype)
         # Fused projections: one matmul for q/k/v and one for gate/up.
         self.qkv_proj = Linear(
             torch.cat([state[f"{attn}.{p}_proj.weight"] for p in "qkv"]),
@@ -258,21 +271,23 @@ class CausalLM:
         linear_backend: str = "auto",
         ops: TorchOps | None = None,  # or kernels.CpuKernels: the same three methods, in C
     ):
+        """`dtype` is the activations' (the residual stream, norms, rotary, attention); the
+        matmul weights keep the dtype `state` holds them in."""
         self.config = config
         self.dtype = dtype
         self.ops = ops or TorchOps(config)
         self.layers = [
-            DecoderLayer(state, f"model.layers.{i}", config, linear_backend)
+            DecoderLayer(state, f"model.layers.{i}", config, linear_backend, dtype)
             for i in range(config.num_layers)
         ]
-        self.norm = state["model.norm.weight"]
-        self.embed_tokens = state["model.embed_tokens.weight"]
+        self.norm = state["model.norm.weight"].to(dtype)
+        self.embed_tokens = state["model.embed_tokens.weight"].to(dtype)
         tied = config.tie_word_embeddings or "lm_head.weight" not in state
-        head = self.embed_tokens if tied else state["lm_head.weight"]
+        head = state["model.embed_tokens.weight" if tied else "lm_head.weight"]
         # With tied embeddings and oneDNN, the packed head is a second copy of the embedding
         # table (vocab x hidden): the lookup needs plain rows, the GEMM the blocked layout.
         self.lm_head = Linear(head, backend=linear_backend, transposed_fallback=True)
-        if tied and self.lm_head.weight_t is not None:
+        if tied and self.lm_head.weight_t is not None and self.lm_head.dtype == dtype:
             # The torch fallback's W^T holds the same numbers: look rows up through a strided
             # view of it rather than keeping the table twice.
             self.embed_tokens = self.lm_head.weight_t.t()

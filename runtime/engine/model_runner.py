@@ -97,6 +97,25 @@ def compiled_kernels(backend: str, dtype: torch.dtype) -> kernels.CpuKernels | N
     return None
 
 
+def activation_dtype(ops_backend: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of activations and of the KV cache for weights in `weight_dtype`.
+
+    bf16 weights keep activations in float32 wherever the compiled kernels run (they are
+    float32 only): each matmul converts its input to bf16 and its output back, so the matmuls
+    run at bf16 speed (oneDNN; native on CPUs with AVX512-BF16 or AMX, ~2x float32 here) while
+    the norms, rotary, attention and the residual stream run in the C kernels, and stay closer
+    to float32 numerics. torch's own bf16 element-wise ops and attention on CPU are slower than
+    the kernels in float32 (bench/README.md, ninth round). The price: a float32 KV cache, twice
+    the bytes a token. `ops_backend="torch"` keeps everything in bf16."""
+    if weight_dtype != torch.bfloat16 or ops_backend == "torch":
+        return weight_dtype
+    try:
+        kernels.cpu_kernels()
+    except kernels.KernelUnavailableError:
+        return weight_dtype
+    return torch.float32
+
+
 def long_tensor(values: list[int]) -> torch.Tensor:
     """torch.tensor(values, dtype=torch.long) through numpy, which converts a list of a
     step's 2,048 ints 3.5x faster (160 vs 550 us)."""
@@ -108,7 +127,8 @@ class ModelRunner:
         self,
         config: EngineConfig,
         model_config: ModelConfig,
-        dtype: torch.dtype,
+        weight_dtype: torch.dtype,
+        dtype: torch.dtype,  # activations and KV cache: activation_dtype()
         max_model_len: int,
         num_blocks: int,
     ):
@@ -118,7 +138,7 @@ class ModelRunner:
             logger.info("not glibc: malloc left as it is")
         self.block_size = config.block_size
         self.dtype = dtype
-        state = load_state_dict(config.model, dtype)
+        state = load_state_dict(config.model, weight_dtype)
         self.kernels = compiled_kernels(config.ops_backend, dtype)
         self.model = CausalLM(model_config, state, max_model_len, dtype, config.linear_backend,
                               self.kernels or TorchOps(model_config))

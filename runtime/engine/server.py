@@ -720,7 +720,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and KV cache dtype; auto follows the checkpoint")
+                        help="weights dtype (auto follows the checkpoint); with bfloat16 and "
+                             "the compiled kernels, activations and the KV cache stay float32 "
+                             "and only the matmuls run in bf16")
     engine.add_argument("--max-num-seqs", type=int, default=64,
                         help="most sequences in one batch")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512,

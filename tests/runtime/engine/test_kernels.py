@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from runtime.engine import kernels, model_runner
 from runtime.engine.config import EngineConfig
-from runtime.engine.model_runner import compiled_kernels
+from runtime.engine.model_runner import activation_dtype, compiled_kernels
 from runtime.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -151,6 +151,8 @@ def test_without_a_compiler_auto_falls_back_and_kernel_refuses(tmp_path, monkeyp
     kernels.cpu_kernels.cache_clear()
     try:
         assert compiled_kernels("auto", torch.float32) is None
+        # Without the kernels, bf16 weights keep bf16 activations (torch ops throughout).
+        assert activation_dtype("auto", torch.bfloat16) == torch.bfloat16
         message, reason = warnings[0]
         assert "fall back to torch" in message and "no-such-compiler" in reason
         with pytest.raises(ValueError, match="ops backend 'kernels' cannot run here"):
@@ -159,6 +161,14 @@ def test_without_a_compiler_auto_falls_back_and_kernel_refuses(tmp_path, monkeyp
         kernels.load.cache_clear()
         kernels.cpu_kernels.cache_clear()
     assert compiled_kernels("torch", torch.float32) is None
+
+
+def test_bf16_weights_run_with_float32_activations_where_the_kernels_do(kernel):
+    assert activation_dtype("auto", torch.bfloat16) == torch.float32
+    assert activation_dtype("kernels", torch.bfloat16) == torch.float32
+    assert activation_dtype("torch", torch.bfloat16) == torch.bfloat16
+    assert activation_dtype("auto", torch.float32) == torch.float32
+    assert activation_dtype("auto", torch.float16) == torch.float16
 
 
 def test_kernels_are_float32_only_and_unknown_backends_are_refused():

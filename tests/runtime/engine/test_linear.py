@@ -52,6 +52,19 @@ def test_auto_falls_back_where_onednn_cannot_run_the_dtype():
     torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_weights_take_float32_input_and_return_float32(backend):
+    # The engine's bf16 mode: float32 activations, each matmul in the weight's dtype.
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 48, generator=generator).bfloat16()
+    bias = torch.randn(64, generator=generator).bfloat16()
+    x = torch.randn(9, 48, generator=generator)
+    out = Linear(weight, bias, backend=backend)(x)
+    assert out.dtype == torch.float32 and out.shape == (9, 64)
+    expected = F.linear(x.bfloat16(), weight, bias).float()
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
 def test_unknown_backend_is_refused():
     with pytest.raises(ValueError, match="linear backend must be one of"):
         Linear(torch.randn(4, 4), backend="mkl")

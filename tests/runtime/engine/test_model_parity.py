@@ -155,15 +155,23 @@ def test_sharded_checkpoint_loads_every_shard(tmp_path, tiny_llama_dir):
     assert all(torch.equal(sharded[k], single[k]) for k in single)
 
 
-def test_bfloat16_weights_follow_the_checkpoint_dtype(checkpoint_factory, make_engine):
+@pytest.mark.parametrize("ops_backend", [
+    "torch", pytest.param("kernels", marks=pytest.mark.skipif(not KERNELS, reason="no C compiler"))])
+def test_bfloat16_weights_follow_the_checkpoint_dtype(checkpoint_factory, make_engine, ops_backend):
     from transformers import AutoModelForCausalLM
 
     model_dir = checkpoint_factory("bf16-llama", "llama", seed=3, dtype=torch.bfloat16)
-    engine = make_engine(model_dir)  # dtype="auto"
+    engine = make_engine(model_dir, ops_backend=ops_backend)  # dtype="auto"
+    model = engine.runner.model
     assert engine.dtype == torch.bfloat16
-    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
-    fp32_engine = make_engine(model_dir, dtype="float32")
+    assert model.layers[0].gate_up_proj.dtype == model.lm_head.dtype == torch.bfloat16
+    # With the (float32) kernels, activations and the KV cache stay float32 between bf16 matmuls.
+    activations = torch.float32 if ops_backend == "kernels" else torch.bfloat16
+    assert engine.activation_dtype == model.embed_tokens.dtype == activations
+    assert engine.runner.kv_caches[0][0].dtype == activations
+    fp32_engine = make_engine(model_dir, dtype="float32", ops_backend=ops_backend)
     assert fp32_engine.runner.kv_caches[0][0].dtype == torch.float32
+    assert fp32_engine.runner.model.lm_head.dtype == torch.float32
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
     assert [len(o) for o in outputs] == [4] * len(PROMPTS)
     # Prefill logits agree with transformers' bf16 forward within bf16 rounding.
