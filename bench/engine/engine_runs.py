@@ -52,15 +52,17 @@ __all__ = [
 ]
 
 
-def inferops_spec(model_dir: Path, port: int, threads: int, extra: list[str]) -> ServerSpec:
+def inferops_spec(
+    model_dir: Path, port: int, threads: int, extra: list[str], dtype: str = "float32"
+) -> ServerSpec:
     """serving_bench's `inferops serve` command with explicit torch threads and extra flags."""
-    spec = server_specs(model_dir, port, threads)[0]
+    spec = server_specs(model_dir, port, threads, dtype)[0]
     command = [*spec.command, "--cpu-threads", str(threads), *extra]
     return ServerSpec(spec.name, command, spec.env)
 
 
-def vllm_spec(model_dir: Path, port: int, threads: int) -> ServerSpec:
-    return server_specs(model_dir, port, threads)[1]
+def vllm_spec(model_dir: Path, port: int, threads: int, dtype: str = "float32") -> ServerSpec:
+    return server_specs(model_dir, port, threads, dtype)[1]
 
 
 def metric_total(base_url: str, name: str) -> float:

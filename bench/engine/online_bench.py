@@ -34,7 +34,7 @@ from engine_runs import (
     vllm_spec,
     warm_up,
 )
-from serving_bench import VLLM_PYTHON
+from serving_bench import VLLM_PYTHON, add_dtype_argument
 
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
@@ -123,11 +123,11 @@ def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
     kv = args.kv_cache_gib
     limits = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    vllm = vllm_spec(model_dir, args.port, args.threads)
+    vllm = vllm_spec(model_dir, args.port, args.threads, args.dtype)
     extra = shlex.split(args.inferops_args)
     specs = [
         inferops_spec(model_dir, args.port, args.threads,
-                      ["--kv-cache-memory", f"{kv}GiB", *limits, *extra]),
+                      ["--kv-cache-memory", f"{kv}GiB", *limits, *extra], args.dtype),
         ServerSpec(vllm.name, [*vllm.command, *limits],
                    {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": str(kv)}),
     ]
@@ -199,6 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inferops-args", default="",
                         help="extra flags for inferops serve only, e.g. "
                              "'--max-prefill-tokens-with-decodes 512'")
+    add_dtype_argument(parser)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8034)
     parser.add_argument("--seed", type=int, default=0)

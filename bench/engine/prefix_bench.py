@@ -27,6 +27,7 @@ from engine_runs import (
     port_is_free,
     warm_up,
 )
+from serving_bench import add_dtype_argument
 
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
@@ -55,7 +56,7 @@ def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Names
     base_url = f"http://127.0.0.1:{args.port}"
     if not port_is_free(args.port):
         return {"skipped": f"port {args.port} is taken; pass --port"}
-    spec = inferops_spec(model_dir, args.port, args.threads, extra)
+    spec = inferops_spec(model_dir, args.port, args.threads, extra, args.dtype)
     server = RunningServer(spec, HERE / "work" / f"prefix_{label}.log")
     try:
         server.wait_ready(base_url, args.startup_timeout)
@@ -89,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=2.0)
+    add_dtype_argument(parser)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8032)
     parser.add_argument("--seed", type=int, default=0)

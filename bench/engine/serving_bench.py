@@ -125,7 +125,13 @@ class ServerSpec:
     env: dict[str, str]
 
 
-def server_specs(model_dir: Path, port: int, threads: int) -> list[ServerSpec]:
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the weights' dtype for every server (bfloat16 wants a CPU with "
+                             "native bf16, AVX512-BF16 or AMX, to be worth measuring)")
+
+
+def server_specs(model_dir: Path, port: int, threads: int, dtype: str = "float32") -> list[ServerSpec]:
     threads_env = {"OMP_NUM_THREADS": str(threads)}
     inferops = ServerSpec(
         "inferops",
@@ -142,6 +148,8 @@ def server_specs(model_dir: Path, port: int, threads: int) -> list[ServerSpec]:
             str(port),
             "--log-level",
             "warning",
+            "--dtype",
+            dtype,
         ],
         threads_env,
     )
@@ -158,7 +166,7 @@ def server_specs(model_dir: Path, port: int, threads: int) -> list[ServerSpec]:
             "--port",
             str(port),
             "--dtype",
-            "float32",
+            dtype,
             "--enforce-eager",
             "--gpu-memory-utilization",
             "0.3",
@@ -283,7 +291,8 @@ def bench_servers(wanted: list[str], model_dir: Path, args: argparse.Namespace) 
         for name in wanted:
             if "skipped" in results.get(name, {}):
                 continue
-            spec = next(s for s in server_specs(model_dir, args.port, args.threads) if s.name == name)
+            spec = next(s for s in server_specs(model_dir, args.port, args.threads, args.dtype)
+                        if s.name == name)
             outcome = start_server(spec, args.port, model_dir, args)
             if isinstance(outcome, dict):
                 results[name] = outcome
@@ -323,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-rate", type=float, default=float("inf"))
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    add_dtype_argument(parser)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--seed", type=int, default=0)
