@@ -28,6 +28,7 @@ import torch
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.config import EngineConfig, ModelConfig
 from runtime.engine.loader import resolve_dtype
+from runtime.engine.model import onednn_packs
 from runtime.engine.model_runner import ModelRunner, activation_dtype, num_kv_blocks_for
 from runtime.engine.sampling import Sampler, SamplingParams
 from runtime.engine.scheduler import Scheduler
@@ -88,7 +89,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.served_model_name = config.served_model_name or config.model
-        self.dtype = resolve_dtype(config.dtype, self.model_config.checkpoint_dtype)  # weights
+        self.dtype = resolve_dtype(  # of the weights
+            config.dtype, self.model_config.checkpoint_dtype, onednn_packs
+        )
         self.activation_dtype = activation_dtype(config.ops_backend, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_kv_blocks = num_kv_blocks_for(

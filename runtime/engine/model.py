@@ -7,6 +7,7 @@ float32 then cast, SDPA attention) so fp32 greedy output matches `generate` toke
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,6 +120,17 @@ def padded_rows(rows: int) -> int:
         return rows
     step = 1 << (rows.bit_length() - 3)
     return -(-rows // step) * step
+
+
+@functools.cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pack (and so natively multiply) weights of `dtype` on this CPU: bf16
+    wants AVX512BW/VL/DQ or AVX-NE-CONVERT, fp16 AVX512-FP16 or AVX-NE-CONVERT."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 class Linear:

@@ -720,9 +720,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine")
     engine.add_argument("--dtype", default="auto",
                         choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights dtype (auto follows the checkpoint); with bfloat16 and "
-                             "the compiled kernels, activations and the KV cache stay float32 "
-                             "and only the matmuls run in bf16")
+                        help="weights dtype (auto follows the checkpoint, but loads a bf16 "
+                             "or fp16 one in float32 on a CPU without native matmuls in that "
+                             "dtype); with bfloat16 and the compiled kernels, activations and "
+                             "the KV cache stay float32 and only the matmuls run in bf16")
     engine.add_argument("--max-num-seqs", type=int, default=64,
                         help="most sequences in one batch")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512,

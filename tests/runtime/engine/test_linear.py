@@ -7,21 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.config import EngineConfig
-from runtime.engine.model import Linear, padded_rows
+from runtime.engine.model import Linear, onednn_packs, padded_rows
 
 ONEDNN = torch.backends.mkldnn.is_available()
 BACKENDS = [
     pytest.param("onednn", marks=pytest.mark.skipif(not ONEDNN, reason="no oneDNN")),
     "torch",
 ]
-
-
-def onednn_packs(dtype: torch.dtype) -> bool:
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
-    except (RuntimeError, AttributeError):
-        return False
-    return True
 
 
 # oneDNN packs bf16 weights only on CPUs with AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only

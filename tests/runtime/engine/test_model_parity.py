@@ -13,7 +13,8 @@ import torch
 
 from runtime.engine.config import ModelConfig
 from runtime.engine.kernels import available as kernels_available
-from runtime.engine.loader import load_state_dict, safetensors_files
+from runtime.engine.loader import load_state_dict, resolve_dtype, safetensors_files
+from runtime.engine.model import onednn_packs
 from runtime.engine.sampling import SamplingParams
 
 MAX_NEW_TOKENS = 10
@@ -157,11 +158,11 @@ def test_sharded_checkpoint_loads_every_shard(tmp_path, tiny_llama_dir):
 
 @pytest.mark.parametrize("ops_backend", [
     "torch", pytest.param("kernels", marks=pytest.mark.skipif(not KERNELS, reason="no C compiler"))])
-def test_bfloat16_weights_follow_the_checkpoint_dtype(checkpoint_factory, make_engine, ops_backend):
+def test_bfloat16_weights_run_in_bf16(checkpoint_factory, make_engine, ops_backend):
     from transformers import AutoModelForCausalLM
 
     model_dir = checkpoint_factory("bf16-llama", "llama", seed=3, dtype=torch.bfloat16)
-    engine = make_engine(model_dir, ops_backend=ops_backend)  # dtype="auto"
+    engine = make_engine(model_dir, dtype="bfloat16", ops_backend=ops_backend)
     model = engine.runner.model
     assert engine.dtype == torch.bfloat16
     assert model.layers[0].gate_up_proj.dtype == model.lm_head.dtype == torch.bfloat16
@@ -183,3 +184,26 @@ def test_bfloat16_weights_follow_the_checkpoint_dtype(checkpoint_factory, make_e
     scheduled = engine.scheduler.schedule()
     logits = engine.runner.execute(scheduled)[0]
     assert torch.allclose(logits, expected, atol=3e-2)
+
+
+def test_auto_dtype_follows_a_bf16_checkpoint_only_where_the_cpu_multiplies_bf16(
+        checkpoint_factory, make_engine):
+    model_dir = checkpoint_factory("bf16-llama", "llama", seed=3, dtype=torch.bfloat16)
+    engine = make_engine(model_dir)  # dtype="auto"
+    native = onednn_packs(torch.bfloat16)  # this CPU: AVX-512 or AVX-NE-CONVERT
+    assert engine.dtype == (torch.bfloat16 if native else torch.float32)
+    assert engine.runner.model.lm_head.dtype == engine.dtype
+
+
+@pytest.mark.parametrize(("requested", "checkpoint", "native", "expected", "warned"), [
+    ("auto", "bfloat16", True, torch.bfloat16, False),
+    ("auto", "bfloat16", False, torch.float32, True),  # emulated bf16 matmuls are ~8x slower
+    ("auto", "torch.float16", False, torch.float32, True),
+    ("auto", "float32", False, torch.float32, False),
+    ("auto", "int8", True, torch.float32, False),  # a dtype the loader does not know
+    ("bfloat16", "float32", False, torch.bfloat16, False),  # an explicit choice is kept
+    ("float32", "bfloat16", True, torch.float32, False),
+])
+def test_resolve_dtype(requested, checkpoint, native, expected, warned, caplog):
+    assert resolve_dtype(requested, checkpoint, lambda dtype: native) == expected
+    assert ("loading it in float32" in caplog.text) == warned
