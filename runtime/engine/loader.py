@@ -22,16 +22,18 @@ def resolve_dtype(
     """`auto` follows the checkpoint's dtype (float32 when it names none we know), except that
     a half-precision checkpoint loads in float32 where this CPU cannot multiply in its dtype
     natively (`runs_natively`, e.g. oneDNN without AVX-512 or AVX-NE-CONVERT). There the
-    matmuls fall back to emulated bf16: small's engine did 14 output tok/s in bf16 against 112
-    in float32 on an AVX2 Zen 3 (bench/README.md, tenth round). An explicit dtype is kept."""
+    matmuls fall back to emulated half precision: small's engine did 14 output tok/s in bf16
+    against 112 in float32 on an AVX2 Zen 3 (bench/README.md, tenth round). An explicit dtype
+    is kept."""
     if requested != "auto":
         return TORCH_DTYPES[requested]
-    dtype = TORCH_DTYPES.get(checkpoint_dtype.removeprefix("torch."), torch.float32)
+    name = checkpoint_dtype.removeprefix("torch.")
+    dtype = TORCH_DTYPES.get(name, torch.float32)
     if dtype != torch.float32 and not runs_natively(dtype):
         logger.warning(
             "the checkpoint is %s, but this CPU has no native %s matmul; loading it in float32 "
             "(several times faster here, twice the weight memory). Pass --dtype %s to keep it.",
-            checkpoint_dtype, checkpoint_dtype, checkpoint_dtype.removeprefix("torch."),
+            name, name, name,
         )
         return torch.float32
     return dtype
