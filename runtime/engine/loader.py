@@ -17,7 +17,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 def resolve_dtype(
     requested: str,
     checkpoint_dtype: str,
-    runs_natively: Callable[[torch.dtype], bool] = lambda dtype: True,
+    runs_natively: Callable[[torch.dtype], bool],
 ) -> torch.dtype:
     """`auto` follows the checkpoint's dtype (float32 when it names none we know), except that
     a half-precision checkpoint loads in float32 where this CPU cannot multiply in its dtype
