@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from runtime.engine.sampling import Sampler, SamplingParams
+from runtime.engine.sampling import WIDER_HEAD, Sampler, SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -86,6 +86,92 @@ def test_same_seed_same_tokens_and_greedy_rows_ignore_randomness():
     assert first == again
     assert first != other
     assert {row[1] for row in first + other} == {int(logits[1].argmax())}
+
+
+def reference_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The textbook filter, a full sort per row: top-k, then top-p on the renormalised top-k."""
+    rows = []
+    for row, p in zip(logits, params, strict=True):
+        probs = (row / p.temperature).softmax(-1)
+        if 0 < p.top_k < len(row):
+            probs = torch.where(probs >= probs.topk(p.top_k).values[-1], probs, 0.0)
+            probs = probs / probs.sum()
+        if p.top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+        rows.append(probs / probs.sum())
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("spread", [8.0, 3.0, 0.5], ids=["peaked", "hundreds", "flat"])
+def test_filters_match_a_full_sort_whether_the_nucleus_fits_the_first_head_or_not(spread):
+    # The spreads put the top-p nucleus inside FIRST_HEAD, between it and WIDER_HEAD, and past
+    # WIDER_HEAD (a full sort), so every widening step is compared with the reference.
+    logits = torch.randn(6, 30522, generator=gen(3)) * spread
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.8, top_k=40),
+        SamplingParams(temperature=1.3, top_k=2000, top_p=0.95),  # k beyond WIDER_HEAD
+        SamplingParams(temperature=0.9, top_k=100, top_p=0.8),
+        SamplingParams(temperature=1.0),
+    ]
+    got = Sampler.probabilities(logits, params)
+    want = reference_probabilities(logits, params)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, atol=1e-6)
+    if spread == 0.5:
+        assert int((got[0] > 0).sum()) > WIDER_HEAD
+
+
+def test_tokens_tied_with_the_cutoff_are_all_kept():
+    logits = logits_of([0.4, 0.2, 0.2, 0.2])
+    probs = Sampler.probabilities(logits, [SamplingParams(top_k=2)])
+    assert torch.allclose(probs, torch.tensor([[0.4, 0.2, 0.2, 0.2]]))
+
+
+def test_draws_land_on_token_ids_not_positions_in_the_head():
+    logits = torch.zeros(2, 5000)
+    logits[:, 4321] = 12.0
+    logits[:, 17] = 11.0
+    params = [SamplingParams(top_p=0.5), SamplingParams(top_k=2)]
+    draws = [Sampler()(logits, params, [gen(s), gen(s + 1)]) for s in range(200)]
+    assert {row[0] for row in draws} == {4321}
+    assert {row[1] for row in draws} == {4321, 17}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=30, top_p=0.95),
+], ids=["temperature", "top_p", "top_k_top_p"])
+def test_draw_frequencies_follow_the_filtered_distribution(params):
+    logits = torch.randn(1, 200, generator=gen(5)) * 2
+    expected = Sampler.probabilities(logits, [params])[0]
+    generator = gen(6)  # one generator for all rows: 4,000 draws in one batched call
+    draws = torch.tensor(Sampler()(logits.expand(4000, -1), [params] * 4000, [generator] * 4000))
+    seen = torch.bincount(draws, minlength=200) / 4000
+    assert float((seen - expected).abs().sum()) / 2 < 0.08  # total variation distance
+    assert bool((expected[draws] > 0).all())
+
+
+def test_a_rows_draw_does_not_depend_on_the_rest_of_its_batch():
+    # Other rows change the head's width (a large top-k), the number of widening rounds (a
+    # flat row) and which rows are gathered; the first row's tokens must not change.
+    logits = torch.cat([
+        torch.randn(1, 30522, generator=gen(7)) * 3,
+        torch.randn(1, 30522, generator=gen(8)) * 0.5,
+        torch.randn(1, 30522, generator=gen(9)) * 3,
+    ])
+    mine = SamplingParams(temperature=0.9, top_p=0.9)
+    others = [SamplingParams(temperature=1.0, top_p=0.99), SamplingParams(temperature=0)]
+    for seed in range(30):
+        alone = Sampler()(logits[:1], [mine], [gen(seed)])[0]
+        batched = Sampler()(logits, [mine, *others], [gen(seed), gen(1), gen(2)])[0]
+        wide = SamplingParams(temperature=1.0, top_k=3000)
+        widened = Sampler()(logits, [mine, wide, wide], [gen(seed), gen(1), gen(2)])[0]
+        assert alone == batched == widened
 
 
 @pytest.mark.parametrize(
