@@ -124,6 +124,10 @@ class BenchConfig:
     shared_prefix_ratio: float = 1.0
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
     seed: int = 0
+    # Sampling sent with every request; greedy by default, as in vLLM's `bench serve`.
+    temperature: float = 0.0
+    top_p: float | None = None  # None: not sent (the server's default)
+    top_k: int | None = None
     ignore_eos: bool = True
     timeout_s: float = 600.0
     tokenizer_dir: str | None = None
@@ -145,6 +149,12 @@ class BenchConfig:
             raise BenchConfigError("shared_prefix_len: must be 0 or more")
         if not 0.0 <= self.shared_prefix_ratio <= 1.0:
             raise BenchConfigError("shared_prefix_ratio: must lie in [0, 1]")
+        if not self.temperature >= 0:
+            raise BenchConfigError("temperature: must be 0 (greedy) or more")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise BenchConfigError("top_p: must lie in (0, 1]")
+        if self.top_k is not None and (self.top_k < 1 and self.top_k != -1):
+            raise BenchConfigError("top_k: must be at least 1 (or -1 for off)")
         for name, limit in self.goodput_slos_ms.items():
             if name not in SLO_METRICS:
                 raise BenchConfigError(f"goodput: unknown metric {name!r}; use ttft, tpot, e2el")
@@ -277,8 +287,12 @@ class StreamingClient:
             "model": self.config.model,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "temperature": 0.0,
+            "temperature": self.config.temperature,
         }
+        if self.config.top_p is not None:
+            body["top_p"] = self.config.top_p
+        if self.config.top_k is not None:
+            body["top_k"] = self.config.top_k
         if self.config.ignore_eos:
             body["ignore_eos"] = True
         if self.config.endpoint == "chat":
@@ -591,6 +605,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sent with each request (default 0: greedy)"
+    )
+    parser.add_argument("--top-p", type=float, default=None, help="sent with each request if set")
+    parser.add_argument("--top-k", type=int, default=None, help="sent with each request if set")
+    parser.add_argument(
         "--tokenizer",
         default=None,
         metavar="DIR",
@@ -622,6 +641,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         shared_prefix_ratio=args.shared_prefix_ratio,
         goodput_slos_ms=parse_goodput(args.goodput),
         seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         ignore_eos=args.ignore_eos,
         timeout_s=args.timeout,
         tokenizer_dir=args.tokenizer,

@@ -170,6 +170,13 @@ def test_counts_and_latencies_follow_the_stream(responder, make_config):
     assert payload["ignore_eos"] is True and payload["stream"] is True
     assert payload["stream_options"] == {"include_usage": True}
     assert payload["max_tokens"] == 5 and len(payload["prompt"].split()) == 10
+    assert payload["temperature"] == 0.0 and "top_p" not in payload and "top_k" not in payload
+
+
+def test_sampling_options_are_sent_with_every_request(responder, make_config):
+    run_benchmark(make_config(num_prompts=2, temperature=0.7, top_p=0.9, top_k=40))
+    for payload in responder.payloads:
+        assert (payload["temperature"], payload["top_p"], payload["top_k"]) == (0.7, 0.9, 40)
 
 
 def test_chat_role_chunk_without_text_does_not_count_as_first_token(responder, make_config):
@@ -379,6 +386,9 @@ def test_cli_prints_the_table_and_writes_the_result_json(responder_server, tmp_p
         ({"max_concurrency": 0}, "max_concurrency"),
         ({"shared_prefix_ratio": 1.5}, "shared_prefix_ratio"),
         ({"goodput_slos_ms": {"latency": 5}}, "goodput"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
     ],
 )
 def test_bad_options_name_the_option(make_config, overrides, option):
