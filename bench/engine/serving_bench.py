@@ -234,6 +234,8 @@ def workload_a(base_url: str, model_dir: Path, args: argparse.Namespace) -> Benc
         tokenizer_dir=str(model_dir),
         goodput_slos_ms={"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms},
         seed=args.seed,
+        temperature=args.temperature,
+        top_p=args.top_p,
         show_progress=False,
     )
 
@@ -336,6 +338,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--seed", type=int, default=0)
+    # Workload A is greedy; these run it sampled (e.g. --temperature 0.7 --top-p 0.9).
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)

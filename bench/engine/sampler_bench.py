@@ -1,0 +1,149 @@
+"""Sampling cost per step: the engine's Sampler against vLLM's CPU sampler on the same logits.
+
+For each vocabulary size (tiny's 30,522 and Qwen2's 151,936), spread of the logits and
+sampling setting, both samplers draw one token for each of `--rows` rows, `--reps` times,
+torch at `--threads`. The logits are made once (Gaussian times the spread: 5 gives a few
+candidate tokens as a trained model does, 3 a few hundred, 1 tens of thousands as the random
+demo checkpoints do), saved, and loaded by both. vLLM's sampler (`TopKTopPSampler`, which on
+CPU applies top-k with topk, top-p with a full sort and draws with its fused Gumbel-argmax
+kernel) runs in its own virtualenv (`bench/engine/peers.sh`), without per-request generators,
+its fastest path; the engine's sampler has one per row as in serving. Both divide by the
+temperature inside the timed region. This process tunes malloc as the serving engine does
+(model_runner.keep_freed_memory_for_reuse); vLLM's keeps its defaults, as its server does.
+Medians in ms per step go to --result-json.
+
+    .venv/bin/python bench/engine/sampler_bench.py --result-json bench/engine/results/sampler.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO_ROOT))
+
+from runtime.engine.model_runner import keep_freed_memory_for_reuse  # noqa: E402
+from runtime.engine.sampling import Sampler, SamplingParams  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+VLLM_PYTHON = HERE / ".venv-vllm" / "bin" / "python"
+VOCABULARIES = {"tiny_30522": 30522, "qwen2_151936": 151936}
+SPREADS = {"peaked": 5.0, "hundreds": 3.0, "flat": 1.0}
+SETTINGS = {
+    "temperature_1": {"temperature": 1.0},
+    "top_p_0.9_t0.7": {"temperature": 0.7, "top_p": 0.9},
+    "top_k_50_t0.8": {"temperature": 0.8, "top_k": 50},
+}
+
+# Runs under vLLM's interpreter: reads the cases from argv[1], prints {case: [ms, ...]}.
+VLLM_TIMER = """
+import json, sys, time
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()  # its compiled ops (the Gumbel-argmax kernel)
+from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+spec = json.loads(open(sys.argv[1]).read())
+torch.set_num_threads(spec["threads"])
+sampler = TopKTopPSampler()
+times = {}
+for case in spec["cases"]:
+    logits = torch.load(case["logits"])
+    rows, setting = logits.shape[0], case["setting"]
+    k = torch.full((rows,), setting["top_k"]) if "top_k" in setting else None
+    p = torch.full((rows,), setting["top_p"]) if "top_p" in setting else None
+    temperatures = torch.full((rows, 1), setting["temperature"])
+    samples = []
+    for rep in range(spec["reps"] + 1):
+        started = time.perf_counter()
+        sampler.forward(logits / temperatures, {}, k, p)
+        samples.append((time.perf_counter() - started) * 1000)
+    times[case["name"]] = samples[1:]  # the first call warms up
+print(json.dumps(times))
+"""
+
+
+def time_engine_sampler(logits: torch.Tensor, setting: dict, reps: int) -> list[float]:
+    rows = logits.shape[0]
+    params = [SamplingParams(**setting)] * rows
+    generators = [torch.Generator().manual_seed(row) for row in range(rows)]
+    sampler = Sampler()
+    samples = []
+    for _ in range(reps + 1):
+        started = time.perf_counter()
+        sampler(logits, params, generators)
+        samples.append((time.perf_counter() - started) * 1000)
+    return samples[1:]
+
+
+def nucleus_size(logits: torch.Tensor, setting: dict) -> float:
+    """Median number of tokens a row keeps (the whole vocabulary without top-k / top-p)."""
+    probs = Sampler.probabilities(logits, [SamplingParams(**setting)] * logits.shape[0])
+    return statistics.median((probs > 0).sum(dim=-1).tolist())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", type=Path, default=HERE / "work" / "sampler")
+    parser.add_argument("--result-json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    keep_freed_memory_for_reuse()  # as the serving engine does at start (model_runner.py)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    cases, results = [], {}
+    for vocab_name, vocab in VOCABULARIES.items():
+        for spread_name, spread in SPREADS.items():
+            generator = torch.Generator().manual_seed(args.seed)
+            logits = torch.randn(args.rows, vocab, generator=generator) * spread
+            path = args.work_dir / f"logits_{vocab_name}_{spread_name}.pt"
+            torch.save(logits, path)
+            for setting_name, setting in SETTINGS.items():
+                name = f"{vocab_name}/{spread_name}/{setting_name}"
+                print(f"engine sampler: {name}", file=sys.stderr)
+                cases.append({"name": name, "logits": str(path), "setting": setting})
+                results[name] = {
+                    "kept_tokens_median": nucleus_size(logits, setting),
+                    "engine_ms": statistics.median(time_engine_sampler(logits, setting, args.reps)),
+                }
+    if VLLM_PYTHON.exists():
+        print("vLLM sampler: all cases ...", file=sys.stderr)
+        spec_path = args.work_dir / "cases.json"
+        spec_path.write_text(json.dumps({"threads": args.threads, "reps": args.reps, "cases": cases}))
+        completed = subprocess.run(
+            [str(VLLM_PYTHON), "-c", VLLM_TIMER, str(spec_path)],
+            capture_output=True, text=True, check=True,
+        )
+        vllm_times = json.loads(completed.stdout.strip().splitlines()[-1])
+        for name, samples in vllm_times.items():
+            result = results[name]
+            result["vllm_ms"] = statistics.median(samples)
+            result["vllm_over_engine"] = round(result["vllm_ms"] / result["engine_ms"], 2)
+    else:
+        print(f"no {VLLM_PYTHON}: run bench/engine/peers.sh for the vLLM side", file=sys.stderr)
+    report = {"rows": args.rows, "reps": args.reps, "threads": args.threads, "cases": results}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.result_json:
+        args.result_json.parent.mkdir(parents=True, exist_ok=True)
+        args.result_json.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
