@@ -16,7 +16,6 @@ Prints one JSON object with output tokens/s per peer and writes it to --result-j
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import platform
@@ -29,6 +28,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
+
+from serving_bench import emit_report  # noqa: E402
 
 from runtime.engine.demo_model import write_demo_model  # noqa: E402
 from runtime.loadgen import ExactTokenizer  # noqa: E402
@@ -222,11 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"running {peer_class.name} ...", file=sys.stderr)
         report["peers"][peer_class.name] = peer_class(model, args.output_len).measure(prompts)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(text + "\n")
+    emit_report(report, args.result_json)
     return 0
 
 

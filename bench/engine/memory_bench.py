@@ -12,7 +12,6 @@ sampled every 100 ms) and the KV pool's size in bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from engine_runs import (
     RssSampler,
     RunningServer,
     benchmark_model,
+    emit_report,
     inferops_spec,
     metric_total,
     port_is_free,
@@ -127,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": str(model_dir),
         "runs": runs,
     }
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(text + "\n")
+    emit_report(report, args.result_json)
     return 0
 
 

@@ -15,7 +15,6 @@ ratio only shows where one server saturates before the other.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import sys
@@ -28,6 +27,7 @@ from engine_runs import (
     RunningServer,
     ServerSpec,
     benchmark_model,
+    emit_report,
     inferops_spec,
     load_average,
     port_is_free,
@@ -228,11 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         report["target_met"] = ours["max_goodput"] >= GOODPUT_RATIO_TARGET * peer["max_goodput"] \
             and all(ours["by_rate"][rate]["p99_ttft_ms"] < peer["by_rate"][rate]["p99_ttft_ms"]
                     for rate in ours["by_rate"])
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(text + "\n")
+    emit_report(report, args.result_json)
     return 0
 
 

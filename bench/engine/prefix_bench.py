@@ -12,7 +12,6 @@ replica's `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from engine_runs import (
     MachineLoad,
     RunningServer,
     benchmark_model,
+    emit_report,
     inferops_spec,
     metric_total,
     port_is_free,
@@ -128,11 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     if ratios:
         report["ttft_p50_on_over_off_per_round"] = [round(ratio, 3) for ratio in ratios]
         report["target_met"] = max(ratios) <= TTFT_RATIO_TARGET
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(text + "\n")
+    emit_report(report, args.result_json)
     return 0
 
 

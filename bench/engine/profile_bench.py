@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import linecache
 import re
 import shutil
@@ -29,6 +28,7 @@ from engine_runs import (
     MachineLoad,
     RunningServer,
     benchmark_model,
+    emit_report,
     inferops_spec,
     port_is_free,
 )
@@ -218,11 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_throughput_per_burst": [round(value, 1) for value in throughputs],
         **summarise(read_collapsed(raw_path)),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(text + "\n")
+    emit_report(report, args.result_json)
     return 0
 
 

@@ -30,6 +30,8 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
+from serving_bench import emit_report  # noqa: E402
+
 from runtime.engine.model_runner import keep_freed_memory_for_reuse  # noqa: E402
 from runtime.engine.sampling import Sampler, SamplingParams  # noqa: E402
 
@@ -137,11 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"no {VLLM_PYTHON}: run bench/engine/peers.sh for the vLLM side", file=sys.stderr)
     report = {"rows": args.rows, "reps": args.reps, "threads": args.threads, "cases": results}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.result_json:
-        args.result_json.parent.mkdir(parents=True, exist_ok=True)
-        args.result_json.write_text(text + "\n")
+    emit_report(report, args.result_json)
     return 0
 
 

@@ -240,6 +240,15 @@ def workload_a(base_url: str, model_dir: Path, args: argparse.Namespace) -> Benc
     )
 
 
+def emit_report(report: dict, result_json: Path | None) -> None:
+    """Print a benchmark's report as JSON and write it to `result_json` when given."""
+    text = json.dumps(report, indent=2, default=str)
+    print(text)
+    if result_json:
+        result_json.parent.mkdir(parents=True, exist_ok=True)
+        result_json.write_text(text + "\n")
+
+
 def port_is_free(port: int) -> bool:
     """Nobody listens on the port. SO_REUSEADDR, as the servers bind: connections of the
     previous server still in TIME_WAIT must not count as taken."""
@@ -372,10 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     # Strict JSON has no Infinity; write an unlimited rate the way `inferops bench` takes it.
     if math.isinf(args.request_rate):
         report["workload"]["request_rate"] = "inf"
-    text = json.dumps(report, indent=2, default=str)
-    print(text)
-    if args.result_json:
-        args.result_json.write_text(text + "\n")
+    emit_report(report, args.result_json)
     return 0
 
 
