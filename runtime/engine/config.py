@@ -75,6 +75,54 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+# generation_config.json keys this runtime cannot apply, with the value that means "off".
+UNSUPPORTED_GENERATION_KEYS = {"repetition_penalty": 1.0, "min_p": 0.0,
+                               "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Sampling defaults for what a request leaves out: OpenAI's, or those the checkpoint
+    ships in generation_config.json (temperature, top_p, top_k), as vLLM's default
+    `--generation-config auto` does: Qwen2.5 ships 0.7 / 0.8 / 20, Llama 3 Instruct 0.6 / 0.9."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    # Keys the file sets to something other than "off" that this runtime cannot apply.
+    ignored: tuple[str, ...] = ()
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> GenerationDefaults:
+        """Raises ValueError naming the file and the key when a value is unusable."""
+        path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{path} is not readable JSON: {error}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} must hold a JSON object")
+
+        def number(key: str, default: float, valid, rule: str) -> float:
+            value = raw.get(key, default)
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not valid(value):
+                raise ValueError(f"{path}: {key} must be {rule}, not {value!r}")
+            return value
+
+        top_k = number("top_k", 0, lambda v: v == int(v) and v >= -1, "an integer >= -1")
+        return cls(
+            temperature=float(number("temperature", 1.0, lambda v: v >= 0, ">= 0")),
+            top_p=float(number("top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]")),
+            top_k=max(int(top_k), 0),  # -1 and 0 both mean off
+            ignored=tuple(key for key, off in UNSUPPORTED_GENERATION_KEYS.items()
+                          if raw.get(key) not in (None, off)),
+        )
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0

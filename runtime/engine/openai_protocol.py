@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from runtime.engine.config import GenerationDefaults
+
 if TYPE_CHECKING:
     from runtime.engine.sampling import SamplingParams
 
@@ -217,7 +219,8 @@ def _is_token_list(value: Any) -> bool:
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value))
 
 
-def _sampling_fields(fields: _Fields, max_tokens_default: int | None,
+def _sampling_fields(fields: _Fields, defaults: GenerationDefaults,
+                     max_tokens_default: int | None,
                      max_tokens_name: str = "max_tokens") -> dict[str, Any]:
     stop = fields.get("stop", (str, list), [], "a string or an array of strings")
     if isinstance(stop, str):
@@ -241,12 +244,12 @@ def _sampling_fields(fields: _Fields, max_tokens_default: int | None,
             raise bad_request(f"Unrecognized stream option `{sorted(unknown)[0]}`.",
                               "stream_options")
         include_usage = stream_options.get("include_usage") is True
-    top_k = fields.integer("top_k", 0, minimum=-1)
+    top_k = fields.integer("top_k", defaults.top_k, minimum=-1)
     return dict(
         model=fields.get("model", (str,), None, "a string"),
         max_tokens=fields.integer(max_tokens_name, max_tokens_default, minimum=1),
-        temperature=fields.number("temperature", 1.0, minimum=0.0),
-        top_p=_positive(fields.number("top_p", 1.0, maximum=1.0), "top_p"),
+        temperature=fields.number("temperature", defaults.temperature, minimum=0.0),
+        top_p=_positive(fields.number("top_p", defaults.top_p, maximum=1.0), "top_p"),
         top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "disabled"
         n=fields.integer("n", 1, minimum=1, maximum=MAX_N),
         # Each of the n choices samples with seed + index, in a signed 64-bit generator.
@@ -260,7 +263,9 @@ def _sampling_fields(fields: _Fields, max_tokens_default: int | None,
     )
 
 
-def parse_completion_request(body: Any) -> GenerationRequest:
+def parse_completion_request(
+    body: Any, defaults: GenerationDefaults = GenerationDefaults()
+) -> GenerationRequest:
     fields = _Fields(body)
     fields.refuse_unsupported(SAMPLING_PARAMS | {"prompt"})
     prompt = body.get("prompt")
@@ -282,10 +287,12 @@ def parse_completion_request(body: Any) -> GenerationRequest:
         raise bad_request("`prompt` must be a string or an array of token ids.", "prompt")
     return GenerationRequest(kind="completion", prompt_text=prompt_text,
                              prompt_token_ids=prompt_token_ids,
-                             **_sampling_fields(fields, max_tokens_default=16))
+                             **_sampling_fields(fields, defaults, max_tokens_default=16))
 
 
-def parse_chat_request(body: Any) -> GenerationRequest:
+def parse_chat_request(
+    body: Any, defaults: GenerationDefaults = GenerationDefaults()
+) -> GenerationRequest:
     fields = _Fields(body)
     fields.refuse_unsupported(SAMPLING_PARAMS | {"messages", "max_completion_tokens"})
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
@@ -293,7 +300,8 @@ def parse_chat_request(body: Any) -> GenerationRequest:
                           "max_completion_tokens")
     max_tokens_name = "max_tokens" if body.get("max_tokens") is not None \
         else "max_completion_tokens"
-    sampling = _sampling_fields(fields, max_tokens_default=None, max_tokens_name=max_tokens_name)
+    sampling = _sampling_fields(fields, defaults, max_tokens_default=None,
+                                max_tokens_name=max_tokens_name)
     return GenerationRequest(kind="chat", messages=_parse_messages(body.get("messages")),
                              **sampling)
 

@@ -47,7 +47,7 @@ from runtime.engine.async_engine import (
     EngineUnavailableError,
     RequestStream,
 )
-from runtime.engine.config import LINEAR_BACKENDS, OPS_BACKENDS
+from runtime.engine.config import LINEAR_BACKENDS, OPS_BACKENDS, GenerationDefaults
 from runtime.engine.metrics import DEFAULT_BUCKETS, RequestTimer, ServerMetrics
 from runtime.engine.openai_protocol import (
     ChoiceResult,
@@ -114,6 +114,8 @@ class ServerSettings:
     admin_token: str | None = None
     faults: FaultSettings = field(default_factory=FaultSettings)
     histogram_buckets: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    # What a request leaves out: OpenAI's defaults or the checkpoint's generation_config.json.
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 class Lifecycle:
@@ -355,10 +357,11 @@ class ReplicaServer:
                                                parsed.encoding_format))
 
     async def _generate(self, request: Request,
-                        parse: Callable[[Any], GenerationRequest]) -> Response:
+                        parse: Callable[[Any, GenerationDefaults], GenerationRequest]
+                        ) -> Response:
         timer = self.metrics.start_request()  # TTFT and E2E count from arrival
         body = await read_json_body(request, self.settings.max_body_bytes)
-        parsed = parse(body)
+        parsed = parse(body, self.settings.generation_defaults)
         self._check_model(parsed.model)
         if not isinstance(self.backend, AsyncEngine):
             raise bad_request("This model only supports the Embeddings API.", "model")
@@ -740,6 +743,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length (default: the checkpoint's)")
     engine.add_argument("--no-prefix-caching", action="store_true",
                         help="do not reuse KV blocks of shared prompt prefixes")
+    engine.add_argument("--no-generation-config", action="store_true",
+                        help="ignore the checkpoint's generation_config.json: requests that "
+                             "leave out temperature, top_p or top_k get OpenAI's defaults")
     engine.add_argument("--seed", type=int, default=0,
                         help="seed for requests that bring none")
     engine.add_argument("--cpu-threads", type=int, default=None,
@@ -789,6 +795,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         histogram_buckets={key: getattr(args, f"histogram_buckets_{key}")
                            for key in DEFAULT_BUCKETS
                            if getattr(args, f"histogram_buckets_{key}") is not None},
+        generation_defaults=GenerationDefaults() if args.no_generation_config
+        else GenerationDefaults.from_dir(model_root),
     )
 
 
@@ -798,7 +806,19 @@ def main(args: argparse.Namespace) -> int:
     if not Path(args.model, "config.json").is_file():
         logger.error("no config.json in %s", args.model)
         return 2
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as error:  # an unusable generation_config.json
+        logger.error("%s; fix it or start with --no-generation-config", error)
+        return 2
+    defaults = settings.generation_defaults
+    if (defaults.temperature, defaults.top_p, defaults.top_k) != (1.0, 1.0, 0):
+        logger.info("requests that leave them out get the checkpoint's generation_config.json "
+                    "defaults: temperature=%s top_p=%s top_k=%s (--no-generation-config: "
+                    "OpenAI's)", defaults.temperature, defaults.top_p, defaults.top_k)
+    if defaults.ignored:
+        logger.warning("generation_config.json sets %s, which this runtime does not apply",
+                       ", ".join(defaults.ignored))
     replica = ReplicaServer(build_backend(args), settings)
     config = uvicorn.Config(replica.build_app(), host=args.host, port=args.port,
                             log_level=args.log_level, lifespan="on",

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from runtime.engine.async_engine import AsyncEmbedder, AsyncEngine, EngineUnavailableError
+from runtime.engine.config import GenerationDefaults
 from runtime.engine.server import FaultSettings, ReplicaServer, ServerSettings
 
 MODEL = "fake"
@@ -53,6 +54,7 @@ class ScriptedEngine:
         self.fail_on_step = fail_on_step
         self.running: dict[tuple[str, int], dict] = {}
         self.aborted: list[str] = []
+        self.seen_params: list = []  # (request id, SamplingParams) per add_request
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -62,6 +64,7 @@ class ScriptedEngine:
         if REFUSED_TOKEN in prompt_token_ids:
             raise ValueError("the engine refuses token 999")
         self.prompt_tokens_total += len(prompt_token_ids)
+        self.seen_params.append((request_id, params))
         for index in range(params.n):
             self.running[(request_id, index)] = {"params": params, "count": 0,
                                                  "prompt": len(prompt_token_ids)}
@@ -146,6 +149,49 @@ def test_completion_shape_and_usage(client):
                                 "finish_reason": "length", "stop_reason": None}]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
     assert response.headers["x-request-id"] == body["id"]
+
+
+def test_generation_config_fills_in_what_a_request_leaves_out(engine):
+    # Qwen2.5's file, as shipped; repetition_penalty is reported as ignored at start.
+    defaults = GenerationDefaults(temperature=0.7, top_p=0.8, top_k=20)
+    test_client, _ = make_client(lambda: engine, generation_defaults=defaults)
+    with test_client:
+        wait_ready(test_client)
+        test_client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        test_client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "b"}], "max_tokens": 1,
+            "temperature": 0, "top_k": -1})
+    first, second = [params for _, params in engine.seen_params]
+    assert (first.temperature, first.top_p, first.top_k) == (0.7, 0.8, 20)
+    assert (second.temperature, second.top_p, second.top_k) == (0.0, 0.8, 0)
+
+
+def test_generation_config_is_read_and_checked(tmp_path):
+    assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults()  # no file: OpenAI's
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8,
+                                "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.0}))
+    assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults(
+        temperature=0.7, top_p=0.8, top_k=20, ignored=("repetition_penalty",))
+    path.write_text(json.dumps({"temperature": 0.6, "top_k": -1}))
+    assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults(temperature=0.6)
+    for bad, key in (({"top_p": 0}, "top_p"), ({"temperature": "hot"}, "temperature"),
+                     ({"top_k": 2.5}, "top_k")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=key):
+            GenerationDefaults.from_dir(tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json"):
+        GenerationDefaults.from_dir(tmp_path)
+
+
+def test_serve_refuses_an_unusable_generation_config_and_says_how_to_go_on(tmp_path, caplog):
+    from inferops.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert "top_p" in caplog.text and "--no-generation-config" in caplog.text
 
 
 def test_prompt_as_token_ids_and_n(client):
