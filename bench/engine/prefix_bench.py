@@ -3,8 +3,10 @@
 `inferops serve` is started twice on the tiny demo checkpoint, once as is and once with
 `--no-prefix-caching`, and each time sent the same seeded requests: all share a 256-token prefix
 and differ in a short suffix, at a modest Poisson rate so TTFT measures prefill rather than
-queueing. The report holds both runs' metrics, the TTFT p50 ratio (target <= 0.5) and each
-replica's `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run.
+queueing. The report holds both runs' metrics, the TTFT p50 ratio (target <= 0.5), each
+replica's `vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total` over the run, and its
+own mean TTFT and queue time (from its histograms), which split the client's TTFT into HTTP,
+waiting for the step in flight, and the step.
 
     .venv/bin/python bench/engine/prefix_bench.py --result-json bench/engine/results/prefix.json
 """
@@ -33,6 +35,11 @@ from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
 HERE = Path(__file__).resolve().parent
 TTFT_RATIO_TARGET = 0.5
+SERVER_COUNTERS = (
+    "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+    "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
+    "vllm:request_queue_time_seconds_sum",
+)
 
 
 def shared_prefix_workload(base_url: str, model_dir: Path, args: argparse.Namespace) -> BenchConfig:
@@ -61,22 +68,32 @@ def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Names
     try:
         server.wait_ready(base_url, args.startup_timeout)
         warm_up(base_url, model_dir)
-        hits_before = metric_total(base_url, "vllm:prefix_cache_hits_total")
-        queries_before = metric_total(base_url, "vllm:prefix_cache_queries_total")
+        before = {name: metric_total(base_url, name) for name in SERVER_COUNTERS}
         print(f"benchmarking prefix cache {label} ...", file=sys.stderr)
         with MachineLoad() as machine:
             metrics = run_benchmark(shared_prefix_workload(base_url, model_dir, args))
-        hits = metric_total(base_url, "vllm:prefix_cache_hits_total") - hits_before
-        queries = metric_total(base_url, "vllm:prefix_cache_queries_total") - queries_before
+        counted = {name: metric_total(base_url, name) - before[name] for name in SERVER_COUNTERS}
     except RuntimeError as error:
         return {"skipped": str(error)}
     finally:
         server.stop()
     result = {key: metrics[key] for key in REPORTED}
+    hits = counted["vllm:prefix_cache_hits_total"]
+    queries = counted["vllm:prefix_cache_queries_total"]
+    requests = counted["vllm:time_to_first_token_seconds_count"]
     result.update(
+        mean_ttft_ms=metrics["mean_ttft_ms"],  # beside the server's mean below
         prefix_cache_hits=hits,
         prefix_cache_queries=queries,
         prefix_cache_hit_rate=round(hits / queries, 4) if queries else None,
+        # The replica's own view: arrival in the handler to the first token, and to the start
+        # of the step that produced it; the client's TTFT minus the first is HTTP both ways.
+        server_mean_ttft_ms=round(
+            counted["vllm:time_to_first_token_seconds_sum"] / requests * 1000, 2)
+        if requests else None,
+        server_mean_queue_ms=round(
+            counted["vllm:request_queue_time_seconds_sum"] / requests * 1000, 2)
+        if requests else None,
         **machine.fields(),
     )
     return result
