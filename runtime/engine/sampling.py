@@ -66,7 +66,8 @@ class Sampler:
     and a full sort for top-p took 118 ms for 32 rows of a 30k vocabulary and 470 ms of a 152k
     one on a 2-core CPU: bench/README.md, eleventh round.) A row's token depends only on its
     logits, params and generator, not on its batch: the cut-off is a probability, with ties
-    kept, and the draw runs in token id order, whatever width the batch gave the head.
+    kept, found from float64 running sums on every path, and the draw runs in token id order,
+    whatever width the batch gave the head.
     """
 
     def __call__(
@@ -171,12 +172,14 @@ def top_k_top_p(
         probs = (scaled - shift).exp()
         ks, ps = top_ks[pending], top_ps[pending]
         in_top_k = torch.arange(head) < ks.unsqueeze(1)
-        top_k_probs = probs * in_top_k
-        # Running sums, not .sum(): a row's prefix comes out the same at any head width.
+        top_k_probs = (probs * in_top_k).double()
+        # Running sums, not .sum(): a row's prefix comes out the same at any head width. In
+        # float64, as nucleus_cutoffs sums, so a row decides alike on either path.
         cumulative = top_k_probs.cumsum(dim=-1)
-        mass = torch.where(ks < vocab, cumulative[:, -1], torch.ones_like(ps))
+        mass = torch.where(ks < vocab, cumulative[:, -1], torch.ones_like(cumulative[:, -1]))
         # (Rows without top-p skip the mass test: 1 - a tiny probability rounds to 1.)
-        within_p = (cumulative - top_k_probs < (ps * mass).unsqueeze(1)) | (ps >= 1).unsqueeze(1)
+        within_p = ((cumulative - top_k_probs < (ps.double() * mass).unsqueeze(1))
+                    | (ps >= 1).unsqueeze(1))
         nucleus = in_top_k & within_p
         cutoff = probs.gather(1, nucleus.sum(dim=-1, keepdim=True) - 1)
         keep = probs >= cutoff

@@ -174,6 +174,23 @@ def test_a_rows_draw_does_not_depend_on_the_rest_of_its_batch():
         assert alone == batched == widened
 
 
+def test_a_wide_nucleus_decides_alike_by_buckets_alone_or_by_topk_in_a_wide_batch():
+    # ~2,000 likely tokens: alone the row passes WIDER_HEAD and takes nucleus_cutoffs; beside
+    # a top-k of 3,000 the first head already holds its nucleus.
+    logits = torch.randn(2, 30522, generator=gen(11)) * 0.1 - 5
+    logits[0, :2000] += 10
+    mine = SamplingParams(temperature=1.0, top_p=0.9)
+    wide = SamplingParams(temperature=1.0, top_k=3000)
+    kept = int((Sampler.probabilities(logits[:1], [mine]) > 0).sum())
+    assert WIDER_HEAD < kept < 3000
+    assert torch.equal(Sampler.probabilities(logits[:1], [mine])[0],
+                       Sampler.probabilities(logits, [mine, wide])[0])
+    for seed in range(30):
+        alone = Sampler()(logits[:1], [mine], [gen(seed)])[0]
+        beside = Sampler()(logits, [mine, wide], [gen(seed), gen(1)])[0]
+        assert alone == beside
+
+
 @pytest.mark.parametrize(
     "bad",
     [
