@@ -26,6 +26,10 @@ class PrefillAttention:
     q_end: int
     context_blocks: torch.Tensor | None  # block ids to read keys from; None = chunk only
     mask: torch.Tensor | None  # [chunk, context] bool; None = plain causal over the chunk
+    # A short chunk over a cached context: each row read in place by the decode kernel, as a
+    # decode of its own position (model_runner.PAGED_PREFILL_MAX_TOKENS); then the two above
+    # are unused.
+    paged: PagedDecode | None = None
 
 
 @dataclass
@@ -369,6 +373,10 @@ def paged_attention(
         out[group.start : group.end] = o.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_end)
+        if (paged := chunk.paged) is not None:
+            paged.kernel(q[rows], k_cache, v_cache, paged.block_tables, paged.context_lens,
+                         out[rows], paged.window)
+            continue
         query = q[rows].transpose(0, 1).unsqueeze(0)
         if chunk.context_blocks is None:
             keys = k[rows].transpose(0, 1).unsqueeze(0)

@@ -27,6 +27,13 @@ logger = logging.getLogger(__name__)
 # What one more decode group costs per layer (two gathers and an SDPA call), in blocks of
 # context per sequence: measured on CPU, see _decode_groups.
 GROUP_OVERHEAD_BLOCKS = 32
+# A prefill chunk of at most this many tokens over a cached context (a prompt whose prefix hit
+# the cache, the tail of a chunked prompt) is attended by the decode kernel in place, one row
+# per token, instead of gathering its context's blocks for SDPA: 16 tokens over 256 cached
+# took 6.1 ms a step on tiny against 6.9, over 1,024 8.1 against 8.9 (the blocks are cold by
+# then; bench/README.md, eleventh round). Each row re-reads the whole context, so from 32
+# tokens the gather and SDPA win (12.4 against 9.9 ms over 1,024).
+PAGED_PREFILL_MAX_TOKENS = 16
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -260,6 +267,14 @@ class ModelRunner:
             return PrefillAttention(*rows, context_blocks=None, mask=None)
         bs = self.block_size
         num_blocks = -(-chunk.end // bs)
+        if self.kernels is not None and chunk.num_tokens <= PAGED_PREFILL_MAX_TOKENS:
+            table = np.array(chunk.seq.block_table[:num_blocks], dtype=np.int32)
+            return PrefillAttention(*rows, context_blocks=None, mask=None, paged=PagedDecode(
+                self.kernels.paged_attention,
+                torch.from_numpy(np.tile(table, (chunk.num_tokens, 1))),
+                torch.arange(chunk.start + 1, chunk.end + 1, dtype=torch.int32),
+                window,
+            ))
         blocks = torch.tensor(chunk.seq.block_table[:num_blocks], dtype=torch.long)
         query_positions = torch.arange(chunk.start, chunk.end).unsqueeze(1)
         key_positions = torch.arange(num_blocks * bs).unsqueeze(0)

@@ -284,3 +284,51 @@ def test_fused_ops_refuse_bad_shapes_and_slots(kernel):
         compiled.add_rms_norm(torch.randn(2, 8).double(), None, torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="even width"):
         compiled.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_short_chunk_over_a_cached_context_reads_it_in_place_as_sdpa_would(kernel, window):
+    from runtime.engine.model import AttentionMetadata, PagedDecode, PrefillAttention
+    from runtime.engine.model import paged_attention as attend
+
+    # 12 new tokens at positions 37..48 of a sequence whose 37 earlier tokens are cached.
+    start, num_tokens, block_size = 37, 12, 4
+    end = start + num_tokens
+    q, k_cache, v_cache, tables, _ = random_case(
+        rows=1, num_heads=4, kv_heads=2, head_dim=64, block_size=block_size, lens=[end])
+    q = torch.randn(num_tokens, 4, 64, generator=torch.Generator().manual_seed(3))
+    key_positions = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
+    query_positions = torch.arange(start, end).unsqueeze(1)
+    mask = key_positions <= query_positions
+    if window is not None:
+        mask &= key_positions > query_positions - window
+    unused = torch.empty(0)
+
+    def run(chunk: PrefillAttention) -> torch.Tensor:
+        meta = AttentionMetadata(slot_mapping=unused, prefills=[chunk])
+        return attend(q, unused, unused, k_cache, v_cache, meta)
+
+    gathered = run(PrefillAttention(0, num_tokens, context_blocks=tables[0].long(), mask=mask))
+    in_place = run(PrefillAttention(0, num_tokens, None, None, paged=PagedDecode(
+        kernel, tables.repeat(num_tokens, 1).contiguous(),
+        torch.arange(start + 1, end + 1, dtype=torch.int32), window)))
+    torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
+
+
+def test_the_runner_reads_short_chunks_with_context_in_place_and_long_ones_by_gather(
+    make_engine, kernel
+):
+    from runtime.engine.scheduler import ScheduledChunk
+    from runtime.engine.sequence import Sequence
+
+    runner = make_engine(ops_backend="kernels").runner
+    seq = Sequence("r", list(range(3, 203)))
+    seq.block_table = list(range(50))
+    short = runner._prefill_metadata(ScheduledChunk(seq, 100, model_runner.PAGED_PREFILL_MAX_TOKENS,
+                                                    completes_sequence=False), 0)
+    long = runner._prefill_metadata(ScheduledChunk(seq, 100, model_runner.PAGED_PREFILL_MAX_TOKENS + 1,
+                                                   completes_sequence=False), 0)
+    fresh = runner._prefill_metadata(ScheduledChunk(seq, 0, 16, completes_sequence=False), 0)
+    assert short.paged is not None and short.paged.context_lens.tolist()[:2] == [101, 102]
+    assert long.paged is None and long.context_blocks is not None
+    assert fresh.paged is None and fresh.context_blocks is None
