@@ -113,7 +113,8 @@ class GenerationDefaults:
                 raise ValueError(f"{path}: {key} must be {rule}, not {value!r}")
             return value
 
-        top_k = number("top_k", 0, lambda v: v == int(v) and v >= -1, "an integer >= -1")
+        top_k = number("top_k", 0, lambda v: float(v).is_integer() and v >= -1,
+                       "an integer >= -1")
         return cls(
             temperature=float(number("temperature", 1.0, lambda v: v >= 0, ">= 0")),
             top_p=float(number("top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]")),

@@ -176,7 +176,7 @@ def test_generation_config_is_read_and_checked(tmp_path):
     path.write_text(json.dumps({"temperature": 0.6, "top_k": -1}))
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults(temperature=0.6)
     for bad, key in (({"top_p": 0}, "top_p"), ({"temperature": "hot"}, "temperature"),
-                     ({"top_k": 2.5}, "top_k")):
+                     ({"top_k": 2.5}, "top_k"), ({"top_k": float("inf")}, "top_k")):
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=key):
             GenerationDefaults.from_dir(tmp_path)
