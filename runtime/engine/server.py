@@ -23,7 +23,7 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -812,7 +812,7 @@ def main(args: argparse.Namespace) -> int:
         logger.error("%s; fix it or start with --no-generation-config", error)
         return 2
     defaults = settings.generation_defaults
-    if (defaults.temperature, defaults.top_p, defaults.top_k) != (1.0, 1.0, 0):
+    if replace(defaults, ignored=()) != GenerationDefaults():  # any value applies
         logger.info("requests that leave them out get the checkpoint's generation_config.json "
                     "defaults: temperature=%s top_p=%s top_k=%s (--no-generation-config: "
                     "OpenAI's)", defaults.temperature, defaults.top_p, defaults.top_k)
