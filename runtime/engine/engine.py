@@ -15,10 +15,13 @@ Semantics worth knowing:
   `new_token_ids`, special tokens are not in the text), stop strings ("stop", text cut before
   the stop string), then max_tokens ("length").
 - Preempted sequences keep their output and are recomputed (prompt + output) when readmitted.
+- A sequence whose logits are NaN or infinite ends its whole request at once, with one
+  `finish_reason="error"` output per unfinished sequence; the rest of the batch goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from itertools import count
@@ -30,10 +33,12 @@ from runtime.engine.config import EngineConfig, ModelConfig
 from runtime.engine.loader import resolve_dtype
 from runtime.engine.model import onednn_packs
 from runtime.engine.model_runner import ModelRunner, activation_dtype, num_kv_blocks_for
-from runtime.engine.sampling import Sampler, SamplingParams
+from runtime.engine.sampling import INVALID_TOKEN, Sampler, SamplingParams
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
 from runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -45,7 +50,8 @@ class CompletionOutput:
     new_token_ids: list[int]
     new_text: str  # text delta (stop strings already cut)
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    # "stop" | "length" | "abort" | "error" (the model's logits were NaN or infinite) | None
+    finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
@@ -194,16 +200,22 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request now and free its blocks; the next step() reports it as aborted."""
+        self._aborted_outputs += self._drop(request_id, "abort")
+
+    def _drop(self, request_id: str, reason: str) -> list[CompletionOutput]:
+        """End every unfinished sequence of a request with `reason`, freeing its blocks."""
         request = self._requests.pop(request_id, None)
         if request is None:
-            return
+            return []
         self.scheduler.abort(request_id)
         self._num_pending_siblings -= len(request.pending_siblings)
+        outputs = []
         for state in request.states:
             seq = state.seq
             if seq.finish_reason is None or seq.finish_reason == "abort":
-                self._aborted_outputs.append(self._output(state, [], "", "abort"))
+                outputs.append(self._output(state, [], "", reason))
             self._states.pop(seq.seq_id, None)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._aborted_outputs)
@@ -222,7 +234,17 @@ class LLMEngine:
         params = [self._requests[seq.request_id].params for seq in sampled]
         token_ids = self.sampler(logits, params, [s.generator for s in states])
         for state, token_id in zip(states, token_ids, strict=True):
-            outputs.append(self._append_token(state, token_id))
+            request_id = state.seq.request_id
+            if request_id not in self._requests:  # a sibling failed earlier in this loop
+                continue
+            if token_id == INVALID_TOKEN:
+                # Only this request fails: its logits were NaN or infinite, which says its
+                # numbers overflowed or the weights are broken, not that the engine is.
+                logger.error("request %s failed: the model's logits for it are NaN or "
+                             "infinite", request_id)
+                outputs += self._drop(request_id, "error")
+            else:
+                outputs.append(self._append_token(state, token_id))
         return outputs
 
     def _append_token(self, state: _SequenceState, token_id: int) -> CompletionOutput:

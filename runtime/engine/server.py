@@ -167,6 +167,13 @@ class AdmissionMiddleware:
             self.lifecycle.leave()
 
 
+# The engine failed one request (finish_reason "error") and goes on serving the others.
+NON_FINITE_LOGITS = (
+    "The model's logits for this request were NaN or infinite, so no token could be chosen. "
+    "The checkpoint's weights may be broken, or its numbers overflow in this dtype: try "
+    "serving it with --dtype float32.")
+
+
 def unavailable_error(exc: EngineUnavailableError) -> OpenAIError:
     """Loading and shutting down are temporary (503, retry elsewhere); a dead or failed
     model is a server error (500)."""
@@ -509,6 +516,9 @@ class GenerationRun:
                     if delay_ms > 0:
                         await asyncio.sleep(delay_ms / 1000)
                     self.timer.on_tokens(num_new)
+                if output.finish_reason == "error":
+                    outcome = "error"
+                    raise OpenAIError(500, NON_FINITE_LOGITS)
                 choice = self.choices[output.index]
                 choice.text += output.new_text
                 choice.num_output_tokens += num_new
@@ -542,9 +552,10 @@ class GenerationRun:
                     yield sse(shapes.stream_chunk(output.index, output.new_text,
                                                   output.finish_reason if output.finished
                                                   else None))
-        except EngineUnavailableError as exc:
+        except (EngineUnavailableError, OpenAIError) as exc:
             # Headers are gone already; vLLM reports mid-stream failures as an error event.
-            yield sse(unavailable_error(exc).body())
+            error = unavailable_error(exc) if isinstance(exc, EngineUnavailableError) else exc
+            yield sse(error.body())
             yield "data: [DONE]\n\n"
             return
         except Exception:  # a bug: log it, but still end the stream the way clients expect

@@ -3,6 +3,7 @@ prefix cache, validation, stats."""
 
 from __future__ import annotations
 
+import math
 import platform
 import subprocess
 import sys
@@ -153,6 +154,29 @@ def test_abort_frees_blocks_at_once_and_reports_abort(make_engine, prompts):
     assert ("drop", 0) not in results
     engine.abort_request("unknown")  # no error
     assert engine.block_manager.usage == 0.0
+
+
+def test_a_request_with_nan_logits_fails_alone_and_the_engine_goes_on(make_engine, prompts):
+    engine = make_engine()
+    clean = [prompts[0], prompts[1]]
+    expected = engine.generate(clean, GREEDY)
+    # A NaN embedding row: any sequence holding that token gets NaN hidden states and logits,
+    # as a broken checkpoint or an overflow would give, while the rest of the batch stays clean.
+    poisoned = next(t for t in prompts[2] if t not in prompts[0] + prompts[1])
+    model = engine.runner.model
+    model.embed_tokens = model.embed_tokens.clone()  # not the (maybe tied) LM head's copy
+    model.embed_tokens[poisoned] = math.nan
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1, n=2)
+    engine.add_request("clean-0", clean[0], GREEDY)
+    engine.add_request("nan-greedy", prompts[2], GREEDY)
+    engine.add_request("nan-sampled", [*prompts[0], poisoned], sampled)
+    engine.add_request("clean-1", clean[1], GREEDY)
+    results = run_all(engine)
+    for key in [("nan-greedy", 0), ("nan-sampled", 0), ("nan-sampled", 1)]:
+        assert results[key].finish_reason == "error" and results[key].token_ids == []
+    assert [results[("clean-0", 0)].token_ids, results[("clean-1", 0)].token_ids] == expected
+    assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0.0
+    assert engine.generate(clean, GREEDY) == expected  # no NaN left behind in the KV cache
 
 
 def test_higher_priority_runs_first(make_engine, prompts):

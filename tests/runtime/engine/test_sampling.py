@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from runtime.engine.sampling import WIDER_HEAD, Sampler, SamplingParams
+from runtime.engine.sampling import INVALID_TOKEN, WIDER_HEAD, Sampler, SamplingParams
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -86,6 +86,30 @@ def test_same_seed_same_tokens_and_greedy_rows_ignore_randomness():
     assert first == again
     assert first != other
     assert {row[1] for row in first + other} == {int(logits[1].argmax())}
+
+
+def test_rows_without_a_usable_maximum_get_invalid_token_and_spare_the_others():
+    vocab = 2000
+    clean = torch.randn(vocab, generator=gen(3))
+    clean[[5, 17]] = -math.inf  # masked tokens are fine
+    nan, posinf, all_masked = clean.clone(), clean.clone(), torch.full((vocab,), -math.inf)
+    nan[1234] = math.nan
+    posinf[42] = math.inf
+    greedy = SamplingParams(temperature=0.0)
+    plain, top_k = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=5)
+    top_p = SamplingParams(temperature=0.8, top_p=0.9)
+    rows = [(clean, greedy), (nan, greedy), (posinf, greedy), (all_masked, greedy),
+            (nan, plain), (posinf, top_k), (nan, top_p), (all_masked, top_p),
+            (clean, plain), (clean, top_k), (clean, top_p)]
+    logits = torch.stack([row for row, _ in rows])
+    params = [p for _, p in rows]
+    tokens = Sampler()(logits, params, [gen(i) for i in range(len(rows))])
+    assert tokens[1:8] == [INVALID_TOKEN] * 7
+    alone = [Sampler()(clean.unsqueeze(0), [p], [gen(i)])[0]
+             for i, p in enumerate(params) if i in (0, 8, 9, 10)]
+    assert [tokens[i] for i in (0, 8, 9, 10)] == alone
+    assert INVALID_TOKEN not in alone
+    assert Sampler()(nan.unsqueeze(0), [plain], [gen(0)]) == [INVALID_TOKEN]
 
 
 def reference_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

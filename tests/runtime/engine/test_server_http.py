@@ -25,6 +25,7 @@ from runtime.engine.server import FaultSettings, ReplicaServer, ServerSettings
 
 MODEL = "fake"
 REFUSED_TOKEN = 999
+NAN_TOKEN = 998  # the scripted engine fails a request holding it as NaN logits would
 
 
 class ScriptedTokenizer:
@@ -67,7 +68,8 @@ class ScriptedEngine:
         self.seen_params.append((request_id, params))
         for index in range(params.n):
             self.running[(request_id, index)] = {"params": params, "count": 0,
-                                                 "prompt": len(prompt_token_ids)}
+                                                 "prompt": len(prompt_token_ids),
+                                                 "nan": NAN_TOKEN in prompt_token_ids}
 
     def abort_request(self, request_id) -> None:
         self.aborted.append(request_id)
@@ -83,6 +85,13 @@ class ScriptedEngine:
         time.sleep(self.step_seconds)
         outputs = []
         for (request_id, index), seq in list(self.running.items()):
+            if seq["nan"]:  # as LLMEngine does: no token, the request ends with "error"
+                del self.running[(request_id, index)]
+                outputs.append(SimpleNamespace(
+                    request_id=request_id, index=index, new_token_ids=[], new_text="",
+                    finished=True, finish_reason="error", num_prompt_tokens=seq["prompt"],
+                    num_output_tokens=seq["count"], num_cached_tokens=0))
+                continue
             seq["count"] += 1
             self.generation_tokens_total += 1
             finished = seq["count"] >= seq["params"].max_tokens
@@ -432,6 +441,26 @@ def test_dead_loop_mid_stream_sends_an_error_event():
                                     json={"prompt": "x", "max_tokens": 2, "stream": True})
         events = sse_events(response.text)
         assert events[-1]["error"]["code"] == 500
+
+
+def test_nan_logits_fail_that_request_only_and_say_what_to_try(client):
+    prompt = [1, NAN_TOKEN, 20]
+    response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert "NaN or infinite" in error["message"] and "--dtype float32" in error["message"]
+    streamed = client.post("/v1/completions",
+                           json={"prompt": prompt, "max_tokens": 3, "n": 2, "stream": True})
+    events = sse_events(streamed.text)
+    assert events[-1]["error"]["code"] == 500 and "NaN" in events[-1]["error"]["message"]
+    assert client.get("/health").status_code == 200  # the replica itself is fine
+    fine = client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+    assert fine.status_code == 200 and fine.json()["choices"][0]["text"] == "aa"
+    samples = {(s.name, s.labels.get("finished_reason")): s.value
+               for f in text_string_to_metric_families(client.get("/metrics").text)
+               for s in f.samples}
+    assert samples[("vllm:request_success_total", "error")] == 2
+    assert samples[("vllm:request_success_total", "length")] == 1
 
 
 def test_admin_faults_requires_the_token(client):
