@@ -11,6 +11,7 @@ DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEAR_BACKENDS = ("auto", "onednn", "torch")  # see model.Linear
 OPS_BACKENDS = ("auto", "kernels", "torch")  # see model_runner.compiled_kernels
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # see model_runner.kv_cache_dtype
 
 
 @dataclass
@@ -41,9 +42,13 @@ class EngineConfig:
     # Decode attention and the element-wise work between matmuls (norms, rotary, SiLU, cache
     # writes): "kernels" (compiled C, runtime/engine/csrc; attention reads KV blocks in
     # place; float32 only), "torch" (gathers blocks for SDPA; torch ops), "auto" (the
-    # kernels where they build). With bf16 weights and the kernels, activations and the KV
-    # cache stay float32 (model_runner.activation_dtype).
+    # kernels where they build). With bf16 weights and the kernels, activations stay float32
+    # (model_runner.activation_dtype).
     ops_backend: str = "auto"
+    # What the KV cache stores: "auto" is the weights' dtype (as in vLLM), so a bf16 model
+    # holds twice the tokens a float32 one does in the same memory; "float32" or "bfloat16"
+    # force it (attention arithmetic is float32 with the kernels either way).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPE_BYTES):
@@ -53,6 +58,10 @@ class EngineConfig:
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(
                 f"linear_backend must be auto, onednn or torch, not {self.linear_backend!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32 or bfloat16, not {self.kv_cache_dtype!r}"
             )
         if self.ops_backend not in OPS_BACKENDS:
             raise ValueError(

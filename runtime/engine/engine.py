@@ -32,13 +32,23 @@ from runtime.engine.block_manager import BlockManager
 from runtime.engine.config import EngineConfig, ModelConfig
 from runtime.engine.loader import resolve_dtype
 from runtime.engine.model import onednn_packs
-from runtime.engine.model_runner import ModelRunner, activation_dtype, num_kv_blocks_for
+from runtime.engine.model_runner import (
+    ModelRunner,
+    activation_dtype,
+    kv_bytes_per_block,
+    kv_cache_dtype,
+    num_kv_blocks_for,
+)
 from runtime.engine.sampling import INVALID_TOKEN, Sampler, SamplingParams
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
 from runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -99,13 +109,14 @@ class LLMEngine:
             config.dtype, self.model_config.checkpoint_dtype, onednn_packs
         )
         self.activation_dtype = activation_dtype(config.ops_backend, self.dtype)
+        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_kv_blocks = num_kv_blocks_for(
-            config, self.model_config, self.max_model_len, self.activation_dtype
+            config, self.model_config, self.max_model_len, self.kv_cache_dtype
         )
         self.runner = ModelRunner(
-            config, self.model_config, self.dtype, self.activation_dtype, self.max_model_len,
-            self.num_kv_blocks,
+            config, self.model_config, self.dtype, self.activation_dtype, self.kv_cache_dtype,
+            self.max_model_len, self.num_kv_blocks,
         )
         self.block_manager = BlockManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -115,6 +126,12 @@ class LLMEngine:
             config.max_prefill_tokens_with_decodes,
         )
         self.sampler = Sampler()
+        kv_bytes = self.num_kv_blocks * kv_bytes_per_block(
+            self.model_config, config.block_size, self.kv_cache_dtype)
+        logger.info("weights %s, activations %s; KV cache %s, %d blocks of %d tokens (%.0f MiB)",
+                    dtype_name(self.dtype), dtype_name(self.activation_dtype),
+                    dtype_name(self.kv_cache_dtype), self.num_kv_blocks, config.block_size,
+                    kv_bytes / 2**20)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(
             self.model_config.eos_token_ids
         )

@@ -137,19 +137,30 @@ _POINTER, _SIZE, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, c
 # name: argument types; every function returns int (0, or negative for an error).
 _SIGNATURES = {
     "paged_attention_f32": [_POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _SIZE, _SIZE,
-                            _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _FLOAT, _POINTER, _INT],
+                            _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _FLOAT, _POINTER, _INT, _INT],
     "add_rms_norm_f32": [_POINTER, _POINTER, _POINTER, _FLOAT, _POINTER, _SIZE, _SIZE, _INT],
     "rope_store_kv_f32": [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE,
-                          _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _INT],
+                          _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT],
     "silu_mul_f32": [_POINTER, _POINTER, _SIZE, _SIZE, _INT],
 }
 OUT_OF_BOUNDS, NO_MEMORY = -2, -1
+
+
+KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _float32(*tensors: torch.Tensor) -> None:
     # The C code trusts its pointers: everything it reads or writes must be contiguous fp32.
     if not all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors):
         raise ValueError("CPU kernels need contiguous float32 tensors")
+
+
+def _kv_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
+    """1 for a bf16 KV cache, 0 for float32 (the C code's flag); both contiguous, one dtype."""
+    if (k_cache.dtype not in KV_CACHE_DTYPES or v_cache.dtype != k_cache.dtype
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        raise ValueError("CPU kernels need contiguous float32 or bfloat16 KV caches of one dtype")
+    return int(k_cache.dtype == torch.bfloat16)
 
 
 class CpuKernels:
@@ -180,12 +191,13 @@ class CpuKernels:
         window: int | None = None,
     ) -> torch.Tensor:
         """out[r] = row r's attention over key positions [max(0, len - window), len) of its
-        block table (csrc/paged_attention.c): q, out [rows, heads, head_dim], caches
-        [blocks, block_size, kv_heads, head_dim], block_tables [rows, width] and
-        context_lens [rows] int32."""
+        block table (csrc/paged_attention.c): q, out [rows, heads, head_dim] float32, caches
+        [blocks, block_size, kv_heads, head_dim] float32 or bf16, block_tables [rows, width]
+        and context_lens [rows] int32."""
         rows, num_heads, head_dim = q.shape
         _, block_size, kv_heads, cache_head_dim = k_cache.shape
-        _float32(q, k_cache, v_cache, out)
+        _float32(q, out)
+        kv_bf16 = _kv_bf16(k_cache, v_cache)
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
             raise ValueError("block_tables and context_lens must be int32")
         if (cache_head_dim != head_dim or v_cache.shape != k_cache.shape or out.shape != q.shape
@@ -198,7 +210,7 @@ class CpuKernels:
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
             block_tables.data_ptr(), context_lens.data_ptr(), rows, block_tables.shape[1],
             num_heads, kv_heads, head_dim, block_size, window or 0, head_dim**-0.5,
-            out.data_ptr(), torch.get_num_threads(),
+            out.data_ptr(), kv_bf16, torch.get_num_threads(),
         )
         if status == OUT_OF_BOUNDS:
             raise ValueError("a context length is longer than its block table, or a block "
@@ -233,10 +245,12 @@ class CpuKernels:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotary embedding on the q and k of each qkv row ([q | k | v]), with cos/sin
         [rows, head_dim] for the rows' positions; the rotated key and the value go to cache
-        slot `slots[r]` (int64). Returns q, k [rows, heads, head_dim] and v (a view of qkv)."""
+        slot `slots[r]` (int64), rounded to bf16 in a bf16 cache. Returns q, k
+        [rows, heads, head_dim] and v (a view of qkv), float32."""
         rows = qkv.shape[0]
         _, block_size, kv_heads, head_dim = k_cache.shape
-        _float32(qkv, cos, sin, k_cache, v_cache)
+        _float32(qkv, cos, sin)
+        kv_bf16 = _kv_bf16(k_cache, v_cache)
         q_width, kv_width = num_heads * head_dim, kv_heads * head_dim
         if (qkv.shape[1] != q_width + 2 * kv_width or cos.shape != (rows, head_dim)
                 or sin.shape != cos.shape or v_cache.shape != k_cache.shape
@@ -248,7 +262,8 @@ class CpuKernels:
         status = self._rope_store_kv_f32(
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             k_cache.shape[0] * block_size, rows, num_heads, kv_heads, head_dim, q.data_ptr(),
-            k.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), torch.get_num_threads(),
+            k.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16,
+            torch.get_num_threads(),
         )
         if status == OUT_OF_BOUNDS:
             raise ValueError("a cache slot is outside the cache")

@@ -240,8 +240,8 @@ class TorchOps:
         v = v.view(tokens, kv_heads, head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -350,7 +350,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attend each row to its sequence's context (this step's k/v already in their slots).
 
-    Caches are [num_blocks, block_size, kv_heads, head_dim]. Decodes are read in place by the
+    Caches are [num_blocks, block_size, kv_heads, head_dim], in q's dtype or another
+    (kv_cache_dtype): what is read from them is converted to q's. Decodes are read in place by the
     compiled kernel when the runner has one; otherwise, like prefill chunks with context, whole
     blocks at a time (one index_select per decode group, several times faster than advanced
     indexing on CPU) with the positions past each sequence's length masked out.
@@ -365,7 +366,7 @@ def paged_attention(
         n = group.end - group.start
         keys = k_cache.index_select(0, group.blocks).view(n, -1, kv_heads, head_dim)
         values = v_cache.index_select(0, group.blocks).view(n, -1, kv_heads, head_dim)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q[group.start : group.end].unsqueeze(2), keys, values, attn_mask=group.mask,
             enable_gqa=True,
@@ -384,8 +385,8 @@ def paged_attention(
         else:
             keys = k_cache.index_select(0, chunk.context_blocks).view(-1, kv_heads, head_dim)
             values = v_cache.index_select(0, chunk.context_blocks).view(-1, kv_heads, head_dim)
-            keys = keys.transpose(0, 1).unsqueeze(0)
-            values = values.transpose(0, 1).unsqueeze(0)
+            keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(
             query,
             keys,

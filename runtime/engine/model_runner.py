@@ -105,15 +105,15 @@ def compiled_kernels(backend: str, dtype: torch.dtype) -> kernels.CpuKernels | N
 
 
 def activation_dtype(ops_backend: str, weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of activations and of the KV cache for weights in `weight_dtype`.
+    """The dtype of activations for weights in `weight_dtype`.
 
-    bf16 weights keep activations in float32 wherever the compiled kernels run (they are
-    float32 only): each matmul converts its input to bf16 and its output back, so the matmuls
-    run at bf16 speed (oneDNN; native on CPUs with AVX512-BF16 or AMX, ~2x float32 here) while
-    the norms, rotary, attention and the residual stream run in the C kernels, and stay closer
-    to float32 numerics. torch's own bf16 element-wise ops and attention on CPU are slower than
-    the kernels in float32 (bench/README.md, ninth round). The price: a float32 KV cache, twice
-    the bytes a token. `ops_backend="torch"` keeps everything in bf16."""
+    bf16 weights keep activations in float32 wherever the compiled kernels run (their
+    arithmetic is float32 only): each matmul converts its input to bf16 and its output back,
+    so the matmuls run at bf16 speed (oneDNN; native on CPUs with AVX512-BF16 or AMX, ~2x
+    float32 here) while the norms, rotary, attention and the residual stream run in the C
+    kernels, and stay closer to float32 numerics. torch's own bf16 element-wise ops and
+    attention on CPU are slower than the kernels in float32 (bench/README.md, ninth round).
+    The KV cache stays bf16 (kv_cache_dtype). `ops_backend="torch"` keeps everything in bf16."""
     if weight_dtype != torch.bfloat16 or ops_backend == "torch":
         return weight_dtype
     try:
@@ -121,6 +121,15 @@ def activation_dtype(ops_backend: str, weight_dtype: torch.dtype) -> torch.dtype
     except kernels.KernelUnavailableError:
         return weight_dtype
     return torch.float32
+
+
+def kv_cache_dtype(setting: str, weight_dtype: torch.dtype) -> torch.dtype:
+    """EngineConfig.kv_cache_dtype resolved: "auto" stores keys and values in the weights'
+    dtype, as vLLM does. With float32 activations (bf16 weights and the kernels) a bf16 cache
+    rounds each key and value once, when it is stored."""
+    if setting == "auto":
+        return weight_dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
 
 
 def long_tensor(values: list[int]) -> torch.Tensor:
@@ -135,7 +144,8 @@ class ModelRunner:
         config: EngineConfig,
         model_config: ModelConfig,
         weight_dtype: torch.dtype,
-        dtype: torch.dtype,  # activations and KV cache: activation_dtype()
+        dtype: torch.dtype,  # activations: activation_dtype()
+        kv_dtype: torch.dtype,  # the KV cache's: kv_cache_dtype()
         max_model_len: int,
         num_blocks: int,
     ):
@@ -152,7 +162,7 @@ class ModelRunner:
         del state  # the layers hold what they need (packed copies, with oneDNN)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
             for _ in range(model_config.num_layers)
         ]
         self.sliding_window = model_config.sliding_window

@@ -615,7 +615,8 @@ def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
             max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-            linear_backend=args.linear_backend, ops_backend=args.ops_backend))
+            linear_backend=args.linear_backend, ops_backend=args.ops_backend,
+            kv_cache_dtype=args.kv_cache_dtype))
     return AsyncEngine(load_engine)
 
 
@@ -736,8 +737,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights dtype (auto follows the checkpoint, but loads a bf16 "
                              "or fp16 one in float32 on a CPU without native matmuls in that "
-                             "dtype); with bfloat16 and the compiled kernels, activations and "
-                             "the KV cache stay float32 and only the matmuls run in bf16")
+                             "dtype); with bfloat16 and the compiled kernels, activations "
+                             "stay float32 and only the matmuls run in bf16")
+    engine.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "float32", "bfloat16"],
+                        help="what the KV cache stores (auto: the weights' dtype, as vLLM); "
+                             "bfloat16 holds twice the tokens of float32 in the same memory")
     engine.add_argument("--max-num-seqs", type=int, default=64,
                         help="most sequences in one batch")
     engine.add_argument("--max-num-batched-tokens", type=int, default=512,

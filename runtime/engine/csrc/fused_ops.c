@@ -1,4 +1,5 @@
-/* The element-wise work between a decoder layer's matmuls, fused (CPU, float32).
+/* The element-wise work between a decoder layer's matmuls, fused (CPU, float32; the KV cache
+ * may be bf16).
  *
  * In torch each of these is 5-15 small ops (an RMSNorm alone is to, pow, mean, add, rsqrt,
  * mul, to, mul), and with a step's few rows every op costs more in dispatch than in
@@ -43,16 +44,37 @@ static inline void rotate(const float *x, const float *cos, const float *sin, in
     }
 }
 
+/* float32 to bf16, rounding to nearest even, NaN to bf16's quiet NaN: what torch's
+ * .to(torch.bfloat16) gives, bit for bit. */
+static inline uint16_t bf16_of(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* count floats into slot `slot` of a cache of float32, or of bf16 when bf16 is set. */
+static inline void store_slot(void *cache, int64_t slot, const float *values, int64_t count,
+                              int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + slot * count, values, sizeof(float) * count);
+        return;
+    }
+    uint16_t *out = (uint16_t *)cache + slot * count;
+#pragma omp simd
+    for (int64_t i = 0; i < count; i++) out[i] = bf16_of(values[i]);
+}
+
 /* One row of qkv is [num_heads * head_dim | kv_heads * head_dim | kv_heads * head_dim].
  * Writes the rotated queries to q_out and rotated keys to k_out ([rows, heads, head_dim]
  * each), and stores each row's rotated key and its value in cache slot slots[r] of
- * k_cache / v_cache ([slots, kv_heads, head_dim]). cos/sin are [rows, head_dim], the
- * tables' rows for each row's position. Returns -2 (and writes nothing) when a slot is
- * outside [0, num_slots). */
+ * k_cache / v_cache ([slots, kv_heads, head_dim]; float32, or bf16 when kv_bf16 is 1).
+ * cos/sin are [rows, head_dim], the tables' rows for each row's position. Returns -2 (and
+ * writes nothing) when a slot is outside [0, num_slots). */
 int rope_store_kv_f32(const float *qkv, const float *cos, const float *sin,
                       const int64_t *slots, int64_t num_slots, int64_t rows, int64_t num_heads,
                       int64_t kv_heads, int64_t head_dim, float *q_out, float *k_out,
-                      float *k_cache, float *v_cache, int num_threads) {
+                      void *k_cache, void *v_cache, int kv_bf16, int num_threads) {
     for (int64_t r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= num_slots) return -2;
     const int64_t q_width = num_heads * head_dim, kv_width = kv_heads * head_dim;
@@ -66,8 +88,8 @@ int rope_store_kv_f32(const float *qkv, const float *cos, const float *sin,
         float *k_row = k_out + r * kv_width;
         for (int64_t h = 0; h < kv_heads; h++)
             rotate(row + q_width + h * head_dim, c, s, half, k_row + h * head_dim);
-        memcpy(k_cache + slots[r] * kv_width, k_row, sizeof(float) * kv_width);
-        memcpy(v_cache + slots[r] * kv_width, row + q_width + kv_width, sizeof(float) * kv_width);
+        store_slot(k_cache, slots[r], k_row, kv_width, kv_bf16);
+        store_slot(v_cache, slots[r], row + q_width + kv_width, kv_width, kv_bf16);
     }
     return 0;
 }

@@ -290,6 +290,30 @@ def test_kv_pool_is_sized_from_memory_or_blocks(make_engine):
         make_engine(num_kv_blocks=None, kv_cache_memory=10)
 
 
+def test_a_bf16_kv_cache_holds_twice_the_tokens_and_decodes_close_to_float32(make_engine, prompts):
+    full = make_engine(num_kv_blocks=None, kv_cache_memory=1_000_000, block_size=16)
+    half = make_engine(num_kv_blocks=None, kv_cache_memory=1_000_000, block_size=16,
+                       kv_cache_dtype="bfloat16")
+    assert (full.dtype, full.kv_cache_dtype) == (torch.float32, torch.float32)  # auto: weights'
+    assert half.kv_cache_dtype == half.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert half.activation_dtype == torch.float32
+    assert half.num_kv_blocks == 2 * full.num_kv_blocks
+    # Keys and values rounded to bf16 move each logit by bf16's precision, not more.
+    logits = []
+    for engine in (full, half):
+        seen, execute = [], engine.runner.execute
+        engine.runner.execute = lambda scheduled, execute=execute, seen=seen: seen.append(
+            execute(scheduled)) or seen[-1]
+        # The prompt, then two decodes over its cached keys and values.
+        engine.generate([prompts[1] * 3], SamplingParams(max_tokens=3, temperature=0,
+                                                         ignore_eos=True))
+        logits.append(torch.cat(seen))
+    assert logits[0].shape == (3, full.model_config.vocab_size)
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32 or bfloat16"):
+        make_engine(kv_cache_dtype="fp8")
+
+
 def test_num_threads_sets_torch_intra_op_threads(make_engine):
     before = torch.get_num_threads()
     try:

@@ -72,17 +72,20 @@ def kernel():
         (6, 3, 20, 8, [5, 33, 64]),  # head_dim not a multiple of 8: the portable path
     ],
 )
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_equals_sdpa_over_gathered_blocks(
-    kernel, num_heads, kv_heads, head_dim, block_size, lens
+    kernel, num_heads, kv_heads, head_dim, block_size, lens, kv_dtype
 ):
     q, k_cache, v_cache, tables, lens_t = random_case(
         rows=len(lens), num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
         block_size=block_size, lens=lens,
     )
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
     out = torch.full_like(q, float("nan"))
     kernel(q, k_cache, v_cache, tables, lens_t, out)
-    torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, tables, lens_t),
-                               rtol=1e-5, atol=1e-5)
+    # A bf16 cache is read as the float32 values it holds: only summation order differs.
+    expected = reference_attention(q, k_cache.float(), v_cache.float(), tables, lens_t)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 200])
@@ -126,19 +129,29 @@ def test_paged_attention_refuses_what_it_would_read_out_of_bounds(kernel):
         kernel(q, k_cache, v_cache, outside, lens, out)
     with pytest.raises(ValueError, match="contiguous float32"):
         kernel(q.double(), k_cache, v_cache, tables, lens, out)
+    with pytest.raises(ValueError, match="KV caches of one dtype"):
+        kernel(q, k_cache.bfloat16(), v_cache, tables, lens, out)
+    with pytest.raises(ValueError, match="KV caches of one dtype"):
+        kernel(q, k_cache.half(), v_cache.half(), tables, lens, out)
     with pytest.raises(ValueError, match="int32"):
         kernel(q, k_cache, v_cache, tables.long(), lens, out)
     with pytest.raises(ValueError, match="mismatched shapes"):
         kernel(q, k_cache, v_cache, tables, lens, torch.empty(3, 4, 64))
 
 
-def test_engine_output_is_the_same_with_the_kernel_and_with_torch(make_engine, kernel):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_engine_output_is_the_same_with_the_kernel_and_with_torch(
+    make_engine, kernel, kv_cache_dtype
+):
     # Mixed lengths across block boundaries (4 tokens), decoding while other prompts prefill.
     mixed = [[1] + [(i * 7 + n) % 200 + 3 for i in range(n)] for n in (37, 5, 22, 2, 13)]
-    with_torch = make_engine(ops_backend="torch")
-    with_kernel = make_engine(ops_backend="kernels")
+    with_torch = make_engine(ops_backend="torch", kv_cache_dtype=kv_cache_dtype)
+    with_kernel = make_engine(ops_backend="kernels", kv_cache_dtype=kv_cache_dtype)
     assert with_torch.runner.kernels is None
     assert isinstance(with_kernel.runner.kernels, kernels.CpuKernels)
+    expected_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32
+    assert with_kernel.runner.kv_caches[0][1].dtype == expected_dtype
+    assert with_torch.runner.kv_caches[0][1].dtype == expected_dtype
     assert with_kernel.generate(mixed, GREEDY) == with_torch.generate(mixed, GREEDY)
 
 
@@ -263,6 +276,35 @@ def test_fused_ops_equal_the_torch_ops(kernel, rows):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_keys_and_values_stored_in_a_bf16_cache_round_as_torch_does(kernel):
+    from runtime.engine.config import ModelConfig
+    from runtime.engine.model import TorchOps
+
+    qkv, cos, sin, slots, shape, num_heads = fused_case(20)
+    v_start = (num_heads + shape[2]) * shape[3]
+    qkv[0, v_start:v_start + 3] = torch.tensor([float("nan"), float("inf"), 1 + 2**-8])  # tie
+    torch_ops = TorchOps(ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 64,
+        "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": num_heads,
+        "num_key_value_heads": shape[2],
+    }))
+    stored = {}
+    for name, ops in (("torch", torch_ops), ("kernels", kernels.cpu_kernels())):
+        k_cache, v_cache = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(
+            shape, dtype=torch.bfloat16)
+        q, k, v = ops.rope_store_kv(qkv, cos, sin, slots, k_cache, v_cache, num_heads)
+        assert q.dtype == k.dtype == torch.float32
+        stored[name] = (k, v, k_cache.view(-1, *shape[2:]), v_cache.view(-1, *shape[2:]))
+    k, v, k_cache, v_cache = stored["kernels"]
+    # Exactly what .to(torch.bfloat16) of the float32 key and value gives (NaN as a NaN: torch
+    # itself gives different NaN bits on its scalar and vector paths).
+    for cached, computed in ((k_cache, k), (v_cache, v)):
+        torch.testing.assert_close(cached[slots], computed.bfloat16(), rtol=0, atol=0,
+                                   equal_nan=True)
+    torch.testing.assert_close(k_cache.float(), stored["torch"][2].float(), rtol=1e-2, atol=1e-2,
+                               equal_nan=True)
+
+
 def test_fused_ops_refuse_bad_shapes_and_slots(kernel):
     compiled = kernels.cpu_kernels()
     qkv, cos, sin, slots, shape, num_heads = fused_case(5)
@@ -278,6 +320,8 @@ def test_fused_ops_refuse_bad_shapes_and_slots(kernel):
         compiled.rope_store_kv(qkv, cos, sin, slots.int(), k_cache, v_cache, num_heads)
     with pytest.raises(ValueError, match="contiguous float32"):
         compiled.rope_store_kv(qkv[:, :-1], cos, sin, slots, k_cache, v_cache, num_heads)
+    with pytest.raises(ValueError, match="KV caches of one dtype"):
+        compiled.rope_store_kv(qkv, cos, sin, slots, k_cache, v_cache.bfloat16(), num_heads)
     with pytest.raises(ValueError, match="mismatched shapes"):
         compiled.add_rms_norm(torch.randn(2, 8), torch.randn(2, 4), torch.randn(8), 1e-6)
     with pytest.raises(ValueError, match="contiguous float32"):

@@ -166,10 +166,11 @@ def test_bfloat16_weights_run_in_bf16(checkpoint_factory, make_engine, ops_backe
     model = engine.runner.model
     assert engine.dtype == torch.bfloat16
     assert model.layers[0].gate_up_proj.dtype == model.lm_head.dtype == torch.bfloat16
-    # With the (float32) kernels, activations and the KV cache stay float32 between bf16 matmuls.
+    # With the (float32) kernels, activations stay float32 between bf16 matmuls; the KV cache
+    # is bf16 either way (kv_cache_dtype "auto": the weights').
     activations = torch.float32 if ops_backend == "kernels" else torch.bfloat16
     assert engine.activation_dtype == model.embed_tokens.dtype == activations
-    assert engine.runner.kv_caches[0][0].dtype == activations
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     fp32_engine = make_engine(model_dir, dtype="float32", ops_backend=ops_backend)
     assert fp32_engine.runner.kv_caches[0][0].dtype == torch.float32
     assert fp32_engine.runner.model.lm_head.dtype == torch.float32
