@@ -63,8 +63,9 @@ def inferops_spec(
     return ServerSpec(spec.name, command, spec.env)
 
 
-def vllm_spec(model_dir: Path, port: int, threads: int, dtype: str = "float32") -> ServerSpec:
-    return server_specs(model_dir, port, threads, dtype)[1]
+def vllm_spec(model_dir: Path, port: int, threads: int, dtype: str = "float32",
+              preload: str = "docs") -> ServerSpec:
+    return server_specs(model_dir, port, threads, dtype, preload)[1]
 
 
 def metric_total(base_url: str, name: str) -> float:

@@ -34,7 +34,12 @@ from engine_runs import (
     vllm_spec,
     warm_up,
 )
-from serving_bench import VLLM_PYTHON, add_dtype_argument
+from serving_bench import (
+    VLLM_PYTHON,
+    add_dtype_argument,
+    add_vllm_preload_argument,
+    vllm_ld_preload,
+)
 
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
@@ -123,7 +128,7 @@ def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
     kv = args.kv_cache_gib
     limits = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    vllm = vllm_spec(model_dir, args.port, args.threads, args.dtype)
+    vllm = vllm_spec(model_dir, args.port, args.threads, args.dtype, args.vllm_preload)
     extra = shlex.split(args.inferops_args)
     specs = [
         inferops_spec(model_dir, args.port, args.threads,
@@ -200,6 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="extra flags for inferops serve only, e.g. "
                              "'--max-prefill-tokens-with-decodes 512'")
     add_dtype_argument(parser)
+    add_vllm_preload_argument(parser)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8034)
     parser.add_argument("--seed", type=int, default=0)
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             key: value for key, value in vars(args).items() if key not in ("result_json", "model")
         },
         "model": str(model_dir),
+        "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
         "rate": rate_info,
         "servers": results,
     }

