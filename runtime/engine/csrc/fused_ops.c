@@ -44,8 +44,8 @@ static inline void rotate(const float *x, const float *cos, const float *sin, in
     }
 }
 
-/* float32 to bf16, rounding to nearest even, NaN to bf16's quiet NaN: what torch's
- * .to(torch.bfloat16) gives, bit for bit. */
+/* float32 to bf16, rounding to nearest even as torch's .to(torch.bfloat16) does; a NaN stays
+ * a NaN (torch's own NaN bits differ between its scalar and vector paths). */
 static inline uint16_t bf16_of(float value) {
     uint32_t bits;
     memcpy(&bits, &value, sizeof bits);
@@ -53,7 +53,7 @@ static inline uint16_t bf16_of(float value) {
     return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* count floats into slot `slot` of a cache of float32, or of bf16 when bf16 is set. */
+/* `count` floats into slot `slot` of a cache of float32, or of bf16 when bf16 is set. */
 static inline void store_slot(void *cache, int64_t slot, const float *values, int64_t count,
                               int bf16) {
     if (!bf16) {
