@@ -146,7 +146,8 @@ def vllm_ld_preload(mode: str = "docs") -> str:
     PyPI wheel has none there, and it only warns about the rest."""
     if mode == "none":
         return ""
-    found = [name for name in [ctypes.util.find_library("tcmalloc_minimal")] if name]
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    found = [tcmalloc] if tcmalloc else []
     iomp = VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"
     if iomp.is_file():
         found.append(str(iomp))
