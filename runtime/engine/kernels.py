@@ -146,7 +146,7 @@ _SIGNATURES = {
 OUT_OF_BOUNDS, NO_MEMORY = -2, -1
 
 
-KV_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+_KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _float32(*tensors: torch.Tensor) -> None:
@@ -157,7 +157,7 @@ def _float32(*tensors: torch.Tensor) -> None:
 
 def _kv_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
     """1 for a bf16 KV cache, 0 for float32 (the C code's flag); both contiguous, one dtype."""
-    if (k_cache.dtype not in KV_CACHE_DTYPES or v_cache.dtype != k_cache.dtype
+    if (k_cache.dtype not in _KV_DTYPES or v_cache.dtype != k_cache.dtype
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError("CPU kernels need contiguous float32 or bfloat16 KV caches of one dtype")
     return int(k_cache.dtype == torch.bfloat16)

@@ -11,7 +11,7 @@ import torch
 
 from runtime.engine import kernels
 from runtime.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
-from runtime.engine.loader import load_state_dict
+from runtime.engine.loader import TORCH_DTYPES, load_state_dict
 from runtime.engine.model import (
     AttentionMetadata,
     CausalLM,
@@ -113,7 +113,8 @@ def activation_dtype(ops_backend: str, weight_dtype: torch.dtype) -> torch.dtype
     float32 here) while the norms, rotary, attention and the residual stream run in the C
     kernels, and stay closer to float32 numerics. torch's own bf16 element-wise ops and
     attention on CPU are slower than the kernels in float32 (bench/README.md, ninth round).
-    The KV cache stays bf16 (kv_cache_dtype). `ops_backend="torch"` keeps everything in bf16."""
+    The KV cache's dtype is chosen apart (kv_cache_dtype). `ops_backend="torch"` keeps
+    everything in bf16."""
     if weight_dtype != torch.bfloat16 or ops_backend == "torch":
         return weight_dtype
     try:
@@ -127,9 +128,7 @@ def kv_cache_dtype(setting: str, weight_dtype: torch.dtype) -> torch.dtype:
     """EngineConfig.kv_cache_dtype resolved: "auto" stores keys and values in the weights'
     dtype, as vLLM does. With float32 activations (bf16 weights and the kernels) a bf16 cache
     rounds each key and value once, when it is stored."""
-    if setting == "auto":
-        return weight_dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+    return weight_dtype if setting == "auto" else TORCH_DTYPES[setting]
 
 
 def long_tensor(values: list[int]) -> torch.Tensor:

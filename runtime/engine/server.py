@@ -47,7 +47,12 @@ from runtime.engine.async_engine import (
     EngineUnavailableError,
     RequestStream,
 )
-from runtime.engine.config import LINEAR_BACKENDS, OPS_BACKENDS, GenerationDefaults
+from runtime.engine.config import (
+    KV_CACHE_DTYPES,
+    LINEAR_BACKENDS,
+    OPS_BACKENDS,
+    GenerationDefaults,
+)
 from runtime.engine.metrics import DEFAULT_BUCKETS, RequestTimer, ServerMetrics
 from runtime.engine.openai_protocol import (
     ChoiceResult,
@@ -739,8 +744,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "or fp16 one in float32 on a CPU without native matmuls in that "
                              "dtype); with bfloat16 and the compiled kernels, activations "
                              "stay float32 and only the matmuls run in bf16")
-    engine.add_argument("--kv-cache-dtype", default="auto",
-                        choices=["auto", "float32", "bfloat16"],
+    engine.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                         help="what the KV cache stores (auto: the weights' dtype, as vLLM); "
                              "bfloat16 holds twice the tokens of float32 in the same memory")
     engine.add_argument("--max-num-seqs", type=int, default=64,
