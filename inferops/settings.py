@@ -197,6 +197,10 @@ CELERY_BEAT_SCHEDULE: dict[str, dict] = {
 INFEROPS_DATA_DIR = embedded.data_dir()
 INFEROPS_NODE_NAME = env_str("INFEROPS_NODE_NAME")  # default: the host name
 INFEROPS_VLLM_PYTHON = env_str("INFEROPS_VLLM_PYTHON")  # a Python with vLLM installed
+# LD_PRELOAD for vLLM replicas the local driver starts: "auto" = what vLLM's CPU guide asks for
+# when INFEROPS_VLLM_PYTHON is a CPU build (runtime.drivers.local.vllm_cpu_preload), "none", or
+# a value to use as it is. An LD_PRELOAD already in the worker's environment always wins.
+INFEROPS_VLLM_LD_PRELOAD = env_str("INFEROPS_VLLM_LD_PRELOAD", "auto")
 INFEROPS_RECONCILE_INTERVAL_S = float(env_str("INFEROPS_RECONCILE_INTERVAL_S", "2"))
 INFEROPS_K8S_NAMESPACE = env_str("INFEROPS_K8S_NAMESPACE", "inferops")
 CELERY_BEAT_SCHEDULE["reconcile-replicas"] = {

