@@ -43,6 +43,9 @@ from serving_bench import (
 
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
+# With --per-request: what run_benchmark records per request, in arrival order.
+PER_REQUEST = ("input_lens", "output_lens", "ttfts", "e2els")
+
 HERE = Path(__file__).resolve().parent
 GOODPUT_RATIO_TARGET = 1.5
 
@@ -114,6 +117,8 @@ def measure(
         )
     result = {key: metrics[key] for key in REPORTED}
     result.update(machine.fields())
+    if args.per_request:
+        result["requests"] = {key: metrics[key] for key in PER_REQUEST}
     return result
 
 
@@ -210,6 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=8034)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--per-request", action="store_true",
+                        help="also record each request's prompt and output lengths, TTFT and "
+                             "end-to-end latency (seconds), in arrival order, to study tails")
     parser.add_argument("--result-json", type=Path, default=None)
     return parser.parse_args(argv)
 
