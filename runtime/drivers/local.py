@@ -85,7 +85,8 @@ def vllm_cpu_preload(python: str) -> str:
     lib/, which is how a CPU build is told from a GPU one without importing it. vLLM itself
     looks for a tcmalloc under vllm/libs, which the PyPI wheel does not ship, and only warns.
     Without the two, vLLM on CPU measured 25-35 % slower on a burst and up to half the goodput
-    online (bench/README.md, twelfth round).
+    online on an AVX-512 CPU, ~14 % slower on a burst on an AVX2 one (bench/README.md, twelfth
+    and thirteenth rounds).
     """
     iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # venv/bin/python -> venv/lib
     if not iomp.is_file():
