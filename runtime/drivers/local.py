@@ -88,7 +88,8 @@ def vllm_cpu_preload(python: str) -> str:
     online on an AVX-512 CPU, ~14 % slower on a burst on an AVX2 one (bench/README.md, twelfth
     and thirteenth rounds).
     """
-    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"  # venv/bin/python -> venv/lib
+    # venv/bin/python -> venv/lib; not resolved: a venv's python links to the system's.
+    iomp = Path(python).absolute().parent.parent / "lib" / "libiomp5.so"
     if not iomp.is_file():
         return ""
     tcmalloc = ctypes.util.find_library("tcmalloc_minimal")
