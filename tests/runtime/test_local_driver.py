@@ -82,8 +82,9 @@ def test_a_cpu_vllm_replica_starts_with_tcmalloc_and_intel_openmp_preloaded(
 def test_without_tcmalloc_only_intel_openmp_is_preloaded(settings, tmp_path, monkeypatch,
                                                          no_worker_preload):
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
-    python = fake_vllm_venv(tmp_path / "venv", cpu_build=True)
-    assert vllm_cpu_preload(str(python)) == str(tmp_path / "venv" / "lib" / "libiomp5.so")
+    fake_vllm_venv(tmp_path / "venv", cpu_build=True)
+    monkeypatch.chdir(tmp_path)  # a relative INFEROPS_VLLM_PYTHON still preloads an absolute path
+    assert vllm_cpu_preload("venv/bin/python") == str(tmp_path / "venv" / "lib" / "libiomp5.so")
 
 
 def test_a_gpu_vllm_install_and_the_builtin_engine_get_no_preload(
