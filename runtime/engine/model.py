@@ -62,6 +62,9 @@ class AttentionMetadata:
     paged_decode: PagedDecode | None = None
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillAttention] = field(default_factory=list)
+    # The dtype prefill chunks are attended in (SDPA); None: q's (model_runner.
+    # prefill_attention_dtype).
+    prefill_dtype: torch.dtype | None = None
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -351,13 +354,15 @@ def paged_attention(
     """Attend each row to its sequence's context (this step's k/v already in their slots).
 
     Caches are [num_blocks, block_size, kv_heads, head_dim], in q's dtype or another
-    (kv_cache_dtype): what is read from them is converted to q's. Decodes are read in place by the
+    (kv_cache_dtype): what is read from them is converted to q's, or for prefill chunks to
+    meta.prefill_dtype, the result back to q's. Decodes are read in place by the
     compiled kernel when the runner has one; otherwise, like prefill chunks with context, whole
     blocks at a time (one index_select per decode group, several times faster than advanced
     indexing on CPU) with the positions past each sequence's length masked out.
     """
     num_blocks, block_size, kv_heads, head_dim = k_cache.shape
     out = torch.empty_like(q)
+    prefill_dtype = meta.prefill_dtype or q.dtype
     if (paged := meta.paged_decode) is not None:
         n = meta.num_decodes
         paged.kernel(q[:n], k_cache, v_cache, paged.block_tables, paged.context_lens, out[:n],
@@ -378,15 +383,15 @@ def paged_attention(
             paged.kernel(q[rows], k_cache, v_cache, paged.block_tables, paged.context_lens,
                          out[rows], paged.window)
             continue
-        query = q[rows].transpose(0, 1).unsqueeze(0)
+        query = q[rows].transpose(0, 1).unsqueeze(0).to(prefill_dtype)
         if chunk.context_blocks is None:
-            keys = k[rows].transpose(0, 1).unsqueeze(0)
-            values = v[rows].transpose(0, 1).unsqueeze(0)
+            keys = k[rows].transpose(0, 1).unsqueeze(0).to(prefill_dtype)
+            values = v[rows].transpose(0, 1).unsqueeze(0).to(prefill_dtype)
         else:
             keys = k_cache.index_select(0, chunk.context_blocks).view(-1, kv_heads, head_dim)
             values = v_cache.index_select(0, chunk.context_blocks).view(-1, kv_heads, head_dim)
-            keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
-            values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            keys = keys.transpose(0, 1).unsqueeze(0).to(prefill_dtype)
+            values = values.transpose(0, 1).unsqueeze(0).to(prefill_dtype)
         o = F.scaled_dot_product_attention(
             query,
             keys,
@@ -395,5 +400,5 @@ def paged_attention(
             is_causal=chunk.mask is None,
             enable_gqa=True,
         )
-        out[rows] = o[0].transpose(0, 1)
+        out[rows] = o[0].transpose(0, 1)  # back in q's dtype
     return out

@@ -110,11 +110,11 @@ def activation_dtype(ops_backend: str, weight_dtype: torch.dtype) -> torch.dtype
     bf16 weights keep activations in float32 wherever the compiled kernels run (their
     arithmetic is float32 only): each matmul converts its input to bf16 and its output back,
     so the matmuls run at bf16 speed (oneDNN; native on CPUs with AVX512-BF16 or AMX, ~2x
-    float32 here) while the norms, rotary, attention and the residual stream run in the C
-    kernels, and stay closer to float32 numerics. torch's own bf16 element-wise ops and
-    attention on CPU are slower than the kernels in float32 (bench/README.md, ninth round).
-    The KV cache's dtype is chosen apart (kv_cache_dtype). `ops_backend="torch"` keeps
-    everything in bf16."""
+    float32 here) while the norms, rotary, decode attention and the residual stream run in the
+    C kernels, and stay closer to float32 numerics (prefill attention: prefill_attention_dtype).
+    torch's own bf16 element-wise ops and attention on CPU are slower than the kernels in
+    float32 (bench/README.md, ninth round). The KV cache's dtype is chosen apart
+    (kv_cache_dtype). `ops_backend="torch"` keeps everything in bf16."""
     if weight_dtype != torch.bfloat16 or ops_backend == "torch":
         return weight_dtype
     try:
@@ -129,6 +129,24 @@ def kv_cache_dtype(setting: str, weight_dtype: torch.dtype) -> torch.dtype:
     dtype, as vLLM does. With float32 activations (bf16 weights and the kernels) a bf16 cache
     rounds each key and value once, when it is stored."""
     return weight_dtype if setting == "auto" else TORCH_DTYPES[setting]
+
+
+def prefill_attention_dtype(activations: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype prefill chunks are attended in (SDPA; decodes go to the C kernel regardless).
+
+    With float32 activations over a bf16 cache (bf16 weights and the kernels), the cached keys
+    and values are bf16 already, and torch's flash attention runs bf16 on AMX tiles 2.3-2.7x
+    faster than float32 for workload B's chunks on small's heads (Emerald Rapids; a
+    prefill-heavy burst went 15 % faster: bench/README.md, fourteenth round). vLLM attends in
+    bf16 too. CPUs with AVX512-BF16 but no AMX were not measured, so they keep float32.
+    """
+    if activations == torch.float32 and kv_dtype == torch.bfloat16 and cpu_has_amx():
+        return torch.bfloat16
+    return activations
+
+
+def cpu_has_amx() -> bool:
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def long_tensor(values: list[int]) -> torch.Tensor:
@@ -165,6 +183,7 @@ class ModelRunner:
             for _ in range(model_config.num_layers)
         ]
         self.sliding_window = model_config.sliding_window
+        self.prefill_dtype = prefill_attention_dtype(dtype, kv_dtype)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
@@ -201,7 +220,8 @@ class ModelRunner:
             prefill_rows.append((chunk, first_row))
             if chunk.completes_sequence:
                 sample_rows.append(len(token_ids) - 1)
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slot_parts)))
+        meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slot_parts)),
+                                 prefill_dtype=self.prefill_dtype)
         if decodes:
             meta.num_decodes = len(decodes)
             if self.kernels is not None:

@@ -184,6 +184,64 @@ def test_bf16_weights_run_with_float32_activations_where_the_kernels_do(kernel):
     assert activation_dtype("auto", torch.float16) == torch.float16
 
 
+@pytest.mark.parametrize(("activations", "kv", "amx", "expected"), [
+    (torch.float32, torch.bfloat16, True, torch.bfloat16),  # bf16 weights with the kernels
+    (torch.float32, torch.bfloat16, False, torch.float32),  # measured on AMX only
+    (torch.float32, torch.float32, True, torch.float32),  # a float32 model stays exact
+    (torch.bfloat16, torch.bfloat16, True, torch.bfloat16),  # torch ops: bf16 throughout
+])
+def test_prefill_attention_runs_in_bf16_over_a_bf16_cache_on_amx(
+    monkeypatch, activations, kv, amx, expected
+):
+    monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: amx)
+    assert model_runner.prefill_attention_dtype(activations, kv) == expected
+
+
+def test_prefill_chunks_are_attended_in_the_prefill_dtype():
+    from runtime.engine.model import AttentionMetadata, PrefillAttention, paged_attention
+
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, block_size, num_blocks = 4, 2, 64, 4, 8
+    # Two chunks in one step: a whole prompt of 6 tokens, then the last 5 tokens of a
+    # sequence whose first 7 are in blocks 3 and 4 already.
+    q = torch.randn(11, heads, head_dim, generator=generator)
+    k = torch.randn(11, kv_heads, head_dim, generator=generator)
+    v = torch.randn(11, kv_heads, head_dim, generator=generator)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=generator).bfloat16()
+    v_cache = torch.randn(shape, generator=generator).bfloat16()
+    blocks = torch.tensor([3, 4, 5])
+    slots = torch.tensor([3 * 4 + 3, 4 * 4, 4 * 4 + 1, 4 * 4 + 2, 4 * 4 + 3])  # positions 7-11
+    k_cache.view(-1, kv_heads, head_dim)[slots] = k[6:].bfloat16()
+    v_cache.view(-1, kv_heads, head_dim)[slots] = v[6:].bfloat16()
+    mask = torch.arange(12).unsqueeze(0) <= torch.arange(7, 12).unsqueeze(1)
+    chunks = [PrefillAttention(0, 6, None, None), PrefillAttention(6, 11, blocks, mask)]
+
+    def attend(prefill_dtype):
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long),
+                                 prefills=chunks, prefill_dtype=prefill_dtype)
+        return paged_attention(q, k, v, k_cache, v_cache, meta)
+
+    def sdpa(query, keys, values, **how):
+        return F.scaled_dot_product_attention(
+            query.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), enable_gqa=True, **how)[0].transpose(0, 1)
+
+    context_k = k_cache[blocks].reshape(-1, kv_heads, head_dim)
+    context_v = v_cache[blocks].reshape(-1, kv_heads, head_dim)
+    in_bf16 = attend(torch.bfloat16)
+    assert in_bf16.dtype == torch.float32  # handed back in the activations' dtype
+    torch.testing.assert_close(in_bf16[:6], sdpa(q[:6].bfloat16(), k[:6].bfloat16(),
+                                                 v[:6].bfloat16(), is_causal=True).float(),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(in_bf16[6:], sdpa(q[6:].bfloat16(), context_k, context_v,
+                                                 attn_mask=mask).float(), rtol=0, atol=0)
+    in_float32 = attend(None)  # q's dtype: the cache's bf16 values read as float32
+    torch.testing.assert_close(in_float32[6:], sdpa(q[6:], context_k.float(), context_v.float(),
+                                                    attn_mask=mask))
+    torch.testing.assert_close(in_bf16, in_float32, rtol=0, atol=3e-2)
+
+
 def test_kernels_are_float32_only_and_unknown_backends_are_refused():
     assert compiled_kernels("auto", torch.bfloat16) is None
     with pytest.raises(ValueError, match="float32 only"):
