@@ -134,11 +134,12 @@ def kv_cache_dtype(setting: str, weight_dtype: torch.dtype) -> torch.dtype:
 def prefill_attention_dtype(activations: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     """The dtype prefill chunks are attended in (SDPA; decodes go to the C kernel regardless).
 
-    With float32 activations over a bf16 cache (bf16 weights and the kernels), the cached keys
-    and values are bf16 already, and torch's flash attention runs bf16 on AMX tiles 2.3-2.7x
-    faster than float32 for workload B's chunks on small's heads (Emerald Rapids; a
-    prefill-heavy burst went 15 % faster: bench/README.md, fourteenth round). vLLM attends in
-    bf16 too. CPUs with AVX512-BF16 but no AMX were not measured, so they keep float32.
+    With float32 activations over a bf16 cache (bf16 weights and the kernels, or
+    `--kv-cache-dtype bfloat16` for a float32 model), the cached keys and values are bf16
+    already, and torch's flash attention runs bf16 on AMX tiles 2.3-2.7x faster than float32
+    for workload B's chunks on small's heads (Emerald Rapids; a prefill-heavy burst went 15 %
+    faster: bench/README.md, fourteenth round). vLLM attends in bf16 too. CPUs with
+    AVX512-BF16 but no AMX were not measured, so they keep float32.
     """
     if activations == torch.float32 and kv_dtype == torch.bfloat16 and cpu_has_amx():
         return torch.bfloat16
