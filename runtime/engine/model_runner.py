@@ -138,8 +138,9 @@ def prefill_attention_dtype(activations: torch.dtype, kv_dtype: torch.dtype) -> 
     `--kv-cache-dtype bfloat16` for a float32 model), the cached keys and values are bf16
     already, and torch's flash attention runs bf16 on AMX tiles 2.3-2.7x faster than float32
     for workload B's chunks on small's heads (Emerald Rapids; a prefill-heavy burst went 15 %
-    faster: bench/README.md, fourteenth round). vLLM attends in bf16 too. CPUs with
-    AVX512-BF16 but no AMX were not measured, so they keep float32.
+    faster: bench/README.md, fourteenth round). vLLM attends in bf16 too. Without AMX, bf16
+    gains nothing: on a Zen 4 with AVX512-BF16 it ran at 0.91-1.01x of float32
+    (bench/engine/prefill_attention_bench.py, fifteenth round), so such CPUs keep float32.
     """
     if activations == torch.float32 and kv_dtype == torch.bfloat16 and cpu_has_amx():
         return torch.bfloat16
