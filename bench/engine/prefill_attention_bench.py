@@ -34,7 +34,6 @@ from serving_bench import emit_report  # noqa: E402
 from runtime.engine import model_runner  # noqa: E402
 from runtime.engine.model import AttentionMetadata, PrefillAttention, paged_attention  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 # (new tokens, tokens already cached): B's prompts are 32-512 tokens, its chunks up to 2,048,
 # and a prefix hit or a later chunk of a long prompt attends over cached blocks.
 CHUNKS = ((256, 0), (512, 0), (1024, 0), (512, 256), (200, 600))
@@ -42,8 +41,8 @@ CHUNKS = ((256, 0), (512, 0), (1024, 0), (512, 256), (200, 600))
 
 def chunk_inputs(heads: int, kv_heads: int, head_dim: int, new: int, cached: int,
                  block_size: int = 16) -> tuple:
-    """q, k, v of one chunk and a bf16 cache holding its context, as the model runner builds
-    them: the chunk's keys and values are in the cache too (written before attention)."""
+    """q, k, v of one chunk and a bf16 cache with blocks for its context and itself, shaped as
+    the model runner builds them (random values: only the time counts here)."""
     generator = torch.Generator().manual_seed(new * 7 + cached)
     total = cached + new
     num_blocks = -(-total // block_size)
