@@ -18,7 +18,6 @@ flags and the dtype the engine picks here.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -32,6 +31,8 @@ sys.path.insert(0, str(REPO_ROOT))
 from serving_bench import emit_report  # noqa: E402
 
 from runtime.engine import model_runner  # noqa: E402
+from runtime.engine.config import ModelConfig  # noqa: E402
+from runtime.engine.demo_model import PRESETS  # noqa: E402
 from runtime.engine.model import AttentionMetadata, PrefillAttention, paged_attention  # noqa: E402
 
 # (new tokens, tokens already cached): B's prompts are 32-512 tokens, its chunks up to 2,048,
@@ -76,12 +77,12 @@ def time_chunk(inputs: tuple, prefill_dtype: torch.dtype, reps: int) -> list[flo
 
 
 def heads_of(model_dir: Path | None) -> tuple[int, int, int]:
-    if model_dir is None:
-        return 12, 4, 64  # the small demo preset
-    config = json.loads((model_dir / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return heads, config.get("num_key_value_heads", heads), head_dim
+    if model_dir is not None:
+        config = ModelConfig.from_dir(model_dir)
+        return config.num_heads, config.num_kv_heads, config.head_dim
+    small = PRESETS["small"]
+    return (small.num_attention_heads, small.num_key_value_heads,
+            small.hidden_size // small.num_attention_heads)
 
 
 def main(argv: list[str] | None = None) -> int:
