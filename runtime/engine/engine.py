@@ -14,6 +14,8 @@ Semantics worth knowing:
 - Finish order of checks per new token: stop_token_ids / EOS ("stop", the token is kept in
   `new_token_ids`, special tokens are not in the text), stop strings ("stop", text cut before
   the stop string), then max_tokens ("length").
+- Penalties (repetition, frequency, presence) change a row's logits before it is sampled,
+  greedy rows included; logprobs are read before them, from the model's own distribution.
 - Preempted sequences keep their output and are recomputed (prompt + output) when readmitted.
 - A sequence whose logits are NaN or infinite ends its whole request at once, with one
   `finish_reason="error"` output per unfinished sequence; the rest of the batch goes on.
@@ -39,7 +41,14 @@ from runtime.engine.model_runner import (
     kv_cache_dtype,
     num_kv_blocks_for,
 )
-from runtime.engine.sampling import INVALID_TOKEN, Sampler, SamplingParams
+from runtime.engine.sampling import (
+    INVALID_TOKEN,
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    token_logprobs,
+)
 from runtime.engine.scheduler import Scheduler
 from runtime.engine.sequence import Sequence
 from runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -65,6 +74,8 @@ class CompletionOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # One per new token when the request asked for logprobs; None otherwise.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -249,8 +260,25 @@ class LLMEngine:
         sampled = [c.seq for c in scheduled.chunks if c.completes_sequence]
         states = [self._states[seq.seq_id] for seq in sampled]
         params = [self._requests[seq.request_id].params for seq in sampled]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Taken before the penalties change the logits: logprobs report the model's own
+        # distribution, as vLLM's do by default.
+        raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            apply_penalties(logits, penalized, [params[i] for i in penalized],
+                            [sampled[i].prompt_token_ids for i in penalized],
+                            [sampled[i].output_token_ids for i in penalized])
         token_ids = self.sampler(logits, params, [s.generator for s in states])
-        for state, token_id in zip(states, token_ids, strict=True):
+        logprobs: dict[int, TokenLogprob] = {}
+        if raw_logprobs is not None:
+            usable = [j for j, i in enumerate(logprob_rows) if token_ids[i] != INVALID_TOKEN]
+            if usable:
+                rows = [logprob_rows[j] for j in usable]
+                logprobs = dict(zip(rows, token_logprobs(
+                    raw_logprobs[usable], [token_ids[i] for i in rows],
+                    [params[i].logprobs for i in rows]), strict=True))
+        for row, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
             request_id = state.seq.request_id
             if request_id not in self._requests:  # a sibling failed earlier in this loop
                 continue
@@ -261,10 +289,11 @@ class LLMEngine:
                              "infinite", request_id)
                 outputs += self._drop(request_id, "error")
             else:
-                outputs.append(self._append_token(state, token_id))
+                outputs.append(self._append_token(state, token_id, logprobs.get(row)))
         return outputs
 
-    def _append_token(self, state: _SequenceState, token_id: int) -> CompletionOutput:
+    def _append_token(self, state: _SequenceState, token_id: int,
+                      logprob: TokenLogprob | None) -> CompletionOutput:
         seq = state.seq
         request = self._requests[seq.request_id]
         params = request.params
@@ -287,7 +316,9 @@ class LLMEngine:
             reason = "stop"
         if reason is not None:
             self._finish(request, state, reason)
-        return self._output(state, [token_id], text, reason)
+        output = self._output(state, [token_id], text, reason)
+        output.logprobs = [logprob] if logprob is not None else None
+        return output
 
     def _finish(self, request: _Request, state: _SequenceState, reason: str) -> None:
         self.scheduler.finish(state.seq, reason)

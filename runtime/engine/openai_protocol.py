@@ -1,7 +1,7 @@
 """OpenAI-compatible request validation and response shapes for the replica server.
 
-Parsing is strict on purpose: a parameter the engine cannot honour (logprobs, tools,
-logit_bias, ...) is refused with a 400 that names it, because silently ignoring it would hand
+Parsing is strict on purpose: a parameter the engine cannot honour (tools, logit_bias,
+echo, ...) is refused with a 400 that names it, because silently ignoring it would hand
 the caller something other than what they asked for. Parameters that change nothing about the
 generated tokens (`user`, `metadata`, ...) are accepted and ignored.
 
@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runtime.engine.config import GenerationDefaults
+from runtime.engine.config import MAX_ADDITIVE_PENALTY, MAX_LOGPROBS, GenerationDefaults
 
 if TYPE_CHECKING:
-    from runtime.engine.sampling import SamplingParams
+    from collections.abc import Callable
+
+    from runtime.engine.sampling import SamplingParams, TokenLogprob
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -39,19 +41,16 @@ IGNORED_PARAMS = frozenset({"user", "metadata", "store", "service_tier", "parall
 SAMPLING_PARAMS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
     "stop_token_ids", "ignore_eos", "stream", "stream_options", "priority",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
 })
 
 # Parameters that are only harmless at their "off" value; anything else is refused.
 OFF_VALUES: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
+    "top_logprobs": (None, 0),  # a chat parameter; completions ask with `logprobs: k`
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -61,6 +60,8 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 MAX_N = 16
+# What a logprob of -inf is written as: JSON has no infinities (vLLM's choice too).
+LOGPROB_FLOOR = -9999.0
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 
@@ -110,6 +111,10 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     priority: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: off; k: each token's logprob and k alternatives
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         # Imported here: sampling.py pulls in torch, which the server must not wait for
@@ -126,6 +131,10 @@ class GenerationRequest:
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=self.logprobs,
         )
 
 
@@ -260,6 +269,14 @@ def _sampling_fields(fields: _Fields, defaults: GenerationDefaults,
         stream=stream,
         include_usage=include_usage,
         priority=fields.integer("priority", 0),
+        presence_penalty=fields.number("presence_penalty", 0.0, minimum=-MAX_ADDITIVE_PENALTY,
+                                       maximum=MAX_ADDITIVE_PENALTY),
+        frequency_penalty=fields.number("frequency_penalty", 0.0,
+                                        minimum=-MAX_ADDITIVE_PENALTY,
+                                        maximum=MAX_ADDITIVE_PENALTY),
+        repetition_penalty=_positive(fields.number("repetition_penalty",
+                                                   defaults.repetition_penalty),
+                                     "repetition_penalty"),
     )
 
 
@@ -287,6 +304,8 @@ def parse_completion_request(
         raise bad_request("`prompt` must be a string or an array of token ids.", "prompt")
     return GenerationRequest(kind="completion", prompt_text=prompt_text,
                              prompt_token_ids=prompt_token_ids,
+                             logprobs=fields.integer("logprobs", None, minimum=0,
+                                                     maximum=MAX_LOGPROBS),
                              **_sampling_fields(fields, defaults, max_tokens_default=16))
 
 
@@ -294,7 +313,8 @@ def parse_chat_request(
     body: Any, defaults: GenerationDefaults = GenerationDefaults()
 ) -> GenerationRequest:
     fields = _Fields(body)
-    fields.refuse_unsupported(SAMPLING_PARAMS | {"messages", "max_completion_tokens"})
+    fields.refuse_unsupported(SAMPLING_PARAMS | {"messages", "max_completion_tokens",
+                                                 "top_logprobs"})
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise bad_request("Set either `max_tokens` or `max_completion_tokens`, not both.",
                           "max_completion_tokens")
@@ -302,8 +322,12 @@ def parse_chat_request(
         else "max_completion_tokens"
     sampling = _sampling_fields(fields, defaults, max_tokens_default=None,
                                 max_tokens_name=max_tokens_name)
+    logprobs = fields.boolean("logprobs", False)
+    top_logprobs = fields.integer("top_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    if top_logprobs and not logprobs:
+        raise bad_request("`top_logprobs` needs `logprobs` set to true.", "top_logprobs")
     return GenerationRequest(kind="chat", messages=_parse_messages(body.get("messages")),
-                             **sampling)
+                             logprobs=(top_logprobs or 0) if logprobs else None, **sampling)
 
 
 def _parse_messages(messages: Any) -> list[dict[str, str]]:
@@ -393,16 +417,54 @@ class ChoiceResult:
     text: str = ""
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
 
 class ResponseShapes:
-    """Builds the JSON bodies for one generation request, streamed or not."""
+    """Builds the JSON bodies for one generation request, streamed or not.
 
-    def __init__(self, kind: str, request_id: str, model: str) -> None:
+    `token_text` names a token id in logprobs (the token decoded on its own, as vLLM does)."""
+
+    def __init__(self, kind: str, request_id: str, model: str,
+                 token_text: Callable[[int], str] = str) -> None:
         self.kind = kind
         self.request_id = request_id
         self.model = model
         self.created = int(time.time())
+        self.token_text = token_text
+        self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
+
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """A choice's `logprobs` for these tokens: OpenAI's chat shape (`content`) or its
+        legacy completions shape (parallel lists, `text_offset` counted over the choice)."""
+        if entries is None:
+            return None
+        if self.kind == "chat":
+            return {"content": [{**self._chat_logprob(e.token_id, e.logprob),
+                                 "top_logprobs": [self._chat_logprob(token_id, logprob)
+                                                  for token_id, logprob in e.top]}
+                                for e in entries]}
+        tokens = [self.token_text(e.token_id) for e in entries]
+        offsets, offset = [], self._text_offsets.get(index, 0)
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        self._text_offsets[index] = offset
+        top = []
+        for token, e in zip(tokens, entries, strict=True):
+            alternatives = {self.token_text(i): max(lp, LOGPROB_FLOOR) for i, lp in e.top}
+            # The sampled token too, as vLLM lists it; its own logprob wins over another
+            # token's that reads the same (two byte tokens both shown as U+FFFD, say).
+            alternatives[token] = max(e.logprob, LOGPROB_FLOOR)
+            top.append(alternatives)
+        return {"text_offset": offsets, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR)
+                                                           for e in entries],
+                "tokens": tokens, "top_logprobs": top}
+
+    def _chat_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self.token_text(token_id)
+        return {"token": token, "logprob": max(logprob, LOGPROB_FLOOR),
+                "bytes": list(token.encode("utf-8"))}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created,
@@ -416,13 +478,15 @@ class ResponseShapes:
             "index": index, "delta": {"role": "assistant", "content": ""},
             "logprobs": None, "finish_reason": None}])
 
-    def stream_chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def stream_chunk(self, index: int, text: str, finish_reason: str | None,
+                     logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        rendered = self.logprobs(index, logprobs)
         if self.kind == "chat":
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None,
+            choice = {"index": index, "delta": {"content": text}, "logprobs": rendered,
                       "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": index, "text": text, "logprobs": None,
+            choice = {"index": index, "text": text, "logprobs": rendered,
                       "finish_reason": finish_reason}
             obj = "text_completion"
         if finish_reason is not None:
@@ -439,11 +503,13 @@ class ResponseShapes:
         if self.kind == "chat":
             rendered = [{"index": c.index,
                          "message": {"role": "assistant", "content": c.text},
-                         "logprobs": None, "finish_reason": c.finish_reason,
-                         "stop_reason": None} for c in choices]
+                         "logprobs": self.logprobs(c.index, c.logprobs),
+                         "finish_reason": c.finish_reason, "stop_reason": None}
+                        for c in choices]
             body = self._envelope("chat.completion", rendered)
         else:
-            rendered = [{"index": c.index, "text": c.text, "logprobs": None,
+            rendered = [{"index": c.index, "text": c.text,
+                         "logprobs": self.logprobs(c.index, c.logprobs),
                          "finish_reason": c.finish_reason, "stop_reason": None}
                         for c in choices]
             body = self._envelope("text_completion", rendered)

@@ -1,4 +1,5 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds)."""
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds), the
+repetition, frequency and presence penalties, and per-token logprobs."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from runtime.engine.config import MAX_ADDITIVE_PENALTY, MAX_LOGPROBS
 
 # Below this temperature sampling is greedy (as in vLLM): dividing by ~0 only breaks ties badly.
 GREEDY_TEMPERATURE = 1e-5
@@ -27,6 +30,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    # Penalties, as vLLM applies them: repetition divides a positive logit (multiplies a
+    # negative one) of every token already in the prompt or the output; frequency subtracts
+    # its weight times a token's count in the output; presence subtracts it once per token
+    # the output holds.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # None: no logprobs; k: each sampled token's logprob and the k most likely alternatives'.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,10 +54,74 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive count, got {self.top_k}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -MAX_ADDITIVE_PENALTY <= getattr(self, name) <= MAX_ADDITIVE_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_ADDITIVE_PENALTY}, "
+                                 f"{MAX_ADDITIVE_PENALTY}], got {getattr(self, name)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+@torch.inference_mode()  # the runner's logits are inference tensors, changed in place here
+def apply_penalties(logits: torch.Tensor, rows: list[int], params: list[SamplingParams],
+                    prompts: list[list[int]], outputs: list[list[int]]) -> None:
+    """Penalise, in place, logits row `rows[i]` by `params[i]` for the tokens of `prompts[i]`
+    and `outputs[i]` (that sequence's prompt and what it has generated so far).
+
+    The order and arithmetic are vLLM's, and the repetition penalty is transformers'
+    RepetitionPenaltyLogitsProcessor (greedy output with it is tested against transformers).
+    A row costs a pass over its vocabulary, so rows without penalties are not given here."""
+    vocab = logits.shape[-1]
+    for row, p, prompt, output in zip(rows, params, prompts, outputs, strict=True):
+        values = logits[row]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompt).union(output)), dtype=torch.long)
+            scores = values[seen]
+            values[seen] = torch.where(scores < 0, scores * p.repetition_penalty,
+                                       scores / p.repetition_penalty)
+        if output and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=vocab)
+            counts = counts.to(values.dtype)
+            if p.frequency_penalty:
+                values.sub_(counts, alpha=p.frequency_penalty)
+            if p.presence_penalty:
+                values.sub_((counts > 0).to(values.dtype), alpha=p.presence_penalty)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and its `top` most likely alternatives (id, logprob),
+    most likely first, from the model's own distribution: the log-softmax of the raw logits,
+    before penalties, temperature and top-k / top-p, as vLLM reports them by default."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int],
+                   counts: list[int]) -> list[TokenLogprob]:
+    """Per row of `logprobs` (log-softmaxed), the row's token and its `counts[row]` most likely
+    alternatives."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
+    widest = max(counts)
+    top_values, top_ids = (logprobs.topk(widest, dim=-1) if widest
+                           else (logprobs[:, :0], logprobs[:, :0].long()))
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenLogprob(token_id, value, tuple(zip(ids[:k], values[:k], strict=True)))
+            for token_id, value, ids, values, k in zip(
+                token_ids, chosen, top_ids, top_values, counts, strict=True)]
 
 
 # Where top-k / top-p look for their cut-off first: a trained model's nucleus at usual settings

@@ -322,7 +322,7 @@ class ReplicaServer:
             "permission": [{
                 "id": f"modelperm-{self.settings.served_model_name}",
                 "object": "model_permission", "created": self.started_at,
-                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": False,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
                 "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
                 "organization": "*", "group": None, "is_blocking": False}],
         }
@@ -386,7 +386,8 @@ class ReplicaServer:
         except ValueError as exc:  # SamplingParams' own checks, should ours ever miss one
             raise bad_request(str(exc)) from None
         request_id = new_request_id(parsed.kind)
-        shapes = ResponseShapes(parsed.kind, request_id, self.settings.served_model_name)
+        shapes = ResponseShapes(parsed.kind, request_id, self.settings.served_model_name,
+                                self.backend.tokenizer.token_text)
         run = GenerationRun(self, timer, request_id, prompt_ids, params, parsed.priority)
         headers = {"X-Request-Id": request_id}
         try:
@@ -527,6 +528,10 @@ class GenerationRun:
                 choice = self.choices[output.index]
                 choice.text += output.new_text
                 choice.num_output_tokens += num_new
+                if output.logprobs is not None:
+                    if choice.logprobs is None:
+                        choice.logprobs = []
+                    choice.logprobs.extend(output.logprobs)
                 if output.finished:
                     choice.finish_reason = output.finish_reason
                 yield event
@@ -553,10 +558,12 @@ class GenerationRun:
                     role_chunk = shapes.stream_role_chunk(output.index)
                     if role_chunk is not None:
                         yield sse(role_chunk)
-                if output.new_text or output.finished:
+                # A token whose text is held back (a partial character, a possible stop
+                # string) still gets its chunk when it brings logprobs, so none is lost.
+                if output.new_text or output.finished or output.logprobs:
                     yield sse(shapes.stream_chunk(output.index, output.new_text,
                                                   output.finish_reason if output.finished
-                                                  else None))
+                                                  else None, output.logprobs))
         except (EngineUnavailableError, OpenAIError) as exc:
             # Headers are gone already; vLLM reports mid-stream failures as an error event.
             error = unavailable_error(exc) if isinstance(exc, EngineUnavailableError) else exc
@@ -765,7 +772,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not reuse KV blocks of shared prompt prefixes")
     engine.add_argument("--no-generation-config", action="store_true",
                         help="ignore the checkpoint's generation_config.json: requests that "
-                             "leave out temperature, top_p or top_k get OpenAI's defaults")
+                             "leave out temperature, top_p, top_k or repetition_penalty get "
+                             "OpenAI's defaults")
     engine.add_argument("--seed", type=int, default=0,
                         help="seed for requests that bring none")
     engine.add_argument("--cpu-threads", type=int, default=None,
@@ -834,8 +842,9 @@ def main(args: argparse.Namespace) -> int:
     defaults = settings.generation_defaults
     if replace(defaults, ignored=()) != GenerationDefaults():  # any value applies
         logger.info("requests that leave them out get the checkpoint's generation_config.json "
-                    "defaults: temperature=%s top_p=%s top_k=%s (--no-generation-config: "
-                    "OpenAI's)", defaults.temperature, defaults.top_p, defaults.top_k)
+                    "defaults: temperature=%s top_p=%s top_k=%s repetition_penalty=%s "
+                    "(--no-generation-config: OpenAI's)", defaults.temperature, defaults.top_p,
+                    defaults.top_k, defaults.repetition_penalty)
     if defaults.ignored:
         logger.warning("generation_config.json sets %s, which this runtime does not apply",
                        ", ".join(defaults.ignored))

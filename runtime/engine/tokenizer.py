@@ -91,6 +91,7 @@ class Tokenizer:
                 eos_ids.append(token_id)
         self.eos_token_ids: list[int] = eos_ids
         self._compiled_template = None
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -138,6 +139,15 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own, special tokens included: how logprobs name a token,
+        as vLLM's do. Cached, since a stream asks for the same few tokens again and again."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.backend.decode(
+                [token_id], skip_special_tokens=False)
+        return text
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, **kwargs

@@ -7,7 +7,7 @@ import math
 import platform
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
@@ -166,11 +166,14 @@ def test_a_request_with_nan_logits_fails_alone_and_the_engine_goes_on(make_engin
     model = engine.runner.model
     model.embed_tokens = model.embed_tokens.clone()  # not the (maybe tied) LM head's copy
     model.embed_tokens[poisoned] = math.nan
-    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1, n=2)
+    # Logprobs and penalties on NaN rows and clean rows alike: the NaN rows still fail alone.
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=1, n=2,
+                             logprobs=1, presence_penalty=0.5)
     engine.add_request("clean-0", clean[0], GREEDY)
-    engine.add_request("nan-greedy", prompts[2], GREEDY)
+    engine.add_request("nan-greedy", prompts[2],
+                       replace(GREEDY, logprobs=2, repetition_penalty=1.2))
     engine.add_request("nan-sampled", [*prompts[0], poisoned], sampled)
-    engine.add_request("clean-1", clean[1], GREEDY)
+    engine.add_request("clean-1", clean[1], replace(GREEDY, logprobs=2))
     results = run_all(engine)
     for key in [("nan-greedy", 0), ("nan-sampled", 0), ("nan-sampled", 1)]:
         assert results[key].finish_reason == "error" and results[key].token_ids == []

@@ -208,3 +208,89 @@ def test_auto_dtype_follows_a_bf16_checkpoint_only_where_the_cpu_multiplies_bf16
 def test_resolve_dtype(requested, checkpoint, native, expected, warned, caplog):
     assert resolve_dtype(requested, checkpoint, lambda dtype: native) == expected
     assert ("loading it in float32" in caplog.text) == warned
+
+
+def run_with_logprobs(engine, prompts, params_list):
+    """Each prompt's output tokens and their TokenLogprobs, all prompts in one batch."""
+    for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens = {f"r{i}": [] for i in range(len(prompts))}
+    logprobs = {f"r{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += out.logprobs or []
+    return list(tokens.values()), list(logprobs.values())
+
+
+def reference_penalized_greedy(model, prompt, steps, repetition=1.0, frequency=0.0,
+                               presence=0.0):
+    """Greedy decoding with vLLM's penalties written out by hand over transformers' logits
+    (no cache: the whole sequence each step), with each step's raw log-softmax."""
+    ids, raw = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            raw.append(logits.log_softmax(dim=-1))
+            output = ids[len(prompt):]
+            for token in set(ids):
+                value = logits[token]
+                logits[token] = value * repetition if value < 0 else value / repetition
+            for token in set(output):
+                logits[token] -= frequency * output.count(token) + presence
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):], raw
+
+
+def test_repetition_penalty_matches_transformers(checkpoint_factory, make_engine):
+    model_dir = checkpoint_factory("parity-llama-gqa2", "llama", seed=7, **SHARP)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW_TOKENS,
+                                   do_sample=False, repetition_penalty=1.3, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    engine = make_engine(model_dir, block_size=4, max_num_batched_tokens=12, max_num_seqs=8)
+    params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=1.3)
+    assert engine.generate(PROMPTS, params) == expected
+    # Not a test that cannot fail: the penalty changes what greedy decoding picks here.
+    plain = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    assert engine.generate(PROMPTS, plain) != expected
+
+
+def test_penalties_and_logprobs_match_a_reference_over_transformers(
+    checkpoint_factory, make_engine
+):
+    """Every prompt twice in one batch, with all three penalties and logprobs and without
+    either, so a row's penalties must not leak into its neighbours'."""
+    model_dir = checkpoint_factory("parity-llama-gqa2", "llama", seed=7, **SHARP)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    penalties = {"repetition": 1.1, "frequency": 0.4, "presence": 0.3}
+    penalized = [reference_penalized_greedy(model, p, MAX_NEW_TOKENS, **penalties)
+                 for p in PROMPTS]
+    plain = [reference_penalized_greedy(model, p, MAX_NEW_TOKENS)[0] for p in PROMPTS]
+    repetition_only = [reference_penalized_greedy(model, p, MAX_NEW_TOKENS, repetition=1.1)[0]
+                       for p in PROMPTS]
+    # On these prompts the additive penalties change what the repetition penalty alone picks.
+    assert [tokens for tokens, _ in penalized] != repetition_only != plain
+    engine = make_engine(model_dir, block_size=4, max_num_batched_tokens=12, max_num_seqs=10)
+    with_both = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True,
+                               repetition_penalty=1.1, frequency_penalty=0.4,
+                               presence_penalty=0.3, logprobs=3)
+    neither = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens, logprobs = run_with_logprobs(engine, PROMPTS * 2,
+                                         [with_both] * len(PROMPTS) + [neither] * len(PROMPTS))
+    assert tokens == [expected for expected, _ in penalized] + plain
+    assert logprobs[len(PROMPTS):] == [[]] * len(PROMPTS)
+    for (expected, raw), entries in zip(penalized, logprobs, strict=False):
+        assert [e.token_id for e in entries] == expected
+        for token, row, entry in zip(expected, raw, entries, strict=True):
+            # Logprobs are the model's own distribution: before the penalties.
+            assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+            top = row.topk(3)
+            assert [i for i, _ in entry.top] == top.indices.tolist()
+            assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)

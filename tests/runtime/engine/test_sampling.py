@@ -1,4 +1,5 @@
-"""Sampler and SamplingParams: greedy, temperature, top-k, top-p, per-sequence seeds."""
+"""Sampler and SamplingParams: greedy, temperature, top-k, top-p, per-sequence seeds;
+penalties and logprobs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import math
 import pytest
 import torch
 
-from runtime.engine.sampling import INVALID_TOKEN, WIDER_HEAD, Sampler, SamplingParams
+from runtime.engine.sampling import (
+    INVALID_TOKEN,
+    WIDER_HEAD,
+    Sampler,
+    SamplingParams,
+    apply_penalties,
+    token_logprobs,
+)
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -224,6 +232,12 @@ def test_a_wide_nucleus_decides_alike_by_buckets_alone_or_by_topk_in_a_wide_batc
         {"top_p": 1.5},
         {"top_k": -2},
         {"n": 0},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("nan")},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -2.01},
+        {"logprobs": -1},
+        {"logprobs": 21},
     ],
 )
 def test_invalid_params_are_rejected_with_the_field_name(bad):
@@ -236,3 +250,42 @@ def test_stop_accepts_a_single_string_and_drops_empty_ones():
     assert SamplingParams(stop="###").stop == ["###"]
     assert SamplingParams(stop=["", "x"]).stop == ["x"]
     assert SamplingParams(temperature=0).is_greedy and not SamplingParams().is_greedy
+
+
+def test_penalties_follow_vllms_arithmetic_and_leave_other_rows_alone():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0, 0.0],
+                           [2.0, -2.0, 1.0, 0.5, -1.0, 0.0]])
+    prompt, output = [0, 1], [2, 2, 3]  # token 0 and 1 only in the prompt
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    apply_penalties(logits, [1], [params], [prompt], [output])
+    assert logits[0].tolist() == [2.0, -2.0, 1.0, 0.5, -1.0, 0.0]
+    # Repetition over prompt and output: positive logits halved, negative doubled. Frequency
+    # (0.5 a use) and presence (0.25 once) over the output only.
+    assert logits[1].tolist() == pytest.approx(
+        [1.0, -4.0, 0.5 - 2 * 0.5 - 0.25, 0.25 - 0.5 - 0.25, -1.0, 0.0])
+
+
+def test_negative_additive_penalties_favour_what_was_said():
+    logits = torch.zeros(1, 4)
+    params = SamplingParams(frequency_penalty=-1.0, presence_penalty=-0.5)
+    apply_penalties(logits, [0], [params], [[3]], [[1, 1, 2]])
+    assert logits[0].tolist() == [0.0, 2.5, 1.5, 0.0]
+
+
+def test_penalties_change_greedy_picks():
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    params = SamplingParams(temperature=0, presence_penalty=0.2)
+    apply_penalties(logits, [0], [params], [[2]], [[0]])
+    assert Sampler()(logits, [params], [gen(0)]) == [1]
+    assert SamplingParams(presence_penalty=0.2).has_penalties
+    assert not SamplingParams().has_penalties
+
+
+def test_token_logprobs_are_the_chosen_token_and_the_k_most_likely():
+    logprobs = torch.tensor([[-0.5, -1.5, -3.0, -0.9], [-2.0, -0.1, -4.0, -3.0]])
+    first, second = token_logprobs(logprobs, [2, 1], [2, 0])
+    assert (first.token_id, first.logprob) == (2, -3.0)
+    assert first.top == ((0, -0.5), (3, pytest.approx(-0.9)))
+    assert (second.token_id, second.logprob, second.top) == (1, pytest.approx(-0.1), ())
+    [none_wanted] = token_logprobs(logprobs[:1], [0], [0])
+    assert none_wanted.top == ()

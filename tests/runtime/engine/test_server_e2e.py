@@ -200,6 +200,52 @@ def test_stop_string_cuts_the_text(client):
     assert choice.text == full[:full.index(stop)]
 
 
+def test_chat_logprobs_streamed_and_not(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Log me"}], max_tokens=6,
+                  temperature=0, logprobs=True, top_logprobs=2,
+                  extra_body={"ignore_eos": True})
+    content = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        # Greedy and no penalties: the chosen token is the most likely one.
+        assert (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob) == (
+            entry.token, entry.logprob)
+        assert entry.top_logprobs[1].logprob <= entry.logprob
+        assert entry.bytes == list(entry.token.encode())
+    streamed = [entry for chunk in client.chat.completions.create(stream=True, **kwargs)
+                if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    # The second request reads the first one's prompt from the prefix cache: the same tokens,
+    # logprobs summed in another order.
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content],
+                                                          abs=1e-4)
+
+
+def test_completion_logprobs(client):
+    response = client.completions.create(model=MODEL, prompt="Log me", max_tokens=5,
+                                         temperature=0, logprobs=3,
+                                         extra_body={"ignore_eos": True})
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                   logprobs.top_logprobs, strict=True):
+        assert top[token] == logprob == max(top.values()) and len(top) <= 3
+
+
+def test_penalties_steer_greedy_decoding_away_from_repeats(client):
+    kwargs = dict(model=MODEL, prompt="Again and again", max_tokens=16, temperature=0)
+    plain = client.completions.create(logprobs=0, **kwargs).choices[0].logprobs.tokens
+    assert len(set(plain)) < len(plain), f"no repeats to steer away from: {plain}"
+    penalized = client.completions.create(
+        logprobs=0, frequency_penalty=2.0, presence_penalty=2.0,
+        extra_body={"repetition_penalty": 2.0}, **kwargs).choices[0].logprobs.tokens
+    assert penalized != plain
+    assert len(set(penalized)) > len(set(plain))
+
+
 def test_metrics_count_the_tokens_sent_and_received(server, client):
     before = scrape(server)
     prompt = [1, 50, 51, 52, 53, 54, 55]
@@ -227,7 +273,8 @@ def test_metrics_count_the_tokens_sent_and_received(server, client):
 
 @pytest.mark.parametrize("payload, status, param", [
     ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 1}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 9}, 400, "presence_penalty"),
     ({"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     ({"model": "nope", "prompt": "x"}, 404, "model"),
 ])

@@ -21,6 +21,7 @@ from starlette.testclient import TestClient
 
 from runtime.engine.async_engine import AsyncEmbedder, AsyncEngine, EngineUnavailableError
 from runtime.engine.config import GenerationDefaults
+from runtime.engine.sampling import TokenLogprob
 from runtime.engine.server import FaultSettings, ReplicaServer, ServerSettings
 
 MODEL = "fake"
@@ -38,6 +39,9 @@ class ScriptedTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(chr(i - 10) for i in ids if i > 2)
+
+    def token_text(self, token_id: int) -> str:
+        return chr(token_id - 10) if token_id > 2 else "</s>"
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
         text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
@@ -90,20 +94,31 @@ class ScriptedEngine:
                 outputs.append(SimpleNamespace(
                     request_id=request_id, index=index, new_token_ids=[], new_text="",
                     finished=True, finish_reason="error", num_prompt_tokens=seq["prompt"],
-                    num_output_tokens=seq["count"], num_cached_tokens=0))
+                    num_output_tokens=seq["count"], num_cached_tokens=0, logprobs=None))
                 continue
             seq["count"] += 1
             self.generation_tokens_total += 1
             finished = seq["count"] >= seq["params"].max_tokens
             if finished:
                 del self.running[(request_id, index)]
+            token_id = ord("a") + index + 10
             outputs.append(SimpleNamespace(
-                request_id=request_id, index=index, new_token_ids=[ord("a") + index + 10],
+                request_id=request_id, index=index, new_token_ids=[token_id],
                 new_text=chr(ord("a") + index), finished=finished,
                 finish_reason="length" if finished else None,
                 num_prompt_tokens=seq["prompt"], num_output_tokens=seq["count"],
-                num_cached_tokens=0))
+                num_cached_tokens=0, logprobs=self.logprobs(seq, token_id)))
         return outputs
+
+    @staticmethod
+    def logprobs(seq: dict, token_id: int) -> list[TokenLogprob] | None:
+        """The sampled token at -0.25 * its position, then 'z' and EOS (-inf) as alternatives."""
+        k = seq["params"].logprobs
+        if k is None:
+            return None
+        logprob = -0.25 * seq["count"]
+        top = ((token_id, logprob), (ord("z") + 10, -3.0), (2, float("-inf")))
+        return [TokenLogprob(token_id, logprob, top[:k])]
 
     def stats(self):
         return SimpleNamespace(num_running=len(self.running), num_waiting=0, kv_cache_usage=0.0,
@@ -161,31 +176,36 @@ def test_completion_shape_and_usage(client):
 
 
 def test_generation_config_fills_in_what_a_request_leaves_out(engine):
-    # Qwen2.5's file, as shipped; repetition_penalty is reported as ignored at start.
-    defaults = GenerationDefaults(temperature=0.7, top_p=0.8, top_k=20)
+    # Qwen2.5's file, as shipped.
+    defaults = GenerationDefaults(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
     test_client, _ = make_client(lambda: engine, generation_defaults=defaults)
     with test_client:
         wait_ready(test_client)
         test_client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
         test_client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "b"}], "max_tokens": 1,
-            "temperature": 0, "top_k": -1})
+            "temperature": 0, "top_k": -1, "repetition_penalty": 1.0})
     first, second = [params for _, params in engine.seen_params]
-    assert (first.temperature, first.top_p, first.top_k) == (0.7, 0.8, 20)
-    assert (second.temperature, second.top_p, second.top_k) == (0.0, 0.8, 0)
+    assert (first.temperature, first.top_p, first.top_k, first.repetition_penalty) == (
+        0.7, 0.8, 20, 1.05)
+    assert (second.temperature, second.top_p, second.top_k, second.repetition_penalty) == (
+        0.0, 0.8, 0, 1.0)
 
 
 def test_generation_config_is_read_and_checked(tmp_path):
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults()  # no file: OpenAI's
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8,
-                                "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.0}))
+                                "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.0,
+                                "presence_penalty": 0.5}))
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults(
-        temperature=0.7, top_p=0.8, top_k=20, ignored=("repetition_penalty",))
+        temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
+        ignored=("presence_penalty",))
     path.write_text(json.dumps({"temperature": 0.6, "top_k": -1}))
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults(temperature=0.6)
     for bad, key in (({"top_p": 0}, "top_p"), ({"temperature": "hot"}, "temperature"),
-                     ({"top_k": 2.5}, "top_k"), ({"top_k": float("inf")}, "top_k")):
+                     ({"top_k": 2.5}, "top_k"), ({"top_k": float("inf")}, "top_k"),
+                     ({"repetition_penalty": 0}, "repetition_penalty")):
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=key):
             GenerationDefaults.from_dir(tmp_path)
@@ -258,7 +278,14 @@ def test_chat_defaults_max_tokens_to_remaining_context(client, engine):
     ({"prompt": "x", "seed": 2**64}, "seed", "<="),
     ({"prompt": "x", "stop": [1]}, "stop", "`stop`"),
     ({"prompt": "x", "n": 99}, "n", "<= 16"),
-    ({"prompt": "x", "logprobs": 2}, "logprobs", "not supported"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
+    ({"prompt": "x", "logprobs": True}, "logprobs", "must be an integer"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "not supported"),
+    ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "<= 2.0"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", ">= -2.0"),
+    ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty", "must be a number"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
     ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
     ({"prompt": "x", "bogus": 1}, "bogus", "Unrecognized"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
@@ -284,6 +311,10 @@ def test_completion_bad_input_names_the_field(client, payload, param, fragment):
       "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
       "max_completion_tokens": 2}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
 ])
 def test_chat_bad_input(client, payload, param):
     response = client.post("/v1/chat/completions", json=payload)
@@ -294,9 +325,61 @@ def test_chat_bad_input(client, payload, param):
 def test_harmless_parameters_are_accepted(client):
     response = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-        "max_completion_tokens": 1, "user": "alice", "logprobs": False, "presence_penalty": 0,
-        "top_k": -1, "seed": 3, "priority": -2})
+        "max_completion_tokens": 1, "user": "alice", "logprobs": False, "top_logprobs": 0,
+        "presence_penalty": 0, "top_k": -1, "seed": 3, "priority": -2})
     assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"] is None
+
+
+def test_penalties_reach_the_engine(client, engine):
+    response = client.post("/v1/completions", json={
+        "prompt": "x", "max_tokens": 1, "presence_penalty": -2, "frequency_penalty": 1.5,
+        "repetition_penalty": 1.2})
+    assert response.status_code == 200, response.text
+    [(_, params)] = engine.seen_params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        -2.0, 1.5, 1.2)
+
+
+def test_completion_logprobs_in_openais_legacy_shape(client):
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3, "n": 2,
+                                                "logprobs": 2}).json()
+    first, second = body["choices"]
+    assert first["text"] == "aaa" and first["logprobs"] == {
+        "text_offset": [0, 1, 2],
+        "token_logprobs": [-0.25, -0.5, -0.75],
+        "tokens": ["a", "a", "a"],
+        "top_logprobs": [{"a": -0.25, "z": -3.0}, {"a": -0.5, "z": -3.0},
+                         {"a": -0.75, "z": -3.0}],
+    }
+    assert second["logprobs"]["tokens"] == ["b", "b", "b"]
+    # logprobs=0: the sampled token only; -inf is written as vLLM writes it, JSON has no inf.
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1,
+                                                "logprobs": 0}).json()
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [{"a": -0.25}]
+    body = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1,
+                                                "logprobs": 3}).json()
+    assert body["choices"][0]["logprobs"]["top_logprobs"] == [
+        {"a": -0.25, "z": -3.0, "</s>": -9999.0}]
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    request = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+               "logprobs": True, "top_logprobs": 1}
+    expected = [{"token": "a", "logprob": -0.25, "bytes": [97],
+                 "top_logprobs": [{"token": "a", "logprob": -0.25, "bytes": [97]}]},
+                {"token": "a", "logprob": -0.5, "bytes": [97],
+                 "top_logprobs": [{"token": "a", "logprob": -0.5, "bytes": [97]}]}]
+    body = client.post("/v1/chat/completions", json=request).json()
+    assert body["choices"][0]["logprobs"] == {"content": expected}
+    response = client.post("/v1/chat/completions", json={**request, "stream": True})
+    chunks = sse_events(response.text)
+    assert chunks[0]["choices"][0]["logprobs"] is None  # the role chunk
+    streamed = [c["choices"][0]["logprobs"]["content"] for c in chunks[1:]]
+    assert streamed == [[expected[0]], [expected[1]]]
+    # logprobs without top_logprobs: each token's own, no alternatives.
+    body = client.post("/v1/chat/completions", json={**request, "top_logprobs": None}).json()
+    assert [e["top_logprobs"] for e in body["choices"][0]["logprobs"]["content"]] == [[], []]
 
 
 def test_malformed_json(client):
