@@ -128,6 +128,10 @@ class BenchConfig:
     temperature: float = 0.0
     top_p: float | None = None  # None: not sent (the server's default)
     top_k: int | None = None
+    # Penalties, sent only when set (as vLLM's `bench serve` spells them).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = True
     timeout_s: float = 600.0
     tokenizer_dir: str | None = None
@@ -155,6 +159,12 @@ class BenchConfig:
             raise BenchConfigError("top_p: must lie in (0, 1]")
         if self.top_k is not None and (self.top_k < 1 and self.top_k != -1):
             raise BenchConfigError("top_k: must be at least 1 (or -1 for off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2 <= value <= 2:
+                raise BenchConfigError(f"{name}: must lie in [-2, 2]")
+        if self.repetition_penalty is not None and not self.repetition_penalty > 0:
+            raise BenchConfigError("repetition_penalty: must be > 0")
         for name, limit in self.goodput_slos_ms.items():
             if name not in SLO_METRICS:
                 raise BenchConfigError(f"goodput: unknown metric {name!r}; use ttft, tpot, e2el")
@@ -293,6 +303,9 @@ class StreamingClient:
             body["top_p"] = self.config.top_p
         if self.config.top_k is not None:
             body["top_k"] = self.config.top_k
+        for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+            if getattr(self.config, name) is not None:
+                body[name] = getattr(self.config, name)
         if self.config.ignore_eos:
             body["ignore_eos"] = True
         if self.config.endpoint == "chat":
@@ -609,6 +622,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--top-p", type=float, default=None, help="sent with each request if set")
     parser.add_argument("--top-k", type=int, default=None, help="sent with each request if set")
+    for name in ("frequency", "presence", "repetition"):
+        parser.add_argument(f"--{name}-penalty", type=float, default=None,
+                            help="sent with each request if set")
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -644,6 +660,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty,
+        repetition_penalty=args.repetition_penalty,
         ignore_eos=args.ignore_eos,
         timeout_s=args.timeout,
         tokenizer_dir=args.tokenizer,

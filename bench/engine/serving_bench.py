@@ -253,6 +253,7 @@ def workload_a(base_url: str, model_dir: Path, args: argparse.Namespace) -> Benc
         seed=args.seed,
         temperature=args.temperature,
         top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
         show_progress=False,
     )
 
@@ -369,6 +370,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # Workload A is greedy; these run it sampled (e.g. --temperature 0.7 --top-p 0.9).
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=None)
+    # e.g. 1.05, what Qwen2.5's generation_config.json gives every request on both servers
+    parser.add_argument("--repetition-penalty", type=float, default=None)
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)

@@ -99,6 +99,13 @@ class _SequenceState:
     seq: Sequence
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
+    _distinct_prompt_ids: torch.Tensor | None = None
+
+    def distinct_prompt_ids(self) -> torch.Tensor:
+        """What the repetition penalty looks up in the prompt, made once a sequence."""
+        if self._distinct_prompt_ids is None:
+            self._distinct_prompt_ids = torch.tensor(self.seq.prompt_token_ids).unique()
+        return self._distinct_prompt_ids
 
 
 @dataclass
@@ -267,7 +274,7 @@ class LLMEngine:
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             apply_penalties(logits, penalized, [params[i] for i in penalized],
-                            [sampled[i].prompt_token_ids for i in penalized],
+                            [states[i].distinct_prompt_ids() for i in penalized],
                             [sampled[i].output_token_ids for i in penalized])
         token_ids = self.sampler(logits, params, [s.generator for s in states])
         logprobs: dict[int, TokenLogprob] = {}

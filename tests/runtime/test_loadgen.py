@@ -174,9 +174,12 @@ def test_counts_and_latencies_follow_the_stream(responder, make_config):
 
 
 def test_sampling_options_are_sent_with_every_request(responder, make_config):
-    run_benchmark(make_config(num_prompts=2, temperature=0.7, top_p=0.9, top_k=40))
+    run_benchmark(make_config(num_prompts=2, temperature=0.7, top_p=0.9, top_k=40,
+                              presence_penalty=-0.5, repetition_penalty=1.05))
     for payload in responder.payloads:
         assert (payload["temperature"], payload["top_p"], payload["top_k"]) == (0.7, 0.9, 40)
+        assert (payload["presence_penalty"], payload["repetition_penalty"]) == (-0.5, 1.05)
+        assert "frequency_penalty" not in payload
 
 
 def test_chat_role_chunk_without_text_does_not_count_as_first_token(responder, make_config):
@@ -389,6 +392,8 @@ def test_cli_prints_the_table_and_writes_the_result_json(responder_server, tmp_p
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": 0}, "top_k"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ],
 )
 def test_bad_options_name_the_option(make_config, overrides, option):

@@ -236,8 +236,8 @@ def reference_penalized_greedy(model, prompt, steps, repetition=1.0, frequency=0
             for token in set(ids):
                 value = logits[token]
                 logits[token] = value * repetition if value < 0 else value / repetition
-            for token in set(output):
-                logits[token] -= frequency * output.count(token) + presence
+            for token in set(output):  # two subtractions, as vLLM makes them
+                logits[token] = logits[token] - frequency * output.count(token) - presence
             ids.append(int(logits.argmax()))
     return ids[len(prompt):], raw
 

@@ -257,7 +257,7 @@ def test_penalties_follow_vllms_arithmetic_and_leave_other_rows_alone():
                            [2.0, -2.0, 1.0, 0.5, -1.0, 0.0]])
     prompt, output = [0, 1], [2, 2, 3]  # token 0 and 1 only in the prompt
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
-    apply_penalties(logits, [1], [params], [prompt], [output])
+    apply_penalties(logits, [1], [params], [torch.tensor(prompt)], [output])
     assert logits[0].tolist() == [2.0, -2.0, 1.0, 0.5, -1.0, 0.0]
     # Repetition over prompt and output: positive logits halved, negative doubled. Frequency
     # (0.5 a use) and presence (0.25 once) over the output only.
@@ -268,24 +268,52 @@ def test_penalties_follow_vllms_arithmetic_and_leave_other_rows_alone():
 def test_negative_additive_penalties_favour_what_was_said():
     logits = torch.zeros(1, 4)
     params = SamplingParams(frequency_penalty=-1.0, presence_penalty=-0.5)
-    apply_penalties(logits, [0], [params], [[3]], [[1, 1, 2]])
+    apply_penalties(logits, [0], [params], [torch.tensor([3])], [[1, 1, 2]])
     assert logits[0].tolist() == [0.0, 2.5, 1.5, 0.0]
 
 
 def test_penalties_change_greedy_picks():
     logits = torch.tensor([[3.0, 2.9, 0.0]])
     params = SamplingParams(temperature=0, presence_penalty=0.2)
-    apply_penalties(logits, [0], [params], [[2]], [[0]])
+    apply_penalties(logits, [0], [params], [torch.tensor([2])], [[0]])
     assert Sampler()(logits, [params], [gen(0)]) == [1]
     assert SamplingParams(presence_penalty=0.2).has_penalties
     assert not SamplingParams().has_penalties
 
 
 def test_token_logprobs_are_the_chosen_token_and_the_k_most_likely():
-    logprobs = torch.tensor([[-0.5, -1.5, -3.0, -0.9], [-2.0, -0.1, -4.0, -3.0]])
-    first, second = token_logprobs(logprobs, [2, 1], [2, 0])
-    assert (first.token_id, first.logprob) == (2, -3.0)
-    assert first.top == ((0, -0.5), (3, pytest.approx(-0.9)))
-    assert (second.token_id, second.logprob, second.top) == (1, pytest.approx(-0.1), ())
-    [none_wanted] = token_logprobs(logprobs[:1], [0], [0])
-    assert none_wanted.top == ()
+    logits = torch.tensor([[2.0, 1.0, -0.5, 1.6], [-2.0, 3.0, 0.0, 1.0]])
+    logprobs = logits.log_softmax(dim=-1).tolist()
+    first, second = token_logprobs(logits.log_softmax(dim=-1), [2, 1], [2, 0])
+    assert (first.token_id, first.logprob) == (2, pytest.approx(logprobs[0][2]))
+    assert [i for i, _ in first.top] == [0, 3]
+    assert [lp for _, lp in first.top] == pytest.approx([logprobs[0][0], logprobs[0][3]])
+    assert (second.token_id, second.logprob, second.top) == (
+        1, pytest.approx(logprobs[1][1]), ())
+
+
+def test_penalties_of_several_rows_at_once_equal_one_row_at_a_time():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=generator) * 3
+    prompts = [[1, 2, 2, 3], [4], [5, 6, 7, 1], [0, 49]]
+    outputs = [[3, 3, 8, 9, 3], [4, 4], [], [49, 10, 10]]
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.7),
+              SamplingParams(presence_penalty=1.0),
+              SamplingParams(repetition_penalty=0.8, presence_penalty=-0.5),
+              SamplingParams(repetition_penalty=1.5, frequency_penalty=-1.0,
+                             presence_penalty=2.0)]
+    rows = [0, 2, 3]  # row 1 brings no penalties this step
+    expected = logits.clone()
+    for row in rows:
+        for token in set(prompts[row] + outputs[row]):
+            if params[row].repetition_penalty != 1.0:
+                value = expected[row, token]
+                penalty = params[row].repetition_penalty
+                expected[row, token] = value * penalty if value < 0 else value / penalty
+        for token in set(outputs[row]):
+            expected[row, token] = (expected[row, token]
+                                    - params[row].frequency_penalty * outputs[row].count(token)
+                                    - params[row].presence_penalty)
+    apply_penalties(logits, rows, [params[r] for r in rows],
+                    [torch.tensor(prompts[r]).unique() for r in rows], [outputs[r] for r in rows])
+    assert torch.equal(logits, expected)
