@@ -49,7 +49,7 @@ from runtime.engine.sampling import (
     apply_penalties,
     token_logprobs,
 )
-from runtime.engine.scheduler import Scheduler
+from runtime.engine.scheduler import ScheduledChunk, Scheduler
 from runtime.engine.sequence import Sequence
 from runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -76,6 +76,9 @@ class CompletionOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     # One per new token when the request asked for logprobs; None otherwise.
     logprobs: list[TokenLogprob] | None = None
+    # One per prompt token, on the first output of sequence 0 of a request that asked for
+    # prompt logprobs.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -115,6 +118,8 @@ class _Request:
     states: list[_SequenceState]
     pending_siblings: list[Sequence] = field(default_factory=list)
     num_unfinished: int = 0
+    # By position, filled in as the prompt's chunks are computed (prompt_logprobs only).
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class LLMEngine:
@@ -192,13 +197,19 @@ class LLMEngine:
             request.states.append(state)
             self._states[seq.seq_id] = state
         # Siblings wait until the first sequence has computed the prompt: they then take its
-        # blocks from the prefix cache instead of computing the same prompt n times.
+        # blocks from the prefix cache instead of computing the same prompt n times, and the
+        # prompt's logprobs (which only the first computes) are out before any of them reports.
         first, *siblings = [s.seq for s in request.states]
-        request.pending_siblings = siblings if self.config.enable_prefix_caching else []
+        if params.prompt_logprobs is not None:
+            first.needs_prompt_logits = True
+            request.prompt_logprobs = [TokenLogprob(prompt_token_ids[0], None, ())] * len(
+                prompt_token_ids)
+        siblings_wait = self.config.enable_prefix_caching or params.prompt_logprobs is not None
+        request.pending_siblings = siblings if siblings_wait else []
         self._num_pending_siblings += len(request.pending_siblings)
         self._requests[request_id] = request
         self.scheduler.add(first)
-        if not self.config.enable_prefix_caching:
+        if not siblings_wait:
             for seq in siblings:
                 self.scheduler.add(seq)
         self._prompt_tokens_total += len(prompt_token_ids)
@@ -265,6 +276,9 @@ class LLMEngine:
         logits = self.runner.execute(scheduled)
         self.scheduler.on_chunks_computed(scheduled)
         sampled = [c.seq for c in scheduled.chunks if c.completes_sequence]
+        if len(logits) > len(sampled):
+            self._record_prompt_logprobs(scheduled.prefills, logits[len(sampled):])
+            logits = logits[:len(sampled)]
         states = [self._states[seq.seq_id] for seq in sampled]
         params = [self._requests[seq.request_id].params for seq in sampled]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -299,6 +313,27 @@ class LLMEngine:
                 outputs.append(self._append_token(state, token_id, logprobs.get(row)))
         return outputs
 
+    def _record_prompt_logprobs(self, chunks: list[ScheduledChunk],
+                                logits: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens after each chunk's positions: position p's logits
+        predict token p + 1. `logits` has a row for every token of the chunks whose sequence
+        needs prompt logits, in order."""
+        offset = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            if not seq.needs_prompt_logits:
+                continue
+            rows = logits[offset:offset + chunk.num_tokens]
+            offset += chunk.num_tokens
+            request = self._requests.get(seq.request_id)
+            last = min(chunk.end, seq.num_prompt_tokens - 1)  # the last position predicted
+            if last <= chunk.start or request is None or request.prompt_logprobs is None:
+                continue
+            targets = seq.token_ids[chunk.start + 1:last + 1]
+            request.prompt_logprobs[chunk.start + 1:last + 1] = token_logprobs(
+                rows[:last - chunk.start].log_softmax(dim=-1), targets,
+                [request.params.prompt_logprobs] * len(targets))
+
     def _append_token(self, state: _SequenceState, token_id: int,
                       logprob: TokenLogprob | None) -> CompletionOutput:
         seq = state.seq
@@ -325,6 +360,9 @@ class LLMEngine:
             self._finish(request, state, reason)
         output = self._output(state, [token_id], text, reason)
         output.logprobs = [logprob] if logprob is not None else None
+        if seq.needs_prompt_logits:  # its prompt is done: hand its logprobs over, once
+            seq.needs_prompt_logits = False
+            output.prompt_logprobs = request.prompt_logprobs
         return output
 
     def _finish(self, request: _Request, state: _SequenceState, reason: str) -> None:

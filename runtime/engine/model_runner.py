@@ -189,8 +189,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run every scheduled chunk; return logits [chunks that complete their sequence, vocab]
-        in `out.chunks` order."""
+        """Run every scheduled chunk; return logits [rows, vocab]: one row for each chunk that
+        completes its sequence, in `out.chunks` order, then one for every token of each
+        prefill chunk whose sequence needs prompt logits, in `out.prefills` order."""
         input_ids, positions, meta, sample_rows = self.prepare(out)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden[sample_rows])
@@ -230,6 +231,9 @@ class ModelRunner:
                 meta.paged_decode = self._paged_decode(decodes)
             else:
                 meta.decode_groups = self._decode_groups(decodes)
+        for chunk, first_row in prefill_rows:
+            if chunk.seq.needs_prompt_logits:
+                sample_rows.extend(range(first_row, first_row + chunk.num_tokens))
         meta.prefills = [self._prefill_metadata(chunk, row) for chunk, row in prefill_rows]
         return (
             long_tensor(token_ids),

@@ -1,7 +1,7 @@
 """OpenAI-compatible request validation and response shapes for the replica server.
 
 Parsing is strict on purpose: a parameter the engine cannot honour (tools, logit_bias,
-echo, ...) is refused with a 400 that names it, because silently ignoring it would hand
+response_format, ...) is refused with a 400 that names it, because silently ignoring it would hand
 the caller something other than what they asked for. Parameters that change nothing about the
 generated tokens (`user`, `metadata`, ...) are accepted and ignored.
 
@@ -115,6 +115,13 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: off; k: each token's logprob and k alternatives
+    # Completions: the prompt comes back before the completion (with its logprobs when
+    # `logprobs` is set); with max_tokens 0, only the prompt (how eval harnesses score text).
+    echo: bool = False
+
+    @property
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         # Imported here: sampling.py pulls in torch, which the server must not wait for
@@ -135,6 +142,7 @@ class GenerationRequest:
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
         )
 
 
@@ -230,7 +238,8 @@ def _is_token_list(value: Any) -> bool:
 
 def _sampling_fields(fields: _Fields, defaults: GenerationDefaults,
                      max_tokens_default: int | None,
-                     max_tokens_name: str = "max_tokens") -> dict[str, Any]:
+                     max_tokens_name: str = "max_tokens",
+                     max_tokens_minimum: int = 1) -> dict[str, Any]:
     stop = fields.get("stop", (str, list), [], "a string or an array of strings")
     if isinstance(stop, str):
         stop = [stop]
@@ -256,7 +265,8 @@ def _sampling_fields(fields: _Fields, defaults: GenerationDefaults,
     top_k = fields.integer("top_k", defaults.top_k, minimum=-1)
     return dict(
         model=fields.get("model", (str,), None, "a string"),
-        max_tokens=fields.integer(max_tokens_name, max_tokens_default, minimum=1),
+        max_tokens=fields.integer(max_tokens_name, max_tokens_default,
+                                  minimum=max_tokens_minimum),
         temperature=fields.number("temperature", defaults.temperature, minimum=0.0),
         top_p=_positive(fields.number("top_p", defaults.top_p, maximum=1.0), "top_p"),
         top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "disabled"
@@ -284,7 +294,7 @@ def parse_completion_request(
     body: Any, defaults: GenerationDefaults = GenerationDefaults()
 ) -> GenerationRequest:
     fields = _Fields(body)
-    fields.refuse_unsupported(SAMPLING_PARAMS | {"prompt"})
+    fields.refuse_unsupported(SAMPLING_PARAMS | {"prompt", "echo"})
     prompt = body.get("prompt")
     # A batch of exactly one prompt is what some clients send for a single prompt.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -302,11 +312,14 @@ def parse_completion_request(
                           "prompt")
     else:
         raise bad_request("`prompt` must be a string or an array of token ids.", "prompt")
+    echo = fields.boolean("echo", False)
+    sampling = _sampling_fields(fields, defaults, max_tokens_default=16,
+                                max_tokens_minimum=0 if echo else 1)
     return GenerationRequest(kind="completion", prompt_text=prompt_text,
                              prompt_token_ids=prompt_token_ids,
                              logprobs=fields.integer("logprobs", None, minimum=0,
                                                      maximum=MAX_LOGPROBS),
-                             **_sampling_fields(fields, defaults, max_tokens_default=16))
+                             echo=echo, **sampling)
 
 
 def parse_chat_request(
@@ -450,20 +463,24 @@ class ResponseShapes:
             offsets.append(offset)
             offset += len(token)
         self._text_offsets[index] = offset
-        top = []
+        top: list[dict[str, float] | None] = []
         for token, e in zip(tokens, entries, strict=True):
-            alternatives = {self.token_text(i): max(lp, LOGPROB_FLOOR) for i, lp in e.top}
+            if e.logprob is None:  # a prompt's first token: nothing predicted it
+                top.append(None)
+                continue
+            alternatives = {self.token_text(i): _json_logprob(lp) for i, lp in e.top}
             # The sampled token too, as vLLM lists it; its own logprob wins over another
             # token's that reads the same (two byte tokens both shown as U+FFFD, say).
-            alternatives[token] = max(e.logprob, LOGPROB_FLOOR)
+            alternatives[token] = _json_logprob(e.logprob)
             top.append(alternatives)
-        return {"text_offset": offsets, "token_logprobs": [max(e.logprob, LOGPROB_FLOOR)
-                                                           for e in entries],
+        return {"text_offset": offsets,
+                "token_logprobs": [None if e.logprob is None else _json_logprob(e.logprob)
+                                   for e in entries],
                 "tokens": tokens, "top_logprobs": top}
 
     def _chat_logprob(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.token_text(token_id)
-        return {"token": token, "logprob": max(logprob, LOGPROB_FLOOR),
+        return {"token": token, "logprob": _json_logprob(logprob),
                 "bytes": list(token.encode("utf-8"))}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -515,6 +532,11 @@ class ResponseShapes:
             body = self._envelope("text_completion", rendered)
         body["usage"] = usage
         return body
+
+
+def _json_logprob(logprob: float) -> float:
+    """JSON has no infinities or NaN: what is not above the floor is written as the floor."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def embedding_response(model: str, vectors: list[list[float]], token_counts: list[int],

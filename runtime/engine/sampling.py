@@ -40,6 +40,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # None: no logprobs; k: each sampled token's logprob and the k most likely alternatives'.
     logprobs: int | None = None
+    # The same for each prompt token after the first (what the model predicted there).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,8 +63,10 @@ class SamplingParams:
             if not -MAX_ADDITIVE_PENALTY <= getattr(self, name) <= MAX_ADDITIVE_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_ADDITIVE_PENALTY}, "
                                  f"{MAX_ADDITIVE_PENALTY}], got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def is_greedy(self) -> bool:
@@ -114,12 +118,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], params: list[Sampling
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's log-probability and its `top` most likely alternatives (id, logprob),
-    most likely first, from the model's own distribution: the log-softmax of the raw logits,
-    before penalties, temperature and top-k / top-p, as vLLM reports them by default."""
+    """A token's log-probability and its `top` most likely alternatives (id, logprob), most
+    likely first, from the model's own distribution: the log-softmax of the raw logits, before
+    penalties, temperature and top-k / top-p, as vLLM reports them by default. A prompt's
+    first token has none (`logprob` None): nothing came before it to predict it."""
 
     token_id: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...]
 
 

@@ -165,7 +165,8 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and spent < budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq)
+            uses_cache = bm.enable_prefix_caching and not seq.needs_prompt_logits
+            cached = bm.find_cached_prefix(seq) if uses_cache else []
             num_cached_tokens = len(cached) * bm.block_size
             free_after_prefix = bm.num_free_blocks - bm.num_free_needed_for_prefix(cached)
             room = (len(cached) + free_after_prefix) * bm.block_size - num_cached_tokens
@@ -173,7 +174,7 @@ class Scheduler:
             if num_tokens < 1:
                 break  # strict order: nobody overtakes the head of the queue
             self.waiting.pop(0)
-            if bm.enable_prefix_caching:
+            if uses_cache:
                 self.counters.prefix_cache_queries += len(seq)
                 self.counters.prefix_cache_hits += num_cached_tokens
             bm.allocate_prefix(seq, cached)

@@ -43,6 +43,9 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.was_admitted = False
+        # Logits wanted at every prompt position (prompt logprobs): the prompt is computed,
+        # never taken from the prefix cache, until they are in.
+        self.needs_prompt_logits = False
         self.block_table: list[int] = []
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from starlette.applications import Starlette
@@ -67,6 +67,9 @@ from runtime.engine.openai_protocol import (
     parse_embedding_request,
     usage_body,
 )
+
+if TYPE_CHECKING:  # sampling.py imports torch, which loads in the model thread
+    from runtime.engine.sampling import TokenLogprob
 
 logger = logging.getLogger("inferops.serve")
 
@@ -388,7 +391,12 @@ class ReplicaServer:
         request_id = new_request_id(parsed.kind)
         shapes = ResponseShapes(parsed.kind, request_id, self.settings.served_model_name,
                                 self.backend.tokenizer.token_text)
-        run = GenerationRun(self, timer, request_id, prompt_ids, params, parsed.priority)
+        echo = None
+        if parsed.echo:  # the prompt as sent, or as its token ids read
+            echo = parsed.prompt_text if parsed.prompt_text is not None \
+                else self.backend.tokenizer.decode(prompt_ids)
+        run = GenerationRun(self, timer, request_id, prompt_ids, params, parsed.priority,
+                            echo, parsed.echo_only)
         headers = {"X-Request-Id": request_id}
         try:
             if parsed.stream:
@@ -406,6 +414,7 @@ class ReplicaServer:
             raise unavailable_error(exc) from None
         except ValueError as exc:  # the engine refused the request
             raise bad_request(str(exc)) from None
+        choices = [run.as_sent(c) for c in choices]
         usage = usage_body(len(prompt_ids), sum(c.num_output_tokens for c in choices))
         return JSONResponse(shapes.response(choices, usage), headers=headers)
 
@@ -462,10 +471,11 @@ class ReplicaServer:
             if num_prompt_tokens >= max_model_len:
                 raise self._too_long(max_model_len, num_prompt_tokens, 1, "messages")
             return max_model_len - num_prompt_tokens
-        if num_prompt_tokens + parsed.max_tokens > max_model_len:
-            raise self._too_long(max_model_len, num_prompt_tokens, parsed.max_tokens,
-                                 "max_tokens")
-        return parsed.max_tokens
+        # Echoing the prompt alone still samples one token, which is not sent.
+        max_tokens = max(parsed.max_tokens, 1)
+        if num_prompt_tokens + max_tokens > max_model_len:
+            raise self._too_long(max_model_len, num_prompt_tokens, max_tokens, "max_tokens")
+        return max_tokens
 
     @staticmethod
     def _too_long(max_model_len: int, prompt: int, completion: int, param: str) -> OpenAIError:
@@ -476,18 +486,36 @@ class ReplicaServer:
 
 
 class GenerationRun:
-    """One admitted generation request: engine events with faults and metrics applied."""
+    """One admitted generation request: engine events with faults and metrics applied.
+
+    `echo` is the prompt's text when the client asked for it back (completions' `echo`), in
+    front of each choice's text and, with logprobs, its tokens' logprobs in front of the
+    choice's; `echo_only` (max_tokens 0) sends nothing else."""
 
     def __init__(self, server: ReplicaServer, timer: RequestTimer, request_id: str,
-                 prompt_ids: list[int], params: Any, priority: int) -> None:
+                 prompt_ids: list[int], params: Any, priority: int, echo: str | None = None,
+                 echo_only: bool = False) -> None:
         self.server = server
         self.timer = timer
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.params = params
         self.priority = priority
+        self.echo = echo
+        self.echo_only = echo_only
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # from the first output
         self.choices = [ChoiceResult(index=i) for i in range(params.n)]
         self.engine_stream: RequestStream | None = None
+
+    def as_sent(self, choice: ChoiceResult) -> ChoiceResult:
+        """A whole choice as the client gets it: with the echoed prompt in front."""
+        if self.echo is None:
+            return choice
+        if self.echo_only:
+            return ChoiceResult(choice.index, self.echo, "length", 0, self.prompt_logprobs)
+        logprobs = (None if choice.logprobs is None
+                    else (self.prompt_logprobs or []) + choice.logprobs)
+        return replace(choice, text=self.echo + choice.text, logprobs=logprobs)
 
     async def start(self) -> None:
         engine = self.server.backend
@@ -532,6 +560,8 @@ class GenerationRun:
                     if choice.logprobs is None:
                         choice.logprobs = []
                     choice.logprobs.extend(output.logprobs)
+                if output.prompt_logprobs is not None:
+                    self.prompt_logprobs = output.prompt_logprobs
                 if output.finished:
                     choice.finish_reason = output.finish_reason
                 yield event
@@ -558,6 +588,13 @@ class GenerationRun:
                     role_chunk = shapes.stream_role_chunk(output.index)
                     if role_chunk is not None:
                         yield sse(role_chunk)
+                    if self.echo is not None:
+                        yield sse(shapes.stream_chunk(
+                            output.index, self.echo, "length" if self.echo_only else None,
+                            self.prompt_logprobs if self.params.logprobs is not None
+                            else None))
+                if self.echo_only:
+                    continue
                 # A token whose text is held back (a partial character, a possible stop
                 # string) still gets its chunk when it brings logprobs, so none is lost.
                 if output.new_text or output.finished or output.logprobs:

@@ -357,3 +357,47 @@ def test_freed_step_tensors_are_reused_without_page_faults():
     pages = 5 * (48 << 20) // 4096
     assert faults("default") > pages // 2
     assert faults("tuned") < pages // 20  # under a quarter of one tensor's pages
+
+
+def prompt_logprobs_of(results, request_id):
+    """The prompt logprobs a request reported: on the first output of sequence 0, only."""
+    outputs = results[(request_id, 0)].outputs
+    assert all(o.prompt_logprobs is None for o in outputs[1:])
+    return [(e.token_id, e.logprob, e.top) for e in outputs[0].prompt_logprobs]
+
+
+def test_prompt_logprobs_are_computed_not_cached_and_survive_preemption(make_engine, prompts):
+    with_prompt = replace(GREEDY, prompt_logprobs=2)
+    engine = make_engine()
+    engine.add_request("plain", prompts[1], GREEDY)
+    first = run_all(engine)
+    hits = engine.stats().prefix_cache_hits_total
+    engine.add_request("scored", prompts[1], with_prompt)
+    results = run_all(engine)
+    # The prompt was in the cache, but its logits were needed, so it ran again.
+    assert engine.stats().prefix_cache_hits_total == hits
+    reference = prompt_logprobs_of(results, "scored")
+    assert len(reference) == len(prompts[1]) and reference[0][1] is None
+    assert [t for t, _, _ in reference] == prompts[1]
+    assert all(lp <= 0 and len(top) == 2 for _, lp, top in reference[1:])
+    assert results[("scored", 0)].token_ids == first[("plain", 0)].token_ids
+    # With n = 2 the second choice takes the blocks the first computed, as always.
+    engine.add_request("pair", prompts[1], replace(with_prompt, n=2))
+    pair = run_all(engine)
+    assert engine.stats().prefix_cache_hits_total > hits
+    assert pair[("pair", 0)].token_ids == pair[("pair", 1)].token_ids == \
+        first[("plain", 0)].token_ids
+    assert [lp for _, lp, _ in prompt_logprobs_of(pair, "pair")[1:]] == pytest.approx(
+        [lp for _, lp, _ in reference[1:]], abs=1e-4)
+    # Under block pressure the prompt is computed again after a preemption: same logprobs.
+    tight = make_engine(num_kv_blocks=16, max_num_batched_tokens=16)
+    for i, prompt in enumerate(prompts):
+        tight.add_request(f"r{i}", prompt, replace(with_prompt, max_tokens=20))
+    tight.add_request("scored", prompts[1], replace(with_prompt, max_tokens=20))
+    pressured = run_all(tight)
+    assert tight.stats().num_preemptions_total > 0
+    again = prompt_logprobs_of(pressured, "scored")
+    assert [t for t, _, _ in again] == prompts[1]
+    for (_, lp, top), (_, lp_again, top_again) in zip(reference[1:], again[1:], strict=True):
+        assert lp_again == pytest.approx(lp, abs=1e-4)
+        assert [i for i, _ in top_again] == [i for i, _ in top]

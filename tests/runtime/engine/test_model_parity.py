@@ -294,3 +294,33 @@ def test_penalties_and_logprobs_match_a_reference_over_transformers(
             top = row.topk(3)
             assert [i for i, _ in entry.top] == top.indices.tolist()
             assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_match_transformers_over_chunks_and_shared_prefixes(
+    checkpoint_factory, make_engine
+):
+    """Prompts cut into several chunks, the fifth sharing the second's prefix: every position
+    is computed (not taken from the prefix cache) and scored as transformers' forward does."""
+    model_dir = checkpoint_factory("parity-llama-gqa2", "llama", seed=7, **SHARP)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    engine = make_engine(model_dir, block_size=4, max_num_batched_tokens=12, max_num_seqs=8)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    reported = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.prompt_logprobs is not None:
+                reported[out.request_id] = out.prompt_logprobs
+    assert engine.stats().prefix_cache_hits_total == 0
+    for i, prompt in enumerate(PROMPTS):
+        with torch.inference_mode():
+            expected = model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+        entries = reported[f"r{i}"]
+        assert [e.token_id for e in entries] == prompt and entries[0].logprob is None
+        for position, entry in enumerate(entries[1:], start=1):
+            row = expected[position - 1]  # what the previous position predicted
+            assert entry.logprob == pytest.approx(float(row[prompt[position]]), abs=1e-4)
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()

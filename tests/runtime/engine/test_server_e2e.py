@@ -235,6 +235,30 @@ def test_completion_logprobs(client):
         assert top[token] == logprob == max(top.values()) and len(top) <= 3
 
 
+def test_echo_scores_a_prompt_as_eval_harnesses_ask(client):
+    # lm-evaluation-harness's loglikelihood requests: echo, logprobs, nothing generated.
+    scored = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=0,
+                                       echo=True, logprobs=1, temperature=0)
+    choice = scored.choices[0]
+    assert choice.text == "The quick brown fox" and scored.usage.completion_tokens == 0
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == scored.usage.prompt_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:],
+                                   logprobs.top_logprobs[1:], strict=True):
+        assert logprob <= 0 and top[token] == logprob and len(top) <= 2
+    # With a completion after it, streamed: the prompt's chunk first, then the tokens.
+    chunks = list(client.completions.create(model=MODEL, prompt="The quick brown fox",
+                                            max_tokens=3, echo=True, logprobs=1,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].text == "The quick brown fox"
+    assert chunks[0].choices[0].logprobs.token_logprobs == pytest.approx(
+        logprobs.token_logprobs, abs=1e-4)
+    streamed = [t for c in chunks[1:] if c.choices for t in c.choices[0].logprobs.tokens]
+    assert len(streamed) == 3
+
+
 def test_penalties_steer_greedy_decoding_away_from_repeats(client):
     kwargs = dict(model=MODEL, prompt="Again and again", max_tokens=16, temperature=0)
     plain = client.completions.create(logprobs=0, **kwargs).choices[0].logprobs.tokens

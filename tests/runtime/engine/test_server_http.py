@@ -72,7 +72,7 @@ class ScriptedEngine:
         self.seen_params.append((request_id, params))
         for index in range(params.n):
             self.running[(request_id, index)] = {"params": params, "count": 0,
-                                                 "prompt": len(prompt_token_ids),
+                                                 "prompt_ids": list(prompt_token_ids),
                                                  "nan": NAN_TOKEN in prompt_token_ids}
 
     def abort_request(self, request_id) -> None:
@@ -93,8 +93,9 @@ class ScriptedEngine:
                 del self.running[(request_id, index)]
                 outputs.append(SimpleNamespace(
                     request_id=request_id, index=index, new_token_ids=[], new_text="",
-                    finished=True, finish_reason="error", num_prompt_tokens=seq["prompt"],
-                    num_output_tokens=seq["count"], num_cached_tokens=0, logprobs=None))
+                    finished=True, finish_reason="error",
+                    num_prompt_tokens=len(seq["prompt_ids"]), num_output_tokens=seq["count"],
+                    num_cached_tokens=0, logprobs=None, prompt_logprobs=None))
                 continue
             seq["count"] += 1
             self.generation_tokens_total += 1
@@ -106,9 +107,18 @@ class ScriptedEngine:
                 request_id=request_id, index=index, new_token_ids=[token_id],
                 new_text=chr(ord("a") + index), finished=finished,
                 finish_reason="length" if finished else None,
-                num_prompt_tokens=seq["prompt"], num_output_tokens=seq["count"],
-                num_cached_tokens=0, logprobs=self.logprobs(seq, token_id)))
+                num_prompt_tokens=len(seq["prompt_ids"]), num_output_tokens=seq["count"],
+                num_cached_tokens=0, logprobs=self.logprobs(seq, token_id),
+                prompt_logprobs=self.prompt_logprobs(seq, index)))
         return outputs
+
+    @staticmethod
+    def prompt_logprobs(seq: dict, index: int) -> list[TokenLogprob] | None:
+        """On sequence 0's first output: -1.0 for each prompt token after the first."""
+        if seq["params"].prompt_logprobs is None or index or seq["count"] > 1:
+            return None
+        first, *rest = seq["prompt_ids"]
+        return [TokenLogprob(first, None, ())] + [TokenLogprob(t, -1.0, ()) for t in rest]
 
     @staticmethod
     def logprobs(seq: dict, token_id: int) -> list[TokenLogprob] | None:
@@ -281,7 +291,9 @@ def test_chat_defaults_max_tokens_to_remaining_context(client, engine):
     ({"prompt": "x", "logprobs": 21}, "logprobs", "<= 20"),
     ({"prompt": "x", "logprobs": True}, "logprobs", "must be an integer"),
     ({"prompt": "x", "top_logprobs": 2}, "top_logprobs", "not supported"),
-    ({"prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"prompt": "x", "echo": 1}, "echo", "must be a boolean"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"prompt": "x", "max_tokens": -1, "echo": True}, "max_tokens", ">= 0"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "<= 2.0"),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", ">= -2.0"),
     ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty", "must be a number"),
@@ -313,6 +325,7 @@ def test_completion_bad_input_names_the_field(client, payload, param, fragment):
       "max_completion_tokens": 2}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
 ])
@@ -361,6 +374,39 @@ def test_completion_logprobs_in_openais_legacy_shape(client):
                                                 "logprobs": 3}).json()
     assert body["choices"][0]["logprobs"]["top_logprobs"] == [
         {"a": -0.25, "z": -3.0, "</s>": -9999.0}]
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_in_front(client, engine):
+    body = client.post("/v1/completions", json={"prompt": "xy", "max_tokens": 2,
+                                                "echo": True}).json()
+    assert body["choices"][0]["text"] == "xyaa" and body["choices"][0]["logprobs"] is None
+    assert engine.seen_params[-1][1].prompt_logprobs is None  # no logprobs: none computed
+    body = client.post("/v1/completions", json={"prompt": "xy", "max_tokens": 1, "echo": True,
+                                                "logprobs": 1}).json()
+    assert body["choices"][0]["text"] == "xya"
+    assert body["choices"][0]["logprobs"] == {
+        "text_offset": [0, 4, 5, 6],  # BOS reads "</s>", then one character a token
+        "token_logprobs": [None, -1.0, -1.0, -0.25],
+        "tokens": ["</s>", "x", "y", "a"],
+        "top_logprobs": [None, {"x": -1.0}, {"y": -1.0}, {"a": -0.25}],
+    }
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, engine):
+    # What eval harnesses send to score a text: the prompt's logprobs, nothing generated.
+    request = {"prompt": [1, 130, 131], "max_tokens": 0, "echo": True, "logprobs": 0}
+    body = client.post("/v1/completions", json=request).json()
+    [choice] = body["choices"]
+    assert choice["text"] == "xy" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["</s>", "x", "y"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
+    assert engine.seen_params[-1][1].max_tokens == 1  # one token is sampled and not sent
+    chunks = sse_events(client.post("/v1/completions",
+                                    json={**request, "stream": True}).text)
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
+        ("xy", "length")]
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
 
 
 def test_chat_logprobs_streamed_and_not(client):
