@@ -92,6 +92,8 @@ UNSUPPORTED_GENERATION_KEYS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency
 MAX_LOGPROBS = 20
 # OpenAI's bound on |presence_penalty| and |frequency_penalty|.
 MAX_ADDITIVE_PENALTY = 2.0
+# OpenAI's bound on a logit_bias value (-100 bans a token, 100 all but forces it).
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ Semantics worth knowing:
 - Finish order of checks per new token: stop_token_ids / EOS ("stop", the token is kept in
   `new_token_ids`, special tokens are not in the text), stop strings ("stop", text cut before
   the stop string), then max_tokens ("length").
-- Penalties (repetition, frequency, presence) change a row's logits before it is sampled,
-  greedy rows included; logprobs are read before them, from the model's own distribution.
+- logit_bias, min_tokens (EOS and stop_token_ids banned until then) and the penalties
+  (repetition, frequency, presence) change a row's logits in that order before it is sampled,
+  greedy rows included; logprobs are read before all of them, from the model's own
+  distribution. Stop strings count from min_tokens on.
 - Preempted sequences keep their output and are recomputed (prompt + output) when readmitted.
 - A sequence whose logits are NaN or infinite ends its whole request at once, with one
   `finish_reason="error"` output per unfinished sequence; the rest of the batch goes on.
@@ -46,7 +48,9 @@ from runtime.engine.sampling import (
     Sampler,
     SamplingParams,
     TokenLogprob,
+    apply_logit_bias,
     apply_penalties,
+    ban_tokens,
     token_logprobs,
 )
 from runtime.engine.scheduler import ScheduledChunk, Scheduler
@@ -225,6 +229,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -285,6 +292,13 @@ class LLMEngine:
         # Taken before the penalties change the logits: logprobs report the model's own
         # distribution, as vLLM's do by default.
         raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
+        # vLLM's order: logit bias and min_tokens, then the penalties.
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            apply_logit_bias(logits, biased, [params[i].logit_bias for i in biased])
+        too_short = [i for i, p in enumerate(params) if sampled[i].num_output_tokens < p.min_tokens]
+        if too_short:
+            ban_tokens(logits, too_short, [self._stop_token_ids(params[i]) for i in too_short])
         penalized = [i for i, p in enumerate(params) if p.has_penalties]
         if penalized:
             apply_penalties(logits, penalized, [params[i] for i in penalized],
@@ -312,6 +326,9 @@ class LLMEngine:
             else:
                 outputs.append(self._append_token(state, token_id, logprobs.get(row)))
         return outputs
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        return [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]
 
     def _record_prompt_logprobs(self, chunks: list[ScheduledChunk],
                                 logits: torch.Tensor) -> None:
@@ -353,7 +370,9 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens:
             reason = "length"
-        text, hit_stop_string = state.detokenizer.update(seq.output_token_ids, reason is not None)
+        text, hit_stop_string = state.detokenizer.update(
+            seq.output_token_ids, reason is not None,
+            check_stop=seq.num_output_tokens >= params.min_tokens)
         if hit_stop_string:
             reason = "stop"
         if reason is not None:

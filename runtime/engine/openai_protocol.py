@@ -1,7 +1,7 @@
 """OpenAI-compatible request validation and response shapes for the replica server.
 
-Parsing is strict on purpose: a parameter the engine cannot honour (tools, logit_bias,
-response_format, ...) is refused with a 400 that names it, because silently ignoring it would hand
+Parsing is strict on purpose: a parameter the engine cannot honour (tools, response_format,
+best_of, ...) is refused with a 400 that names it, because silently ignoring it would hand
 the caller something other than what they asked for. Parameters that change nothing about the
 generated tokens (`user`, `metadata`, ...) are accepted and ignored.
 
@@ -17,7 +17,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runtime.engine.config import MAX_ADDITIVE_PENALTY, MAX_LOGPROBS, GenerationDefaults
+from runtime.engine.config import (
+    MAX_ADDITIVE_PENALTY,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    GenerationDefaults,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -41,7 +46,8 @@ IGNORED_PARAMS = frozenset({"user", "metadata", "store", "service_tier", "parall
 SAMPLING_PARAMS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
     "stop_token_ids", "ignore_eos", "stream", "stream_options", "priority",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "logit_bias",
+    "min_tokens",
 })
 
 # Parameters that are only harmless at their "off" value; anything else is refused.
@@ -50,13 +56,11 @@ OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
-    "min_tokens": (None, 0),
 }
 
 MAX_N = 16
@@ -115,6 +119,8 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: off; k: each token's logprob and k alternatives
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
     # Completions: the prompt comes back before the completion (with its logprobs when
     # `logprobs` is set); with max_tokens 0, only the prompt (how eval harnesses score text).
     echo: bool = False
@@ -143,6 +149,8 @@ class GenerationRequest:
             repetition_penalty=self.repetition_penalty,
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo else None,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
         )
 
 
@@ -263,10 +271,13 @@ def _sampling_fields(fields: _Fields, defaults: GenerationDefaults,
                               "stream_options")
         include_usage = stream_options.get("include_usage") is True
     top_k = fields.integer("top_k", defaults.top_k, minimum=-1)
+    max_tokens = fields.integer(max_tokens_name, max_tokens_default, minimum=max_tokens_minimum)
+    min_tokens = fields.integer("min_tokens", 0, minimum=0, maximum=max_tokens)
     return dict(
         model=fields.get("model", (str,), None, "a string"),
-        max_tokens=fields.integer(max_tokens_name, max_tokens_default,
-                                  minimum=max_tokens_minimum),
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(fields.get("logit_bias", (dict,), None, "an object")),
         temperature=fields.number("temperature", defaults.temperature, minimum=0.0),
         top_p=_positive(fields.number("top_p", defaults.top_p, maximum=1.0), "top_p"),
         top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "disabled"
@@ -288,6 +299,22 @@ def _sampling_fields(fields: _Fields, defaults: GenerationDefaults,
                                                    defaults.repetition_penalty),
                                      "repetition_penalty"),
     )
+
+
+def _logit_bias(raw: dict[str, Any] | None) -> dict[int, float] | None:
+    """OpenAI's `{"token id": bias}`: JSON keys are strings, so ids come as digit strings."""
+    if not raw:
+        return None
+    bias = {}
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise bad_request(f"`logit_bias` keys must be token ids, got {key!r}.", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise bad_request(f"`logit_bias` values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                              f"{MAX_LOGIT_BIAS:g}], got {value!r} for {key}.", "logit_bias")
+        bias[int(key)] = float(value)
+    return bias
 
 
 def parse_completion_request(

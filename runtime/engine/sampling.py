@@ -10,7 +10,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from runtime.engine.config import MAX_ADDITIVE_PENALTY, MAX_LOGPROBS
+from runtime.engine.config import MAX_ADDITIVE_PENALTY, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 # Below this temperature sampling is greedy (as in vLLM): dividing by ~0 only breaks ties badly.
 GREEDY_TEMPERATURE = 1e-5
@@ -42,6 +42,11 @@ class SamplingParams:
     logprobs: int | None = None
     # The same for each prompt token after the first (what the model predicted there).
     prompt_logprobs: int | None = None
+    # Added to a token's logit before the penalties (OpenAI's logit_bias), by token id.
+    logit_bias: dict[int, float] | None = None
+    # Until this many tokens are out, EOS and stop_token_ids cannot be sampled and stop
+    # strings do not end the output (vLLM's min_tokens).
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +68,13 @@ class SamplingParams:
             if not -MAX_ADDITIVE_PENALTY <= getattr(self, name) <= MAX_ADDITIVE_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_ADDITIVE_PENALTY}, "
                                  f"{MAX_ADDITIVE_PENALTY}], got {getattr(self, name)}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens ({self.max_tokens})], "
+                             f"got {self.min_tokens}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must map token ids >= 0 to values in "
+                                 f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {token_id}: {bias}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
@@ -114,6 +126,26 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], params: list[Sampling
         keys, counts = output_keys.unique(return_counts=True)
         owner = keys // vocab
         flat[keys] = (flat[keys] - per_row[1][owner] * counts) - per_row[2][owner]
+
+
+@torch.inference_mode()
+def apply_logit_bias(logits: torch.Tensor, rows: list[int],
+                     biases: list[dict[int, float]]) -> None:
+    """Add, in place, `biases[i]` (token id -> bias) to logits row `rows[i]`."""
+    vocab = logits.shape[-1]
+    keys = [row * vocab + token_id for row, bias in zip(rows, biases, strict=True)
+            for token_id in bias]
+    values = [value for bias in biases for value in bias.values()]
+    logits.view(-1).index_add_(0, torch.tensor(keys, dtype=torch.long),
+                               torch.tensor(values, dtype=logits.dtype))
+
+
+@torch.inference_mode()
+def ban_tokens(logits: torch.Tensor, rows: list[int], banned: list[list[int]]) -> None:
+    """Make, in place, the tokens `banned[i]` impossible in logits row `rows[i]`."""
+    vocab = logits.shape[-1]
+    keys = [row * vocab + token_id for row, ids in zip(rows, banned, strict=True) for token_id in ids]
+    logits.view(-1)[torch.tensor(keys, dtype=torch.long)] = -torch.inf
 
 
 @dataclass(frozen=True)

@@ -269,8 +269,11 @@ class IncrementalDetokenizer:
                 return full[len(context_text) :]
         return self.tokenizer.decode(output_ids)
 
-    def update(self, output_ids: list[int], finished: bool) -> tuple[str, bool]:
-        """Return (new text, whether a stop string ended the output)."""
+    def update(self, output_ids: list[int], finished: bool,
+               check_stop: bool = True) -> tuple[str, bool]:
+        """Return (new text, whether a stop string ended the output). With `check_stop` False
+        (min_tokens not reached) a stop string in the text so far does not count, now or
+        later, as in vLLM."""
         self._advance(output_ids, finished)
         text = self._decoded
         if not finished:
@@ -280,8 +283,9 @@ class IncrementalDetokenizer:
             # Earlier updates found no stop string in the text they saw, so a new one ends in
             # what was added since: search from its first possible start only.
             start = max(0, self._searched_upto - self.max_stop_len + 1)
-            stop_at = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0),
-                          default=-1)
+            if check_stop:
+                stop_at = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0),
+                              default=-1)
             self._searched_upto = len(text)
         stopped = stop_at >= 0
         if stopped:

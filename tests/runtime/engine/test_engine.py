@@ -401,3 +401,38 @@ def test_prompt_logprobs_are_computed_not_cached_and_survive_preemption(make_eng
     for (_, lp, top), (_, lp_again, top_again) in zip(reference[1:], again[1:], strict=True):
         assert lp_again == pytest.approx(lp, abs=1e-4)
         assert [i for i, _ in top_again] == [i for i, _ in top]
+
+
+def test_logit_bias_forces_or_bans_tokens(make_engine, prompts):
+    engine = make_engine()
+    plain = engine.generate([prompts[1]], GREEDY)[0]
+    forced = engine.generate([prompts[1]], replace(GREEDY, logit_bias={42: 100.0}))[0]
+    assert forced == [42] * len(plain)
+    banned = set(plain)
+    avoided = engine.generate([prompts[1]], replace(
+        GREEDY, logit_bias=dict.fromkeys(banned, -100.0)))[0]
+    assert not banned & set(avoided)
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("x", prompts[0], replace(GREEDY, logit_bias={10**6: 1.0}))
+
+
+def test_min_tokens_holds_off_stop_tokens_and_stop_strings(make_engine, prompts):
+    engine = make_engine()
+    plain = run_all_of(engine, prompts[1], GREEDY)
+    stop_id = plain.token_ids[1]  # would end the output at its second token
+    stopped = run_all_of(engine, prompts[1], replace(GREEDY, stop_token_ids=[stop_id]))
+    assert stopped.token_ids == plain.token_ids[:2] and stopped.finish_reason == "stop"
+    held = run_all_of(engine, prompts[1], replace(GREEDY, stop_token_ids=[stop_id],
+                                                  min_tokens=6))
+    assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]
+    # A stop string met before min_tokens does not count, then or later.
+    stop = plain.text[1:4]
+    assert stop.strip() and plain.text.count(stop) == 1, f"unlucky greedy text {plain.text!r}"
+    assert run_all_of(engine, prompts[1], replace(GREEDY, stop=[stop])).finish_reason == "stop"
+    late = run_all_of(engine, prompts[1], replace(GREEDY, stop=[stop], min_tokens=6))
+    assert late.finish_reason == "length" and late.text == plain.text
+
+
+def run_all_of(engine, prompt, params) -> Result:
+    engine.add_request("one", prompt, params)
+    return run_all(engine)[("one", 0)]

@@ -13,7 +13,9 @@ from runtime.engine.sampling import (
     WIDER_HEAD,
     Sampler,
     SamplingParams,
+    apply_logit_bias,
     apply_penalties,
+    ban_tokens,
     token_logprobs,
 )
 
@@ -238,6 +240,10 @@ def test_a_wide_nucleus_decides_alike_by_buckets_alone_or_by_topk_in_a_wide_batc
         {"presence_penalty": -2.01},
         {"logprobs": -1},
         {"logprobs": 21},
+        {"min_tokens": 17},  # more than max_tokens (16)
+        {"min_tokens": -1},
+        {"logit_bias": {5: 100.5}},
+        {"logit_bias": {-1: 1.0}},
     ],
 )
 def test_invalid_params_are_rejected_with_the_field_name(bad):
@@ -317,3 +323,13 @@ def test_penalties_of_several_rows_at_once_equal_one_row_at_a_time():
     apply_penalties(logits, rows, [params[r] for r in rows],
                     [torch.tensor(prompts[r]).unique() for r in rows], [outputs[r] for r in rows])
     assert torch.equal(logits, expected)
+
+
+def test_logit_bias_adds_to_its_rows_tokens_and_banned_tokens_cannot_be_picked():
+    logits = torch.zeros(3, 5)
+    apply_logit_bias(logits, [0, 2], [{1: 2.5, 4: -100.0}, {0: 1.0}])
+    assert logits.tolist() == [[0, 2.5, 0, 0, -100.0], [0] * 5, [1.0, 0, 0, 0, 0]]
+    ban_tokens(logits, [0, 1], [[1], [0, 3]])
+    assert logits[0, 1] == logits[1, 0] == logits[1, 3] == -math.inf
+    picks = Sampler()(logits, [SamplingParams(temperature=0)] * 3, [gen(0)] * 3)
+    assert picks == [0, 1, 0]

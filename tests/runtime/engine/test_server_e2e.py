@@ -268,6 +268,9 @@ def test_penalties_steer_greedy_decoding_away_from_repeats(client):
         extra_body={"repetition_penalty": 2.0}, **kwargs).choices[0].logprobs.tokens
     assert penalized != plain
     assert len(set(penalized)) > len(set(plain))
+    forced = client.completions.create(logprobs=0, logit_bias={"42": 100},
+                                       **kwargs).choices[0].logprobs.tokens
+    assert len(set(forced)) == 1 and forced != plain
 
 
 def test_metrics_count_the_tokens_sent_and_received(server, client):

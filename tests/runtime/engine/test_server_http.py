@@ -298,7 +298,12 @@ def test_chat_defaults_max_tokens_to_remaining_context(client, engine):
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", ">= -2.0"),
     ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty", "must be a number"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
-    ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+    ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias", "[-100, 100]"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias", "must be an object"),
+    ({"prompt": "x", "max_tokens": 3, "min_tokens": 4}, "min_tokens", "<= 3"),
+    ({"prompt": "x", "best_of": 2}, "best_of", "not supported"),
     ({"prompt": "x", "bogus": 1}, "bogus", "Unrecognized"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"prompt": ["a", "b"]}, "prompt", "Batched prompts"),
@@ -344,14 +349,15 @@ def test_harmless_parameters_are_accepted(client):
     assert response.json()["choices"][0]["logprobs"] is None
 
 
-def test_penalties_reach_the_engine(client, engine):
+def test_penalties_bias_and_min_tokens_reach_the_engine(client, engine):
     response = client.post("/v1/completions", json={
-        "prompt": "x", "max_tokens": 1, "presence_penalty": -2, "frequency_penalty": 1.5,
-        "repetition_penalty": 1.2})
+        "prompt": "x", "max_tokens": 2, "presence_penalty": -2, "frequency_penalty": 1.5,
+        "repetition_penalty": 1.2, "logit_bias": {"7": -100, "12": 2.5}, "min_tokens": 2})
     assert response.status_code == 200, response.text
     [(_, params)] = engine.seen_params
     assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
         -2.0, 1.5, 1.2)
+    assert params.logit_bias == {7: -100.0, 12: 2.5} and params.min_tokens == 2
 
 
 def test_completion_logprobs_in_openais_legacy_shape(client):
