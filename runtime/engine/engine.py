@@ -64,6 +64,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class CompletionOutput:
     """One step's news for one of the n sequences of a request."""
@@ -224,26 +232,28 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
-            raise ValueError("prompt must contain at least one token")
+            raise InvalidRequest("prompt must contain at least one token", "prompt")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise InvalidRequest(f"prompt token ids out of range [0, {vocab}): {bad[:5]}",
+                                 "prompt")
         bad = [t for t in params.logit_bias or {} if t >= vocab]
         if bad:
-            raise ValueError(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}")
+            raise InvalidRequest(f"logit_bias token ids out of range [0, {vocab}): {bad[:5]}",
+                                 "logit_bias")
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{total} exceeds the model's maximum context length ({self.max_model_len})"
-            )
+                f"{total} exceeds the model's maximum context length ({self.max_model_len})",
+                "max_tokens")
         blocks = self.block_manager.blocks_for_tokens(total)
         if blocks > self.num_kv_blocks:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the cache "
-                f"only has {self.num_kv_blocks} blocks of {self.config.block_size} tokens"
-            )
+                f"only has {self.num_kv_blocks} blocks of {self.config.block_size} tokens",
+                "max_tokens")
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
         # A request seed makes each of its n sequences reproducible (seed + index); without
@@ -289,21 +299,10 @@ class LLMEngine:
         states = [self._states[seq.seq_id] for seq in sampled]
         params = [self._requests[seq.request_id].params for seq in sampled]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        # Taken before the penalties change the logits: logprobs report the model's own
+        # Taken before the logits change below: logprobs report the model's own
         # distribution, as vLLM's do by default.
         raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
-        # vLLM's order: logit bias and min_tokens, then the penalties.
-        biased = [i for i, p in enumerate(params) if p.logit_bias]
-        if biased:
-            apply_logit_bias(logits, biased, [params[i].logit_bias for i in biased])
-        too_short = [i for i, p in enumerate(params) if sampled[i].num_output_tokens < p.min_tokens]
-        if too_short:
-            ban_tokens(logits, too_short, [self._stop_token_ids(params[i]) for i in too_short])
-        penalized = [i for i, p in enumerate(params) if p.has_penalties]
-        if penalized:
-            apply_penalties(logits, penalized, [params[i] for i in penalized],
-                            [states[i].distinct_prompt_ids() for i in penalized],
-                            [sampled[i].output_token_ids for i in penalized])
+        self._process_logits(logits, states, params)
         token_ids = self.sampler(logits, params, [s.generator for s in states])
         logprobs: dict[int, TokenLogprob] = {}
         if raw_logprobs is not None:
@@ -327,8 +326,24 @@ class LLMEngine:
                 outputs.append(self._append_token(state, token_id, logprobs.get(row)))
         return outputs
 
-    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        return [*params.stop_token_ids, *([] if params.ignore_eos else self.eos_token_ids)]
+    def _process_logits(self, logits: torch.Tensor, states: list[_SequenceState],
+                        params: list[SamplingParams]) -> None:
+        """In vLLM's order, in place, only on the rows that ask for it: logit bias, the
+        stop tokens banned before min_tokens, then the penalties."""
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            apply_logit_bias(logits, biased, [params[i].logit_bias for i in biased])
+        too_short = [i for i, (state, p) in enumerate(zip(states, params, strict=True))
+                     if state.seq.num_output_tokens < p.min_tokens]
+        if too_short:
+            ban_tokens(logits, too_short, [[*params[i].stop_token_ids,
+                                            *([] if params[i].ignore_eos else self.eos_token_ids)]
+                                           for i in too_short])
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            apply_penalties(logits, penalized, [params[i] for i in penalized],
+                            [states[i].distinct_prompt_ids() for i in penalized],
+                            [states[i].seq.output_token_ids for i in penalized])
 
     def _record_prompt_logprobs(self, chunks: list[ScheduledChunk],
                                 logits: torch.Tensor) -> None:

@@ -307,7 +307,7 @@ def _logit_bias(raw: dict[str, Any] | None) -> dict[int, float] | None:
         return None
     bias = {}
     for key, value in raw.items():
-        if not (isinstance(key, str) and key.isdigit()):
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):  # not "²"
             raise bad_request(f"`logit_bias` keys must be token ids, got {key!r}.", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:

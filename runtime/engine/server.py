@@ -412,8 +412,8 @@ class ReplicaServer:
             return Response(status_code=499)  # nobody is listening; nginx's "client closed"
         except EngineUnavailableError as exc:
             raise unavailable_error(exc) from None
-        except ValueError as exc:  # the engine refused the request
-            raise bad_request(str(exc)) from None
+        except ValueError as exc:  # the engine refused the request (InvalidRequest names why)
+            raise bad_request(str(exc), getattr(exc, "param", None)) from None
         choices = [run.as_sent(c) for c in choices]
         usage = usage_body(len(prompt_ids), sum(c.num_output_tokens for c in choices))
         return JSONResponse(shapes.response(choices, usage), headers=headers)
@@ -613,7 +613,7 @@ class GenerationRun:
             yield "data: [DONE]\n\n"
             return
         if include_usage:
-            completion_tokens = sum(c.num_output_tokens for c in self.choices)
+            completion_tokens = sum(self.as_sent(c).num_output_tokens for c in self.choices)
             yield sse(shapes.stream_usage_chunk(usage_body(len(self.prompt_ids),
                                                            completion_tokens)))
         yield "data: [DONE]\n\n"

@@ -302,6 +302,8 @@ def test_metrics_count_the_tokens_sent_and_received(server, client):
     ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "presence_penalty": 9}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"999999": 5}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": [5, 10**6]}, 400, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
     ({"model": "nope", "prompt": "x"}, 404, "model"),
 ])

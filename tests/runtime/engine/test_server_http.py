@@ -299,6 +299,8 @@ def test_chat_defaults_max_tokens_to_remaining_context(client, engine):
     ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty", "must be a number"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
+    ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias", "token ids"),
+    ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
     ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias", "[-100, 100]"),
     ({"prompt": "x", "logit_bias": [5]}, "logit_bias", "must be an object"),
@@ -408,11 +410,12 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, engine):
     assert choice["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3}
     assert engine.seen_params[-1][1].max_tokens == 1  # one token is sampled and not sent
-    chunks = sse_events(client.post("/v1/completions",
-                                    json={**request, "stream": True}).text)
-    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
-        ("xy", "length")]
+    chunks = sse_events(client.post("/v1/completions", json={
+        **request, "stream": True, "stream_options": {"include_usage": True}}).text)
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"])
+            for c in chunks[:-1]] == [("xy", "length")]
     assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == [None, -1.0, -1.0]
+    assert chunks[-1]["usage"] == body["usage"]
 
 
 def test_chat_logprobs_streamed_and_not(client):
