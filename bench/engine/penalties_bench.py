@@ -25,10 +25,7 @@ a check that both sides produced the same penalised logits and logprobs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,7 +35,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from sampler_bench import VLLM_PYTHON, VOCABULARIES  # noqa: E402
+from sampler_bench import VOCABULARIES, time_under_vllm  # noqa: E402
 from serving_bench import add_vllm_preload_argument, emit_report, vllm_ld_preload  # noqa: E402
 
 from runtime.engine.model_runner import keep_freed_memory_for_reuse  # noqa: E402
@@ -164,25 +161,13 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {"engine_ms": round(statistics.median(samples), 3)}
                 cases.append({"name": name, "inputs": str(path), "setting": setting,
                               "vllm_result": str(args.work_dir / f"vllm_{len(cases)}.pt")})
-    if VLLM_PYTHON.exists():
-        print("vLLM: all cases ...", file=sys.stderr)
-        spec_path = args.work_dir / "cases.json"
-        spec_path.write_text(json.dumps({"threads": args.threads, "reps": args.reps,
-                                         "cases": cases}))
-        preload = vllm_ld_preload(args.vllm_preload)
-        completed = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_TIMER, str(spec_path)],
-                                   capture_output=True, text=True, check=True,
-                                   env={**os.environ, **({"LD_PRELOAD": preload} if preload
-                                                         else {})})
-        vllm_times = json.loads(completed.stdout.strip().splitlines()[-1])
-        for case in cases:
-            result = results[case["name"]]
-            result["vllm_ms"] = round(statistics.median(vllm_times[case["name"]]), 3)
-            result["vllm_over_engine"] = round(result["vllm_ms"] / result["engine_ms"], 2)
-            result["same_result"] = same_result(engine_results[case["name"]],
-                                                torch.load(case["vllm_result"]))
-    else:
-        print(f"no {VLLM_PYTHON}: run bench/engine/peers.sh for the vLLM side", file=sys.stderr)
+    vllm_times = time_under_vllm(VLLM_TIMER, cases, args, vllm_ld_preload(args.vllm_preload))
+    for case in cases if vllm_times else []:
+        result = results[case["name"]]
+        result["vllm_ms"] = round(statistics.median(vllm_times[case["name"]]), 3)
+        result["vllm_over_engine"] = round(result["vllm_ms"] / result["engine_ms"], 2)
+        result["same_result"] = same_result(engine_results[case["name"]],
+                                            torch.load(case["vllm_result"]))
     report = {"prompt_len": args.prompt_len, "output_len": args.output_len, "reps": args.reps,
               "threads": args.threads, "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
               "cases": results}

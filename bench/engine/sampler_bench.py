@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -86,6 +87,23 @@ def time_engine_sampler(logits: torch.Tensor, setting: dict, reps: int) -> list[
     return samples[1:]
 
 
+def time_under_vllm(timer: str, cases: list[dict], args: argparse.Namespace,
+                    ld_preload: str = "") -> dict[str, list[float]] | None:
+    """Run `timer` (source that reads the cases' file named in argv[1] and prints
+    {case: [ms, ...]} last) under vLLM's interpreter, with `ld_preload` if given; None, and a
+    note, where vLLM's virtualenv is missing."""
+    if not VLLM_PYTHON.exists():
+        print(f"no {VLLM_PYTHON}: run bench/engine/peers.sh for the vLLM side", file=sys.stderr)
+        return None
+    print("vLLM: all cases ...", file=sys.stderr)
+    spec_path = args.work_dir / "cases.json"
+    spec_path.write_text(json.dumps({"threads": args.threads, "reps": args.reps, "cases": cases}))
+    completed = subprocess.run(
+        [str(VLLM_PYTHON), "-c", timer, str(spec_path)], capture_output=True, text=True,
+        check=True, env={**os.environ, **({"LD_PRELOAD": ld_preload} if ld_preload else {})})
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
 def nucleus_size(logits: torch.Tensor, setting: dict) -> float:
     """Median number of tokens a row keeps (the whole vocabulary without top-k / top-p)."""
     probs = Sampler.probabilities(logits, [SamplingParams(**setting)] * logits.shape[0])
@@ -123,21 +141,11 @@ def main(argv: list[str] | None = None) -> int:
                     "kept_tokens_median": nucleus_size(logits, setting),
                     "engine_ms": statistics.median(time_engine_sampler(logits, setting, args.reps)),
                 }
-    if VLLM_PYTHON.exists():
-        print("vLLM sampler: all cases ...", file=sys.stderr)
-        spec_path = args.work_dir / "cases.json"
-        spec_path.write_text(json.dumps({"threads": args.threads, "reps": args.reps, "cases": cases}))
-        completed = subprocess.run(
-            [str(VLLM_PYTHON), "-c", VLLM_TIMER, str(spec_path)],
-            capture_output=True, text=True, check=True,
-        )
-        vllm_times = json.loads(completed.stdout.strip().splitlines()[-1])
-        for name, samples in vllm_times.items():
-            result = results[name]
-            result["vllm_ms"] = statistics.median(samples)
-            result["vllm_over_engine"] = round(result["vllm_ms"] / result["engine_ms"], 2)
-    else:
-        print(f"no {VLLM_PYTHON}: run bench/engine/peers.sh for the vLLM side", file=sys.stderr)
+    vllm_times = time_under_vllm(VLLM_TIMER, cases, args)
+    for name, samples in (vllm_times or {}).items():
+        result = results[name]
+        result["vllm_ms"] = statistics.median(samples)
+        result["vllm_over_engine"] = round(result["vllm_ms"] / result["engine_ms"], 2)
     report = {"rows": args.rows, "reps": args.reps, "threads": args.threads, "cases": results}
     emit_report(report, args.result_json)
     return 0
