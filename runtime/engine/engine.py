@@ -86,6 +86,8 @@ class CompletionOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # What ended a "stop": the stop string or stop token id, None for EOS (as vLLM says it).
+    stop_reason: str | int | None = None
     # One per new token when the request asked for logprobs; None otherwise.
     logprobs: list[TokenLogprob] | None = None
     # One per prompt token, on the first output of sequence 0 of a request that asked for
@@ -378,21 +380,22 @@ class LLMEngine:
                 self.scheduler.add(sibling)
             self._num_pending_siblings -= len(request.pending_siblings)
             request.pending_siblings = []
-        reason = None
-        if token_id in params.stop_token_ids or (
-            not params.ignore_eos and token_id in self.eos_token_ids
-        ):
+        reason = stop_reason = None
+        if not params.ignore_eos and token_id in self.eos_token_ids:
             reason = "stop"
+        elif token_id in params.stop_token_ids:
+            reason, stop_reason = "stop", token_id
         elif seq.num_output_tokens >= params.max_tokens:
             reason = "length"
-        text, hit_stop_string = state.detokenizer.update(
+        text, stop_string = state.detokenizer.update(
             seq.output_token_ids, reason is not None,
             check_stop=seq.num_output_tokens >= params.min_tokens)
-        if hit_stop_string:
-            reason = "stop"
+        if stop_string is not None:
+            reason, stop_reason = "stop", stop_string
         if reason is not None:
             self._finish(request, state, reason)
         output = self._output(state, [token_id], text, reason)
+        output.stop_reason = stop_reason
         output.logprobs = [logprob] if logprob is not None else None
         if seq.needs_prompt_logits:  # its prompt is done: hand its logprobs over, once
             seq.needs_prompt_logits = False

@@ -458,6 +458,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # when the request asked for them
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 class ResponseShapes:
@@ -523,7 +524,8 @@ class ResponseShapes:
             "logprobs": None, "finish_reason": None}])
 
     def stream_chunk(self, index: int, text: str, finish_reason: str | None,
-                     logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+                     logprobs: list[TokenLogprob] | None = None,
+                     stop_reason: str | int | None = None) -> dict[str, Any]:
         rendered = self.logprobs(index, logprobs)
         if self.kind == "chat":
             choice = {"index": index, "delta": {"content": text}, "logprobs": rendered,
@@ -534,7 +536,7 @@ class ResponseShapes:
                       "finish_reason": finish_reason}
             obj = "text_completion"
         if finish_reason is not None:
-            choice["stop_reason"] = None
+            choice["stop_reason"] = stop_reason
         return self._envelope(obj, [choice])
 
     def stream_usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -548,13 +550,13 @@ class ResponseShapes:
             rendered = [{"index": c.index,
                          "message": {"role": "assistant", "content": c.text},
                          "logprobs": self.logprobs(c.index, c.logprobs),
-                         "finish_reason": c.finish_reason, "stop_reason": None}
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                         for c in choices]
             body = self._envelope("chat.completion", rendered)
         else:
             rendered = [{"index": c.index, "text": c.text,
                          "logprobs": self.logprobs(c.index, c.logprobs),
-                         "finish_reason": c.finish_reason, "stop_reason": None}
+                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                         for c in choices]
             body = self._envelope("text_completion", rendered)
         body["usage"] = usage

@@ -564,6 +564,7 @@ class GenerationRun:
                     self.prompt_logprobs = output.prompt_logprobs
                 if output.finished:
                     choice.finish_reason = output.finish_reason
+                    choice.stop_reason = output.stop_reason
                 yield event
             reasons = [c.finish_reason or "stop" for c in self.choices]
             outcome = "length" if "length" in reasons else reasons[0]
@@ -600,7 +601,8 @@ class GenerationRun:
                 if output.new_text or output.finished or output.logprobs:
                     yield sse(shapes.stream_chunk(output.index, output.new_text,
                                                   output.finish_reason if output.finished
-                                                  else None, output.logprobs))
+                                                  else None, output.logprobs,
+                                                  output.stop_reason))
         except (EngineUnavailableError, OpenAIError) as exc:
             # Headers are gone already; vLLM reports mid-stream failures as an error event.
             error = unavailable_error(exc) if isinstance(exc, EngineUnavailableError) else exc

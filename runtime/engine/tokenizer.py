@@ -270,32 +270,33 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(output_ids)
 
     def update(self, output_ids: list[int], finished: bool,
-               check_stop: bool = True) -> tuple[str, bool]:
-        """Return (new text, whether a stop string ended the output). With `check_stop` False
-        (min_tokens not reached) a stop string in the text so far does not count, now or
-        later, as in vLLM."""
+               check_stop: bool = True) -> tuple[str, str | None]:
+        """Return (new text, the stop string that ended the output or None). With
+        `check_stop` False (min_tokens not reached) a stop string in the text so far does not
+        count, now or later, as in vLLM."""
         self._advance(output_ids, finished)
         text = self._decoded
         if not finished:
             text = text.rstrip(REPLACEMENT_CHAR)
-        stop_at = -1
+        stop_at, matched = -1, None
         if self.stop:
             # Earlier updates found no stop string in the text they saw, so a new one ends in
             # what was added since: search from its first possible start only.
             start = max(0, self._searched_upto - self.max_stop_len + 1)
             if check_stop:
-                stop_at = min((i for i in (text.find(s, start) for s in self.stop) if i >= 0),
-                              default=-1)
+                stop_at, matched = min(((i, s) for s in self.stop
+                                        if (i := text.find(s, start)) >= 0),
+                                       default=(-1, None))
             self._searched_upto = len(text)
-        stopped = stop_at >= 0
-        if stopped:
+        if matched is not None:
             text = text[:stop_at]
-        emit_upto = len(text) if (finished or stopped) else len(text) - self.hold_back
+        emit_upto = len(text) if (finished or matched is not None) \
+            else len(text) - self.hold_back
         if emit_upto <= len(self.text):
-            return "", stopped
+            return "", matched
         delta = text[len(self.text) : emit_upto]
         self.text += delta
-        return delta, stopped
+        return delta, matched
 
     def flush(self, output_ids: list[int]) -> str:
         """The held-back text once the sequence finished for another reason."""

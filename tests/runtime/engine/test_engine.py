@@ -422,13 +422,15 @@ def test_min_tokens_holds_off_stop_tokens_and_stop_strings(make_engine, prompts)
     stop_id = plain.token_ids[1]  # would end the output at its second token
     stopped = run_all_of(engine, prompts[1], replace(GREEDY, stop_token_ids=[stop_id]))
     assert stopped.token_ids == plain.token_ids[:2] and stopped.finish_reason == "stop"
+    assert stopped.outputs[-1].stop_reason == stop_id and plain.outputs[-1].stop_reason is None
     held = run_all_of(engine, prompts[1], replace(GREEDY, stop_token_ids=[stop_id],
                                                   min_tokens=6))
     assert len(held.token_ids) >= 6 and stop_id not in held.token_ids[:6]
     # A stop string met before min_tokens does not count, then or later.
     stop = plain.text[1:4]
     assert stop.strip() and plain.text.count(stop) == 1, f"unlucky greedy text {plain.text!r}"
-    assert run_all_of(engine, prompts[1], replace(GREEDY, stop=[stop])).finish_reason == "stop"
+    by_string = run_all_of(engine, prompts[1], replace(GREEDY, stop=[stop]))
+    assert by_string.finish_reason == "stop" and by_string.outputs[-1].stop_reason == stop
     late = run_all_of(engine, prompts[1], replace(GREEDY, stop=[stop], min_tokens=6))
     assert late.finish_reason == "length" and late.text == plain.text
 

@@ -198,6 +198,7 @@ def test_stop_string_cuts_the_text(client):
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.text == full[:full.index(stop)]
+    assert choice.stop_reason == stop  # vLLM's field: which stop string it was
 
 
 def test_chat_logprobs_streamed_and_not(client):

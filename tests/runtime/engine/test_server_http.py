@@ -95,7 +95,8 @@ class ScriptedEngine:
                     request_id=request_id, index=index, new_token_ids=[], new_text="",
                     finished=True, finish_reason="error",
                     num_prompt_tokens=len(seq["prompt_ids"]), num_output_tokens=seq["count"],
-                    num_cached_tokens=0, logprobs=None, prompt_logprobs=None))
+                    num_cached_tokens=0, logprobs=None, prompt_logprobs=None,
+                    stop_reason=None))
                 continue
             seq["count"] += 1
             self.generation_tokens_total += 1
@@ -109,7 +110,7 @@ class ScriptedEngine:
                 finish_reason="length" if finished else None,
                 num_prompt_tokens=len(seq["prompt_ids"]), num_output_tokens=seq["count"],
                 num_cached_tokens=0, logprobs=self.logprobs(seq, token_id),
-                prompt_logprobs=self.prompt_logprobs(seq, index)))
+                prompt_logprobs=self.prompt_logprobs(seq, index), stop_reason=None))
         return outputs
 
     @staticmethod

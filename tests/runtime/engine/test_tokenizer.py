@@ -131,6 +131,8 @@ def test_stop_string_cuts_the_text_before_it(tokenizer):
     output_ids = tokenizer.encode(" The quick brown fox jumps", add_special_tokens=False)
     deltas, stopped = stream(tokenizer, [1], output_ids, stop=["brown"])
     assert stopped
+    detok = IncrementalDetokenizer(tokenizer, [1], ["jumps", "brown", "quick"])
+    assert detok.update(output_ids, finished=False)[1] == "quick"  # the earliest match
     assert "".join(deltas) == " The quick "
 
 
@@ -138,7 +140,7 @@ def test_a_possible_stop_string_start_is_held_back(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [1], ["xyz!"])
     ids = tokenizer.encode("Hello world", add_special_tokens=False)
     delta, stopped = detok.update(ids, finished=False)
-    assert (delta, stopped) == ("Hello wo", False)  # the last 3 characters could start "xyz!"
+    assert (delta, stopped) == ("Hello wo", None)  # the last 3 characters could start "xyz!"
     assert detok.flush(ids) == "rld"
 
 
