@@ -85,9 +85,8 @@ class EngineConfig:
 
 
 # generation_config.json keys this runtime does not take from the file, with the value that
-# means "off": vLLM takes none of them but min_p (which this runtime cannot apply), and
-# requests can still set both penalties.
-UNSUPPORTED_GENERATION_KEYS = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+# means "off": vLLM does not take them either (requests can still set both).
+UNSUPPORTED_GENERATION_KEYS = {"presence_penalty": 0.0, "frequency_penalty": 0.0}
 # The most alternatives a token's logprobs may list (vLLM's default --max-logprobs).
 MAX_LOGPROBS = 20
 # OpenAI's bound on |presence_penalty| and |frequency_penalty|.
@@ -99,13 +98,14 @@ MAX_LOGIT_BIAS = 100.0
 @dataclass(frozen=True)
 class GenerationDefaults:
     """Sampling defaults for what a request leaves out: OpenAI's, or those the checkpoint
-    ships in generation_config.json (temperature, top_p, top_k, repetition_penalty), as vLLM's
-    default `--generation-config auto` does: Qwen2.5 ships 0.7 / 0.8 / 20 / 1.05, Llama 3
-    Instruct 0.6 / 0.9."""
+    ships in generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty), as
+    vLLM's default `--generation-config auto` does: Qwen2.5 ships 0.7 / 0.8 / 20 / - / 1.05,
+    Qwen3 0.6 / 0.95 / 20 / 0, Llama 3 Instruct 0.6 / 0.9."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
     # Keys the file sets to something other than "off" that this runtime cannot apply.
     ignored: tuple[str, ...] = ()
@@ -137,6 +137,7 @@ class GenerationDefaults:
             temperature=float(number("temperature", 1.0, lambda v: v >= 0, ">= 0")),
             top_p=float(number("top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]")),
             top_k=max(int(top_k), 0),  # -1 and 0 both mean off
+            min_p=float(number("min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]")),
             repetition_penalty=float(number("repetition_penalty", 1.0, lambda v: v > 0, "> 0")),
             ignored=tuple(key for key, off in UNSUPPORTED_GENERATION_KEYS.items()
                           if raw.get(key) not in (None, off)),

@@ -49,6 +49,7 @@ from runtime.engine.sampling import (
     SamplingParams,
     TokenLogprob,
     apply_logit_bias,
+    apply_min_p,
     apply_penalties,
     ban_tokens,
     token_logprobs,
@@ -331,7 +332,8 @@ class LLMEngine:
     def _process_logits(self, logits: torch.Tensor, states: list[_SequenceState],
                         params: list[SamplingParams]) -> None:
         """In vLLM's order, in place, only on the rows that ask for it: logit bias, the
-        stop tokens banned before min_tokens, then the penalties."""
+        stop tokens banned before min_tokens, the penalties, then min_p (the sampler applies
+        temperature, top-k and top-p after it)."""
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:
             apply_logit_bias(logits, biased, [params[i].logit_bias for i in biased])
@@ -346,6 +348,9 @@ class LLMEngine:
             apply_penalties(logits, penalized, [params[i] for i in penalized],
                             [states[i].distinct_prompt_ids() for i in penalized],
                             [states[i].seq.output_token_ids for i in penalized])
+        filtered = [i for i, p in enumerate(params) if p.min_p > 0 and not p.is_greedy]
+        if filtered:
+            apply_min_p(logits, filtered, [params[i] for i in filtered])
 
     def _record_prompt_logprobs(self, chunks: list[ScheduledChunk],
                                 logits: torch.Tensor) -> None:

@@ -44,7 +44,7 @@ ERROR_TYPES = {
 IGNORED_PARAMS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 
 SAMPLING_PARAMS = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "stop",
     "stop_token_ids", "ignore_eos", "stream", "stream_options", "priority",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "logit_bias",
     "min_tokens",
@@ -107,6 +107,7 @@ class GenerationRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     n: int = 1
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -139,6 +140,7 @@ class GenerationRequest:
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
+            min_p=self.min_p,
             seed=self.seed,
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
@@ -281,6 +283,7 @@ def _sampling_fields(fields: _Fields, defaults: GenerationDefaults,
         temperature=fields.number("temperature", defaults.temperature, minimum=0.0),
         top_p=_positive(fields.number("top_p", defaults.top_p, maximum=1.0), "top_p"),
         top_k=0 if top_k == -1 else top_k,  # -1 is vLLM's spelling of "disabled"
+        min_p=fields.number("min_p", defaults.min_p, minimum=0.0, maximum=1.0),
         n=fields.integer("n", 1, minimum=1, maximum=MAX_N),
         # Each of the n choices samples with seed + index, in a signed 64-bit generator.
         seed=fields.integer("seed", None, minimum=-2**63, maximum=2**63 - 1 - MAX_N),

@@ -3,6 +3,7 @@ repetition, frequency and presence penalties, and per-token logprobs."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -26,6 +27,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
+    # Keep only tokens at least this likely relative to the most likely one (0 = off).
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -58,6 +61,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive count, got {self.top_k}")
         if self.n < 1:
@@ -138,6 +143,18 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[int],
     values = [value for bias in biases for value in bias.values()]
     logits.view(-1).index_add_(0, torch.tensor(keys, dtype=torch.long),
                                torch.tensor(values, dtype=logits.dtype))
+
+
+@torch.inference_mode()
+def apply_min_p(logits: torch.Tensor, rows: list[int], params: list[SamplingParams]) -> None:
+    """Drop, in place, the tokens of logits row `rows[i]` less likely than `params[i].min_p`
+    times its most likely token at its temperature, before top-k and top-p, as vLLM does:
+    p / p_max >= min_p is logit >= max logit + temperature * log(min_p)."""
+    selected = torch.tensor(rows)
+    values = logits[selected]
+    scale = torch.tensor([[p.temperature * math.log(p.min_p)] for p in params])
+    values.masked_fill_(values < values.amax(dim=-1, keepdim=True) + scale, -torch.inf)
+    logits[selected] = values
 
 
 @torch.inference_mode()

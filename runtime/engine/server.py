@@ -811,8 +811,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not reuse KV blocks of shared prompt prefixes")
     engine.add_argument("--no-generation-config", action="store_true",
                         help="ignore the checkpoint's generation_config.json: requests that "
-                             "leave out temperature, top_p, top_k or repetition_penalty get "
-                             "OpenAI's defaults")
+                             "leave out temperature, top_p, top_k, min_p or repetition_penalty "
+                             "get OpenAI's defaults")
     engine.add_argument("--seed", type=int, default=0,
                         help="seed for requests that bring none")
     engine.add_argument("--cpu-threads", type=int, default=None,
@@ -881,9 +881,9 @@ def main(args: argparse.Namespace) -> int:
     defaults = settings.generation_defaults
     if replace(defaults, ignored=()) != GenerationDefaults():  # any value applies
         logger.info("requests that leave them out get the checkpoint's generation_config.json "
-                    "defaults: temperature=%s top_p=%s top_k=%s repetition_penalty=%s "
+                    "defaults: temperature=%s top_p=%s top_k=%s min_p=%s repetition_penalty=%s "
                     "(--no-generation-config: OpenAI's)", defaults.temperature, defaults.top_p,
-                    defaults.top_k, defaults.repetition_penalty)
+                    defaults.top_k, defaults.min_p, defaults.repetition_penalty)
     if defaults.ignored:
         logger.warning("generation_config.json sets %s, which this runtime does not apply",
                        ", ".join(defaults.ignored))

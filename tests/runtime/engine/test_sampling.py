@@ -14,6 +14,7 @@ from runtime.engine.sampling import (
     Sampler,
     SamplingParams,
     apply_logit_bias,
+    apply_min_p,
     apply_penalties,
     ban_tokens,
     token_logprobs,
@@ -240,6 +241,8 @@ def test_a_wide_nucleus_decides_alike_by_buckets_alone_or_by_topk_in_a_wide_batc
         {"presence_penalty": -2.01},
         {"logprobs": -1},
         {"logprobs": 21},
+        {"min_p": -0.1},
+        {"min_p": 1.5},
         {"min_tokens": 17},  # more than max_tokens (16)
         {"min_tokens": -1},
         {"logit_bias": {5: 100.5}},
@@ -333,3 +336,28 @@ def test_logit_bias_adds_to_its_rows_tokens_and_banned_tokens_cannot_be_picked()
     assert logits[0, 1] == logits[1, 0] == logits[1, 3] == -math.inf
     picks = Sampler()(logits, [SamplingParams(temperature=0)] * 3, [gen(0)] * 3)
     assert picks == [0, 1, 0]
+
+
+def test_min_p_keeps_tokens_at_least_that_likely_relative_to_the_top_at_its_temperature():
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.08])
+    logits = probs.log().repeat(3, 1)
+    params = [SamplingParams(min_p=0.2), SamplingParams(min_p=0.2, temperature=2.0)]
+    apply_min_p(logits, [0, 2], params)
+    assert torch.isinf(logits[0]).tolist() == [False, False, False, True]  # 0.08 < 0.2 * 0.5
+    assert not torch.isinf(logits[1]).any()  # not asked
+    # At temperature 2 the distribution is flatter: 0.08 ** 0.5 / 0.5 ** 0.5 = 0.4 >= 0.2.
+    assert not torch.isinf(logits[2]).any()
+
+
+def test_draws_after_min_p_follow_its_renormalised_distribution():
+    logits = torch.randn(1, 200, generator=gen(5)) * 2
+    params = SamplingParams(temperature=0.9, min_p=0.1)
+    probs = (logits[0] / 0.9).softmax(dim=-1)
+    expected = torch.where(probs >= 0.1 * probs.max(), probs, 0.0)
+    expected /= expected.sum()
+    rows = logits.expand(4000, -1).clone()
+    apply_min_p(rows, list(range(4000)), [params] * 4000)
+    draws = torch.tensor(Sampler()(rows, [params] * 4000, [gen(6)] * 4000))
+    seen = torch.bincount(draws, minlength=200) / 4000
+    assert float((seen - expected).abs().sum()) / 2 < 0.08  # total variation distance
+    assert bool((expected[draws] > 0).all())

@@ -188,6 +188,16 @@ def test_seed_makes_sampling_reproducible(client):
     assert sample(123) != sample(321)
 
 
+def test_min_p_of_1_samples_only_the_most_likely_token(client):
+    kwargs = dict(model=MODEL, prompt="Service level", max_tokens=12,
+                  extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
+    sampled = client.completions.create(temperature=1.0, seed=5, **kwargs).choices[0].text
+    assert sampled != greedy, "unlucky seed"
+    kwargs["extra_body"]["min_p"] = 1.0
+    assert client.completions.create(temperature=1.0, seed=5, **kwargs).choices[0].text == greedy
+
+
 def test_stop_string_cuts_the_text(client):
     kwargs = dict(model=MODEL, prompt="Continuous batching", max_tokens=16, temperature=0,
                   extra_body={"ignore_eos": True})

@@ -188,7 +188,8 @@ def test_completion_shape_and_usage(client):
 
 def test_generation_config_fills_in_what_a_request_leaves_out(engine):
     # Qwen2.5's file, as shipped.
-    defaults = GenerationDefaults(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05)
+    defaults = GenerationDefaults(temperature=0.7, top_p=0.8, top_k=20, min_p=0.05,
+                                  repetition_penalty=1.05)
     test_client, _ = make_client(lambda: engine, generation_defaults=defaults)
     with test_client:
         wait_ready(test_client)
@@ -199,6 +200,7 @@ def test_generation_config_fills_in_what_a_request_leaves_out(engine):
     first, second = [params for _, params in engine.seen_params]
     assert (first.temperature, first.top_p, first.top_k, first.repetition_penalty) == (
         0.7, 0.8, 20, 1.05)
+    assert (first.min_p, second.min_p) == (0.05, 0.05)
     assert (second.temperature, second.top_p, second.top_k, second.repetition_penalty) == (
         0.0, 0.8, 0, 1.0)
 
@@ -207,16 +209,17 @@ def test_generation_config_is_read_and_checked(tmp_path):
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults()  # no file: OpenAI's
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps({"do_sample": True, "temperature": 0.7, "top_p": 0.8,
-                                "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.0,
+                                "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.05,
                                 "presence_penalty": 0.5}))
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults(
-        temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05,
+        temperature=0.7, top_p=0.8, top_k=20, min_p=0.05, repetition_penalty=1.05,
         ignored=("presence_penalty",))
     path.write_text(json.dumps({"temperature": 0.6, "top_k": -1}))
     assert GenerationDefaults.from_dir(tmp_path) == GenerationDefaults(temperature=0.6)
     for bad, key in (({"top_p": 0}, "top_p"), ({"temperature": "hot"}, "temperature"),
                      ({"top_k": 2.5}, "top_k"), ({"top_k": float("inf")}, "top_k"),
-                     ({"repetition_penalty": 0}, "repetition_penalty")):
+                     ({"repetition_penalty": 0}, "repetition_penalty"),
+                     ({"min_p": 1.5}, "min_p")):
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=key):
             GenerationDefaults.from_dir(tmp_path)
@@ -299,6 +302,7 @@ def test_chat_defaults_max_tokens_to_remaining_context(client, engine):
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", ">= -2.0"),
     ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty", "must be a number"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"prompt": "x", "min_p": 2}, "min_p", "<= 1.0"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "token ids"),
     ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias", "token ids"),
     ({"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
