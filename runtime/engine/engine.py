@@ -61,6 +61,11 @@ from runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 
+# Prompt positions whose logits are made at once for prompt logprobs: 256 rows of a 152k
+# vocabulary are 156 MB of float32 (twice that with their log-softmax).
+PROMPT_LOGITS_ROWS = 256
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -293,12 +298,11 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return outputs
-        logits = self.runner.execute(scheduled)
+        logits, prompt_hidden = self.runner.execute(scheduled)
         self.scheduler.on_chunks_computed(scheduled)
         sampled = [c.seq for c in scheduled.chunks if c.completes_sequence]
-        if len(logits) > len(sampled):
-            self._record_prompt_logprobs(scheduled.prefills, logits[len(sampled):])
-            logits = logits[:len(sampled)]
+        if len(prompt_hidden):
+            self._record_prompt_logprobs(scheduled.prefills, prompt_hidden)
         states = [self._states[seq.seq_id] for seq in sampled]
         params = [self._requests[seq.request_id].params for seq in sampled]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -353,25 +357,27 @@ class LLMEngine:
             apply_min_p(logits, filtered, [params[i] for i in filtered])
 
     def _record_prompt_logprobs(self, chunks: list[ScheduledChunk],
-                                logits: torch.Tensor) -> None:
+                                hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens after each chunk's positions: position p's logits
-        predict token p + 1. `logits` has a row for every token of the chunks whose sequence
-        needs prompt logits, in order."""
+        predict token p + 1. `hidden` has a row for every token of the chunks whose sequence
+        needs prompt logits, in order; their logits are made PROMPT_LOGITS_ROWS at a time."""
         offset = 0
         for chunk in chunks:
             seq = chunk.seq
             if not seq.needs_prompt_logits:
                 continue
-            rows = logits[offset:offset + chunk.num_tokens]
-            offset += chunk.num_tokens
+            start, offset = offset, offset + chunk.num_tokens
             request = self._requests.get(seq.request_id)
             last = min(chunk.end, seq.num_prompt_tokens - 1)  # the last position predicted
             if last <= chunk.start or request is None or request.prompt_logprobs is None:
                 continue
-            targets = seq.token_ids[chunk.start + 1:last + 1]
-            request.prompt_logprobs[chunk.start + 1:last + 1] = token_logprobs(
-                rows[:last - chunk.start].log_softmax(dim=-1), targets,
-                [request.params.prompt_logprobs] * len(targets))
+            for first in range(chunk.start, last, PROMPT_LOGITS_ROWS):
+                end = min(first + PROMPT_LOGITS_ROWS, last)
+                rows = hidden[start + first - chunk.start:start + end - chunk.start]
+                request.prompt_logprobs[first + 1:end + 1] = token_logprobs(
+                    self.runner.prompt_logits(rows).log_softmax(dim=-1),
+                    seq.token_ids[first + 1:end + 1],
+                    [request.params.prompt_logprobs] * (end - first))
 
     def _append_token(self, state: _SequenceState, token_id: int,
                       logprob: TokenLogprob | None) -> CompletionOutput:

@@ -188,13 +188,19 @@ class ModelRunner:
         self.prefill_dtype = prefill_attention_dtype(dtype, kv_dtype)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Run every scheduled chunk; return logits [rows, vocab]: one row for each chunk that
-        completes its sequence, in `out.chunks` order, then one for every token of each
-        prefill chunk whose sequence needs prompt logits, in `out.prefills` order."""
-        input_ids, positions, meta, sample_rows = self.prepare(out)
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every scheduled chunk; return the logits [chunks that complete their sequence,
+        vocab] in `out.chunks` order, and the hidden states of every token of each prefill
+        chunk whose sequence needs prompt logits, in `out.prefills` order (no rows when none
+        does). Those are left to `prompt_logits`, a slice at a time: a 2,048-token chunk's
+        logits over a 152k vocabulary would take 1.2 GB at once."""
+        input_ids, positions, meta, sample_rows, prompt_rows = self.prepare(out)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden[sample_rows]), hidden[prompt_rows]
+
+    @torch.inference_mode()
+    def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
 
     def prepare(self, out: SchedulerOutput):
         bs = self.block_size
@@ -231,15 +237,15 @@ class ModelRunner:
                 meta.paged_decode = self._paged_decode(decodes)
             else:
                 meta.decode_groups = self._decode_groups(decodes)
-        for chunk, first_row in prefill_rows:
-            if chunk.seq.needs_prompt_logits:
-                sample_rows.extend(range(first_row, first_row + chunk.num_tokens))
+        prompt_rows = [row for chunk, first_row in prefill_rows if chunk.seq.needs_prompt_logits
+                       for row in range(first_row, first_row + chunk.num_tokens)]
         meta.prefills = [self._prefill_metadata(chunk, row) for chunk, row in prefill_rows]
         return (
             long_tensor(token_ids),
             torch.from_numpy(np.concatenate(position_parts)),
             meta,
             long_tensor(sample_rows),
+            long_tensor(prompt_rows),
         )
 
     def _paged_decode(self, decodes: list[ScheduledChunk]) -> PagedDecode:

@@ -310,7 +310,7 @@ def test_a_bf16_kv_cache_holds_twice_the_tokens_and_decodes_close_to_float32(mak
         # The prompt, then two decodes over its cached keys and values.
         engine.generate([prompts[1] * 3], SamplingParams(max_tokens=3, temperature=0,
                                                          ignore_eos=True))
-        logits.append(torch.cat(seen))
+        logits.append(torch.cat([sampled for sampled, _ in seen]))
     assert logits[0].shape == (3, full.model_config.vocab_size)
     torch.testing.assert_close(logits[1], logits[0], atol=2e-2, rtol=2e-2)
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32 or bfloat16"):

@@ -183,7 +183,7 @@ def test_bfloat16_weights_run_in_bf16(checkpoint_factory, make_engine, ops_backe
         expected = hf(torch.tensor([prompt])).logits[0, -1].float()
     engine.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0))
     scheduled = engine.scheduler.schedule()
-    logits = engine.runner.execute(scheduled)[0]
+    logits = engine.runner.execute(scheduled)[0][0]
     assert torch.allclose(logits, expected, atol=3e-2)
 
 
@@ -296,11 +296,14 @@ def test_penalties_and_logprobs_match_a_reference_over_transformers(
             assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("logits_rows", [256, 3])
 def test_prompt_logprobs_match_transformers_over_chunks_and_shared_prefixes(
-    checkpoint_factory, make_engine
+    logits_rows, checkpoint_factory, make_engine, monkeypatch
 ):
     """Prompts cut into several chunks, the fifth sharing the second's prefix: every position
-    is computed (not taken from the prefix cache) and scored as transformers' forward does."""
+    is computed (not taken from the prefix cache) and scored as transformers' forward does,
+    whether a chunk's logits are made at once or a few rows at a time."""
+    monkeypatch.setattr("runtime.engine.engine.PROMPT_LOGITS_ROWS", logits_rows)
     model_dir = checkpoint_factory("parity-llama-gqa2", "llama", seed=7, **SHARP)
     from transformers import AutoModelForCausalLM
 
