@@ -1,5 +1,6 @@
-"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds), the
-repetition, frequency and presence penalties, and per-token logprobs."""
+"""Sampling parameters and the batched sampler (greedy, temperature, top-k, top-p, seeds); what
+changes a row's logits before it (logit bias, the tokens min_tokens bans, the repetition,
+frequency and presence penalties, min_p); and per-token logprobs."""
 
 from __future__ import annotations
 
