@@ -65,10 +65,16 @@ def _cpu_signature() -> str:
     return platform.machine() + "|" + "|".join(f"{k}={v}" for k, v in sorted(seen.items()))
 
 
-def _build() -> Path:
+def find_compiler() -> str:
+    """$CC, else cc, else gcc."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise KernelUnavailableError("no C compiler found (install gcc, or set CC)")
+    return compiler
+
+
+def _build() -> Path:
+    compiler = find_compiler()
     sources = sorted(SOURCE_DIR.glob("*.c"))
     headers = sorted(SOURCE_DIR.glob("*.h"))
     try:
@@ -172,8 +178,9 @@ class CpuKernels:
 
     dtype = torch.float32
 
-    def __init__(self) -> None:
-        library = load()
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        """`library`: another build of csrc/ (a benchmark's baseline); default, this one's."""
+        library = library or load()
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)
             function.argtypes = argtypes

@@ -47,37 +47,72 @@ static inline float dot(const float *query, const void *keys, int64_t start, int
     return sum;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+/* The vector paths: one definition of the dot products and the weighted sum, over 512-bit
+ * registers where the CPU has AVX-512 (half the instructions per element; with a bf16 cache,
+ * half the widening too: ~20 % off the kernel on Zen 5) and 256-bit ones with AVX2 alone.
+ * A head_dim that is not a multiple of the width takes the portable loops below. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
-#define HAVE_AVX2_DOTS 1
+#define HAVE_VECTOR_DOTS 1
+#if defined(__AVX512F__)
+#define VLEN 16
+typedef __m512 vec;
+#define vec_zero _mm512_setzero_ps
+#define vec_set1 _mm512_set1_ps
+#define vec_loadu _mm512_loadu_ps
+#define vec_storeu _mm512_storeu_ps
+#define vec_fmadd _mm512_fmadd_ps
+/* Elements [index, index + 16) of a cache, as float32. */
+static inline vec load_vec(const void *cache, int64_t index, int bf16) {
+    if (bf16) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + index));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    return _mm512_loadu_ps((const float *)cache + index);
+}
+/* The two halves of x added: 8 partial sums, for the 256-bit reduction tree. */
+static inline __m256 fold256(vec x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+#else
+#define VLEN 8
+typedef __m256 vec;
+#define vec_zero _mm256_setzero_ps
+#define vec_set1 _mm256_set1_ps
+#define vec_loadu _mm256_loadu_ps
+#define vec_storeu _mm256_storeu_ps
+#define vec_fmadd _mm256_fmadd_ps
 /* Elements [index, index + 8) of a cache, as float32. */
-static inline __m256 load8(const void *cache, int64_t index, int bf16) {
+static inline vec load_vec(const void *cache, int64_t index, int bf16) {
     if (bf16) {
         const __m128i raw = _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + index));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
     }
     return _mm256_loadu_ps((const float *)cache + index);
 }
+static inline __m256 fold256(vec x) { return x; }
+#endif
 
-/* scores[j] = query . keys[start + j * stride ...], j < COUNT, head_dim a multiple of 8: eight
- * dot products reduced together (one horizontal add tree) instead of one at a time. COUNT is
- * a constant so that the accumulators stay in registers: 8 for whole groups, 1 for a tail. */
+/* scores[j] = query . keys[start + j * stride ...], j < COUNT, head_dim a multiple of VLEN:
+ * eight dot products reduced together (one horizontal add tree) instead of one at a time.
+ * COUNT is a constant so that the accumulators stay in registers: 8 for whole groups, 1 for
+ * a tail. */
 #define DEFINE_DOTS(COUNT)                                                                    \
     static inline void dots_##COUNT(const float *query, const void *keys, int64_t start,    \
                                     int64_t stride, int64_t head_dim, float scale,           \
                                     float *scores, int bf16) {                               \
-        __m256 acc[8];                                                                       \
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();                            \
-        for (int64_t i = 0; i < head_dim; i += 8) {                                          \
-            const __m256 q = _mm256_loadu_ps(query + i);                                     \
+        vec acc[8];                                                                          \
+        for (int j = 0; j < 8; j++) acc[j] = vec_zero();                                     \
+        for (int64_t i = 0; i < head_dim; i += VLEN) {                                       \
+            const vec q = vec_loadu(query + i);                                              \
             for (int j = 0; j < COUNT; j++)                                                  \
-                acc[j] = _mm256_fmadd_ps(q, load8(keys, start + j * stride + i, bf16),       \
-                                         acc[j]);                                            \
+                acc[j] = vec_fmadd(q, load_vec(keys, start + j * stride + i, bf16), acc[j]); \
         }                                                                                    \
-        const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]);                                   \
-        const __m256 s23 = _mm256_hadd_ps(acc[2], acc[3]);                                   \
-        const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]);                                   \
-        const __m256 s67 = _mm256_hadd_ps(acc[6], acc[7]);                                   \
+        const __m256 s01 = _mm256_hadd_ps(fold256(acc[0]), fold256(acc[1]));                 \
+        const __m256 s23 = _mm256_hadd_ps(fold256(acc[2]), fold256(acc[3]));                 \
+        const __m256 s45 = _mm256_hadd_ps(fold256(acc[4]), fold256(acc[5]));                 \
+        const __m256 s67 = _mm256_hadd_ps(fold256(acc[6]), fold256(acc[7]));                 \
         const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);     \
         const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),        \
                                           _mm256_permute2f128_ps(s0123, s4567, 0x31));       \
@@ -104,6 +139,37 @@ static inline void block_dots(const float *query, const void *keys, int64_t star
     for (; t < count; t++)
         dots_1(query, keys, start + t * stride, stride, head_dim, scale, scores + t, bf16);
 }
+
+/* out[0 .. VLEN * VECTORS) += sum over t < count of weights[t] * values[start + t * stride ...]:
+ * the sums stay in registers across a block's tokens, so `out` is loaded and stored once a
+ * block instead of once a token (which made the weighted sum load/store bound). */
+#define DEFINE_WEIGHTED_SUM(NAME, VECTORS)                                                    \
+    static inline void NAME(float *out, const float *weights, const void *values,           \
+                            int64_t start, int64_t stride, int64_t count, int bf16) {        \
+        vec acc[VECTORS];                                                                    \
+        for (int j = 0; j < VECTORS; j++) acc[j] = vec_loadu(out + VLEN * j);                \
+        for (int64_t t = 0; t < count; t++) {                                                \
+            const vec weight = vec_set1(weights[t]);                                         \
+            const int64_t row = start + t * stride;                                          \
+            for (int j = 0; j < VECTORS; j++)                                                \
+                acc[j] = vec_fmadd(weight, load_vec(values, row + VLEN * j, bf16), acc[j]);  \
+        }                                                                                    \
+        for (int j = 0; j < VECTORS; j++) vec_storeu(out + VLEN * j, acc[j]);                \
+    }
+DEFINE_WEIGHTED_SUM(weighted_sum_64, 64 / VLEN)
+DEFINE_WEIGHTED_SUM(weighted_sum_1, 1)
+
+/* The same over a head of head_dim floats (a multiple of VLEN): 64 at a time, then VLEN at a
+ * time. */
+static inline void weighted_sum(float *out, const float *weights, const void *values,
+                                int64_t start, int64_t stride, int64_t count, int64_t head_dim,
+                                int bf16) {
+    int64_t i = 0;
+    for (; i + 64 <= head_dim; i += 64)
+        weighted_sum_64(out + i, weights, values, start + i, stride, count, bf16);
+    for (; i < head_dim; i += VLEN)
+        weighted_sum_1(out + i, weights, values, start + i, stride, count, bf16);
+}
 #endif
 
 /* y += a * values[start ...] over n elements. */
@@ -113,51 +179,22 @@ static inline void axpy(float *y, float a, const void *values, int64_t start, in
     for (int64_t i = 0; i < n; i++) y[i] += a * load1(values, start + i, bf16);
 }
 
-#ifdef HAVE_AVX2_DOTS
-/* out[0 .. 8 * VECTORS) += sum over t < count of weights[t] * values[start + t * stride ...]:
- * the sums stay in registers across a block's tokens, so `out` is loaded and stored once a
- * block instead of once a token (which made the weighted sum load/store bound). */
-#define DEFINE_WEIGHTED_SUM(VECTORS)                                                          \
-    static inline void weighted_sum_##VECTORS(float *out, const float *weights,             \
-                                              const void *values, int64_t start,             \
-                                              int64_t stride, int64_t count, int bf16) {     \
-        __m256 acc[VECTORS];                                                                 \
-        for (int j = 0; j < VECTORS; j++) acc[j] = _mm256_loadu_ps(out + 8 * j);             \
-        for (int64_t t = 0; t < count; t++) {                                                \
-            const __m256 weight = _mm256_set1_ps(weights[t]);                                \
-            const int64_t row = start + t * stride;                                          \
-            for (int j = 0; j < VECTORS; j++)                                                \
-                acc[j] = _mm256_fmadd_ps(weight, load8(values, row + 8 * j, bf16), acc[j]);  \
-        }                                                                                    \
-        for (int j = 0; j < VECTORS; j++) _mm256_storeu_ps(out + 8 * j, acc[j]);             \
-    }
-DEFINE_WEIGHTED_SUM(8)
-DEFINE_WEIGHTED_SUM(1)
-
-/* The same over a head of head_dim floats (a multiple of 8): 64 at a time, then 8 at a time. */
-static inline void weighted_sum(float *out, const float *weights, const void *values,
-                                int64_t start, int64_t stride, int64_t count, int64_t head_dim,
-                                int bf16) {
-    int64_t i = 0;
-    for (; i + 64 <= head_dim; i += 64)
-        weighted_sum_8(out + i, weights, values, start + i, stride, count, bf16);
-    for (; i < head_dim; i += 8)
-        weighted_sum_1(out + i, weights, values, start + i, stride, count, bf16);
-}
-#endif
-
 /* Blocks read ahead of the one being computed: a block's arithmetic is short next to the
  * latency of fetching the next one from memory. */
 #define PREFETCH_BLOCKS 2
 
-static inline void prefetch_block(const void *k_cache, const void *v_cache, int32_t block,
-                                  int64_t block_bytes) {
-    const char *keys = (const char *)k_cache + (int64_t)block * block_bytes;
-    const char *values = (const char *)v_cache + (int64_t)block * block_bytes;
-    for (int64_t offset = 0; offset < block_bytes; offset += 64) {
-        __builtin_prefetch(keys + offset);
-        __builtin_prefetch(values + offset);
-    }
+/* Asks for part `part` of `parts` of a block's cache lines. A block's prefetches are spread
+ * over the work on the block before it, a slice before each head's dot products or weighted
+ * sum, rather than issued at once: 256-512 prefetches in a row filled the core's queue of
+ * outstanding misses, and the arithmetic then waited for it (on Zen 5, spreading them took
+ * 30 % off the kernel for small's heads in float32 and half in bf16; bench/README.md,
+ * seventeenth round). */
+static inline void prefetch_part(const void *cache, int32_t block, int64_t block_bytes,
+                                 int64_t part, int64_t parts) {
+    const char *base = (const char *)cache + (int64_t)block * block_bytes;
+    const int64_t lines = block_bytes / 64;
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; line++)
+        __builtin_prefetch(base + line * 64);
 }
 
 /* One row: attention of its num_heads query heads over key positions [first, len), a block at
@@ -181,33 +218,35 @@ static inline __attribute__((always_inline)) void attend_row(
         sums[h] = 0.0f;
     }
     const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
-    for (int64_t b = first_block; b < first_block + PREFETCH_BLOCKS && b <= last_block; b++)
-        prefetch_block(k_cache, v_cache, table[b], block_bytes);
+    for (int64_t b = first_block; b < first_block + PREFETCH_BLOCKS && b <= last_block; b++) {
+        prefetch_part(k_cache, table[b], block_bytes, 0, 1);
+        prefetch_part(v_cache, table[b], block_bytes, 0, 1);
+    }
     for (int64_t b = first_block; b <= last_block; b++) {
         const int64_t block_start = (int64_t)table[b] * block_elements;  /* in K and in V */
-        if (b + PREFETCH_BLOCKS <= last_block)
-            prefetch_block(k_cache, v_cache, table[b + PREFETCH_BLOCKS], block_bytes);
+        const int ahead = b + PREFETCH_BLOCKS <= last_block;
+        const int32_t next = ahead ? table[b + PREFETCH_BLOCKS] : 0;
         const int64_t lo = b == first_block ? first % block_size : 0;
-        const int64_t hi = b == last_block ? (len - 1) % block_size + 1 : block_size;
-#ifdef HAVE_AVX2_DOTS
-        if (head_dim % 8 == 0) {
-            for (int64_t h = 0; h < num_heads; h++)
-                block_dots(query + h * head_dim, k_cache,
-                           block_start + lo * token_stride + (h / group) * head_dim, token_stride,
-                           hi - lo, head_dim, scale, scores + h * block_size + lo, bf16);
-        } else
+        const int64_t count = (b == last_block ? (len - 1) % block_size + 1 : block_size) - lo;
+        for (int64_t h = 0; h < num_heads; h++) {
+            if (ahead) prefetch_part(k_cache, next, block_bytes, h, num_heads);
+            const int64_t keys = block_start + lo * token_stride + (h / group) * head_dim;
+            float *s = scores + h * block_size + lo;
+#ifdef HAVE_VECTOR_DOTS
+            if (head_dim % VLEN == 0) {
+                block_dots(query + h * head_dim, k_cache, keys, token_stride, count, head_dim,
+                           scale, s, bf16);
+                continue;
+            }
 #endif
-        for (int64_t t = lo; t < hi; t++) {
-            const int64_t key = block_start + t * token_stride;
-            for (int64_t h = 0; h < num_heads; h++)
-                scores[h * block_size + t] =
-                    dot(query + h * head_dim, k_cache, key + (h / group) * head_dim, head_dim,
-                        bf16) * scale;
+            for (int64_t t = 0; t < count; t++)
+                s[t] = dot(query + h * head_dim, k_cache, keys + t * token_stride, head_dim,
+                           bf16) * scale;
         }
         for (int64_t h = 0; h < num_heads; h++) {
-            float *s = scores + h * block_size;
+            float *s = scores + h * block_size + lo;
             float peak = maxima[h];
-            for (int64_t t = lo; t < hi; t++) peak = s[t] > peak ? s[t] : peak;
+            for (int64_t t = 0; t < count; t++) peak = s[t] > peak ? s[t] : peak;
             if (peak > maxima[h]) {
                 const float shrink = expf(maxima[h] - peak);  /* 0 on the first block */
                 sums[h] *= shrink;
@@ -218,25 +257,25 @@ static inline __attribute__((always_inline)) void attend_row(
             }
             float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-            for (int64_t t = lo; t < hi; t++) {
+            for (int64_t t = 0; t < count; t++) {
                 s[t] = expf(s[t] - peak);
                 total += s[t];
             }
             sums[h] += total;
         }
-#ifdef HAVE_AVX2_DOTS
-        if (head_dim % 8 == 0) {
-            for (int64_t h = 0; h < num_heads; h++)
-                weighted_sum(out + h * head_dim, scores + h * block_size + lo, v_cache,
-                             block_start + lo * token_stride + (h / group) * head_dim,
-                             token_stride, hi - lo, head_dim, bf16);
-        } else
+        for (int64_t h = 0; h < num_heads; h++) {
+            if (ahead) prefetch_part(v_cache, next, block_bytes, h, num_heads);
+            const int64_t values = block_start + lo * token_stride + (h / group) * head_dim;
+            const float *weights = scores + h * block_size + lo;
+            float *o = out + h * head_dim;
+#ifdef HAVE_VECTOR_DOTS
+            if (head_dim % VLEN == 0) {
+                weighted_sum(o, weights, v_cache, values, token_stride, count, head_dim, bf16);
+                continue;
+            }
 #endif
-        for (int64_t t = lo; t < hi; t++) {
-            const int64_t value = block_start + t * token_stride;
-            for (int64_t h = 0; h < num_heads; h++)
-                axpy(out + h * head_dim, scores[h * block_size + t], v_cache,
-                     value + (h / group) * head_dim, head_dim, bf16);
+            for (int64_t t = 0; t < count; t++)
+                axpy(o, weights[t], v_cache, values + t * token_stride, head_dim, bf16);
         }
     }
     for (int64_t h = 0; h < num_heads; h++) {

@@ -68,7 +68,8 @@ def kernel():
         (4, 4, 64, 4, [3, 9, 40]),  # plain multi-head
         (8, 1, 32, 16, [50, 7]),  # multi-query
         (4, 2, 128, 16, [1, 8, 9, 33]),  # head_dim in two 64-float slices
-        (2, 1, 96, 16, [23, 40]),  # one 64-float slice, then 8-float ones
+        (2, 1, 96, 16, [23, 40]),  # one 64-float slice, then 8- or 16-float ones
+        (6, 2, 24, 16, [17, 70]),  # a multiple of 8, not of 16: AVX2's vectors, AVX-512's loops
         (6, 3, 20, 8, [5, 33, 64]),  # head_dim not a multiple of 8: the portable path
     ],
 )
