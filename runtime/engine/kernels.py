@@ -144,6 +144,9 @@ _POINTER, _SIZE, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, c
 _SIGNATURES = {
     "paged_attention_f32": [_POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER, _SIZE, _SIZE,
                             _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _FLOAT, _POINTER, _INT, _INT],
+    "paged_prefill_attention_f32": [_POINTER, _POINTER, _POINTER, _SIZE, _POINTER, _SIZE, _SIZE,
+                                    _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _SIZE, _FLOAT, _POINTER,
+                                    _INT, _INT],
     "add_rms_norm_f32": [_POINTER, _POINTER, _POINTER, _FLOAT, _POINTER, _SIZE, _SIZE, _INT],
     "rope_store_kv_f32": [_POINTER, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE, _SIZE,
                           _SIZE, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT],
@@ -167,6 +170,28 @@ def _kv_bf16(k_cache: torch.Tensor, v_cache: torch.Tensor) -> int:
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
         raise ValueError("CPU kernels need contiguous float32 or bfloat16 KV caches of one dtype")
     return int(k_cache.dtype == torch.bfloat16)
+
+
+def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     out: torch.Tensor) -> int:
+    """Refuses what the attention kernels cannot read; 1 for a bf16 cache, 0 for float32."""
+    _float32(q, out)
+    kv_bf16 = _kv_bf16(k_cache, v_cache)
+    _, num_heads, head_dim = q.shape
+    _, _, kv_heads, cache_head_dim = k_cache.shape
+    if (cache_head_dim != head_dim or v_cache.shape != k_cache.shape or out.shape != q.shape
+            or num_heads % kv_heads):
+        raise ValueError("paged attention kernel got mismatched shapes")
+    return kv_bf16
+
+
+def _attention_result(out: torch.Tensor, status: int) -> torch.Tensor:
+    if status == OUT_OF_BOUNDS:
+        raise ValueError("a context length is longer than its block table, or a block "
+                         "table names a block outside the cache")
+    if status == NO_MEMORY:
+        raise MemoryError("paged attention kernel could not allocate its scratch memory")
+    return out
 
 
 class CpuKernels:
@@ -201,30 +226,53 @@ class CpuKernels:
         block table (csrc/paged_attention.c): q, out [rows, heads, head_dim] float32, caches
         [blocks, block_size, kv_heads, head_dim] float32 or bf16, block_tables [rows, width]
         and context_lens [rows] int32."""
-        rows, num_heads, head_dim = q.shape
-        _, block_size, kv_heads, cache_head_dim = k_cache.shape
-        _float32(q, out)
-        kv_bf16 = _kv_bf16(k_cache, v_cache)
+        rows = q.shape[0]
+        kv_bf16 = _check_attention(q, k_cache, v_cache, out)
         if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
             raise ValueError("block_tables and context_lens must be int32")
-        if (cache_head_dim != head_dim or v_cache.shape != k_cache.shape or out.shape != q.shape
-                or num_heads % kv_heads or block_tables.shape[0] != rows
-                or context_lens.shape != (rows,) or not block_tables.is_contiguous()):
+        if (block_tables.shape[0] != rows or context_lens.shape != (rows,)
+                or not block_tables.is_contiguous()):
             raise ValueError("paged attention kernel got mismatched shapes")
         if rows == 0:
             return out
-        status = self._paged_attention_f32(
+        _, num_heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        return _attention_result(out, self._paged_attention_f32(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
             block_tables.data_ptr(), context_lens.data_ptr(), rows, block_tables.shape[1],
             num_heads, kv_heads, head_dim, block_size, window or 0, head_dim**-0.5,
             out.data_ptr(), kv_bf16, torch.get_num_threads(),
-        )
-        if status == OUT_OF_BOUNDS:
-            raise ValueError("a context length is longer than its block table, or a block "
-                             "table names a block outside the cache")
-        if status == NO_MEMORY:
-            raise MemoryError("paged attention kernel could not allocate its scratch memory")
-        return out
+        ))
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        start: int,
+        out: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """A prefill chunk of one sequence whose keys and values are already in their slots:
+        out[i] = the attention of position start + i over positions [0, start + i] (the last
+        `window` of them) of `block_table` ([width] int32); q, out and caches as for
+        paged_attention. Rows go in tiles that read each block once (csrc/paged_attention.c)."""
+        rows = q.shape[0]
+        kv_bf16 = _check_attention(q, k_cache, v_cache, out)
+        if block_table.dtype != torch.int32 or block_table.dim() != 1 \
+                or not block_table.is_contiguous():
+            raise ValueError("block_table must be one contiguous row of int32")
+        if rows == 0:
+            return out
+        _, num_heads, head_dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        return _attention_result(out, self._paged_prefill_attention_f32(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
+            block_table.data_ptr(), block_table.shape[0], start, rows, num_heads, kv_heads,
+            head_dim, block_size, window or 0, head_dim**-0.5, out.data_ptr(), kv_bf16,
+            torch.get_num_threads(),
+        ))
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -26,10 +26,9 @@ class PrefillAttention:
     q_end: int
     context_blocks: torch.Tensor | None  # block ids to read keys from; None = chunk only
     mask: torch.Tensor | None  # [chunk, context] bool; None = plain causal over the chunk
-    # A short chunk over a cached context: each row read in place by the decode kernel, as a
-    # decode of its own position (model_runner.PAGED_PREFILL_MAX_TOKENS); then the two above
-    # are unused.
-    paged: PagedDecode | None = None
+    # Read in place by the compiled prefill kernel instead (model_runner._prefill_metadata);
+    # then the two above are unused.
+    paged: PagedPrefill | None = None
 
 
 @dataclass
@@ -50,6 +49,17 @@ class PagedDecode:
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, padded with block 0
     context_lens: torch.Tensor  # [num_decodes] int32
     window: int | None  # sliding window, None for full attention
+
+
+@dataclass
+class PagedPrefill:
+    """A prefill chunk read in place from its sequence's blocks by a compiled kernel, its own
+    keys and values included (they are stored before attention)."""
+
+    kernel: Callable[..., torch.Tensor]  # kernels.CpuKernels.paged_prefill_attention
+    block_table: torch.Tensor  # [blocks up to the chunk's end] int32
+    start: int  # the chunk's first position
+    window: int | None
 
 
 @dataclass
@@ -380,8 +390,8 @@ def paged_attention(
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_end)
         if (paged := chunk.paged) is not None:
-            paged.kernel(q[rows], k_cache, v_cache, paged.block_tables, paged.context_lens,
-                         out[rows], paged.window)
+            paged.kernel(q[rows], k_cache, v_cache, paged.block_table, paged.start, out[rows],
+                         paged.window)
             continue
         query = q[rows].transpose(0, 1).unsqueeze(0).to(prefill_dtype)
         if chunk.context_blocks is None:

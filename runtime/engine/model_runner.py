@@ -17,6 +17,7 @@ from runtime.engine.model import (
     CausalLM,
     DecodeGroup,
     PagedDecode,
+    PagedPrefill,
     PrefillAttention,
     TorchOps,
 )
@@ -27,13 +28,6 @@ logger = logging.getLogger(__name__)
 # What one more decode group costs per layer (two gathers and an SDPA call), in blocks of
 # context per sequence: measured on CPU, see _decode_groups.
 GROUP_OVERHEAD_BLOCKS = 32
-# A prefill chunk of at most this many tokens over a cached context (a prompt whose prefix hit
-# the cache, the tail of a chunked prompt) is attended by the decode kernel in place, one row
-# per token, instead of gathering its context's blocks for SDPA: 16 tokens over 256 cached
-# took 6.1 ms a step on tiny against 6.9, over 1,024 8.1 against 8.9 (the blocks are cold by
-# then; bench/README.md, eleventh round). Each row re-reads the whole context, so from 32
-# tokens the gather and SDPA win (12.4 against 9.9 ms over 1,024).
-PAGED_PREFILL_MAX_TOKENS = 16
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -302,20 +296,22 @@ class ModelRunner:
                            allowed[:, None, None, :])
 
     def _prefill_metadata(self, chunk: ScheduledChunk, first_row: int) -> PrefillAttention:
+        """How a prefill chunk is attended. With the compiled kernels and float32 prefill
+        attention: in place, tiles of rows reading each block of the context once; 1.1-2.4x
+        faster than SDPA over the same chunks, fresh prompts of 64-2,048 tokens and chunks
+        over up to 1,024 cached (small's heads, Zen 5; bench/README.md, seventeenth round).
+        Otherwise SDPA: over the chunk's own keys for a fresh prompt, over its gathered
+        blocks, masked, for a chunk with context."""
         rows = (first_row, first_row + chunk.num_tokens)
         window = self.sliding_window
-        if chunk.start == 0 and (window is None or chunk.num_tokens <= window):
-            return PrefillAttention(*rows, context_blocks=None, mask=None)
         bs = self.block_size
         num_blocks = -(-chunk.end // bs)
-        if self.kernels is not None and chunk.num_tokens <= PAGED_PREFILL_MAX_TOKENS:
-            table = np.array(chunk.seq.block_table[:num_blocks], dtype=np.int32)
-            return PrefillAttention(*rows, context_blocks=None, mask=None, paged=PagedDecode(
-                self.kernels.paged_attention,
-                torch.from_numpy(np.tile(table, (chunk.num_tokens, 1))),
-                torch.arange(chunk.start + 1, chunk.end + 1, dtype=torch.int32),
-                window,
-            ))
+        if self.kernels is not None and self.prefill_dtype == torch.float32:
+            table = torch.from_numpy(np.array(chunk.seq.block_table[:num_blocks], dtype=np.int32))
+            return PrefillAttention(*rows, context_blocks=None, mask=None, paged=PagedPrefill(
+                self.kernels.paged_prefill_attention, table, chunk.start, window))
+        if chunk.start == 0 and (window is None or chunk.num_tokens <= window):
+            return PrefillAttention(*rows, context_blocks=None, mask=None)
         blocks = torch.tensor(chunk.seq.block_table[:num_blocks], dtype=torch.long)
         query_positions = torch.arange(chunk.start, chunk.end).unsqueeze(1)
         key_positions = torch.arange(num_blocks * bs).unsqueeze(0)

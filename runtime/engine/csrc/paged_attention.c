@@ -27,7 +27,7 @@
 
 #include "vector_math.h"
 
-/* Element `index` of a cache, as float32. Every caller is inlined into a copy of attend_row
+/* Element `index` of a cache, as float32. Every caller is inlined into a copy of attend_rows
  * for each element type, so the branch is resolved at compile time. */
 static inline float load1(const void *cache, int64_t index, int bf16) {
     if (bf16) {
@@ -197,93 +197,137 @@ static inline void prefetch_part(const void *cache, int32_t block, int64_t block
         __builtin_prefetch(base + line * 64);
 }
 
-/* One row: attention of its num_heads query heads over key positions [first, len), a block at
- * a time. Keys and values of a block are [block_size, kv_heads, head_dim], contiguous, so every
- * read is sequential; blocks ahead are prefetched while this one is computed, since their
- * addresses (block-table lookups) are jumps the hardware prefetcher cannot guess. Softmax is
- * the online kind: a running maximum per head, the sums rescaled when it grows. Always inlined,
- * so each element type (`bf16` a constant at the call) gets its own copy without branches. */
-static inline __attribute__((always_inline)) void attend_row(
+/* Rows of one sequence, attended together: row r (r < nrows) is query[r] ([num_heads,
+ * head_dim]) over key positions [first[r], len[r]) of the same block table. A decode is one
+ * row; a prefill chunk comes in tiles of PREFILL_TILE consecutive positions, so that each
+ * block of keys and values is read from memory once for the tile instead of once per row
+ * (row-at-a-time prefill re-read the whole context for every token and lost to SDPA from
+ * ~1,000 tokens of context). A block at a time: keys and values of a block are [block_size,
+ * kv_heads, head_dim], contiguous, so every read is sequential; blocks ahead are prefetched
+ * while this one is computed, since their addresses (block-table lookups) are jumps the
+ * hardware prefetcher cannot guess. Softmax is the online kind: a running maximum per row and
+ * head, the sums rescaled when it grows. Always inlined, so each element type (`bf16` a
+ * constant at the call) gets its own copy without branches. */
+static inline __attribute__((always_inline)) void attend_rows(
     const float *query, const void *k_cache, const void *v_cache, const int32_t *table,
-    int64_t first, int64_t len, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, float *out, float *scores /* [num_heads * block_size] */,
-    float *maxima, float *sums /* [num_heads] each */, const int bf16) {
+    const int64_t *first, const int64_t *len, int64_t nrows, int64_t num_heads,
+    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+    float *scores /* [nrows * num_heads * block_size] */,
+    float *maxima, float *sums /* [nrows * num_heads] each */, const int bf16) {
     const int64_t group = num_heads / kv_heads;
     const int64_t token_stride = kv_heads * head_dim;
     const int64_t block_elements = block_size * token_stride;
     const int64_t block_bytes = block_elements * (bf16 ? 2 : 4);
-    for (int64_t i = 0; i < num_heads * head_dim; i++) out[i] = 0.0f;
-    for (int64_t h = 0; h < num_heads; h++) {
-        maxima[h] = -INFINITY;
-        sums[h] = 0.0f;
+    const int64_t row_size = num_heads * head_dim;
+    int64_t lowest = first[0], highest = len[0];
+    for (int64_t r = 0; r < nrows; r++) {
+        lowest = first[r] < lowest ? first[r] : lowest;
+        highest = len[r] > highest ? len[r] : highest;
     }
-    const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
+    for (int64_t i = 0; i < nrows * row_size; i++) out[i] = 0.0f;
+    for (int64_t i = 0; i < nrows * num_heads; i++) {
+        maxima[i] = -INFINITY;
+        sums[i] = 0.0f;
+    }
+    const int64_t first_block = lowest / block_size, last_block = (highest - 1) / block_size;
     for (int64_t b = first_block; b < first_block + PREFETCH_BLOCKS && b <= last_block; b++) {
         prefetch_part(k_cache, table[b], block_bytes, 0, 1);
         prefetch_part(v_cache, table[b], block_bytes, 0, 1);
     }
     for (int64_t b = first_block; b <= last_block; b++) {
         const int64_t block_start = (int64_t)table[b] * block_elements;  /* in K and in V */
-        const int ahead = b + PREFETCH_BLOCKS <= last_block;
+        const int64_t block_first = b * block_size;
+        /* The first row with keys in this block asks for the blocks ahead, spread over its
+         * heads; the others find this block in cache. */
+        int ahead = b + PREFETCH_BLOCKS <= last_block;
         const int32_t next = ahead ? table[b + PREFETCH_BLOCKS] : 0;
-        const int64_t lo = b == first_block ? first % block_size : 0;
-        const int64_t count = (b == last_block ? (len - 1) % block_size + 1 : block_size) - lo;
-        for (int64_t h = 0; h < num_heads; h++) {
-            if (ahead) prefetch_part(k_cache, next, block_bytes, h, num_heads);
-            const int64_t keys = block_start + lo * token_stride + (h / group) * head_dim;
-            float *s = scores + h * block_size + lo;
+        for (int64_t r = 0; r < nrows; r++) {
+            const int64_t from = first[r] > block_first ? first[r] : block_first;
+            const int64_t to = len[r] < block_first + block_size ? len[r] : block_first + block_size;
+            if (to <= from) continue;
+            const int64_t lo = from - block_first, count = to - from;
+            const float *q_row = query + r * row_size;
+            float *out_row = out + r * row_size;
+            float *row_scores = scores + r * num_heads * block_size;
+            float *row_maxima = maxima + r * num_heads, *row_sums = sums + r * num_heads;
+            for (int64_t h = 0; h < num_heads; h++) {
+                if (ahead) prefetch_part(k_cache, next, block_bytes, h, num_heads);
+                const int64_t keys = block_start + lo * token_stride + (h / group) * head_dim;
+                float *s = row_scores + h * block_size + lo;
 #ifdef HAVE_VECTOR_DOTS
-            if (head_dim % VLEN == 0) {
-                block_dots(query + h * head_dim, k_cache, keys, token_stride, count, head_dim,
-                           scale, s, bf16);
-                continue;
-            }
+                if (head_dim % VLEN == 0) {
+                    block_dots(q_row + h * head_dim, k_cache, keys, token_stride, count, head_dim,
+                               scale, s, bf16);
+                    continue;
+                }
 #endif
-            for (int64_t t = 0; t < count; t++)
-                s[t] = dot(query + h * head_dim, k_cache, keys + t * token_stride, head_dim,
-                           bf16) * scale;
-        }
-        for (int64_t h = 0; h < num_heads; h++) {
-            float *s = scores + h * block_size + lo;
-            float peak = maxima[h];
-            for (int64_t t = 0; t < count; t++) peak = s[t] > peak ? s[t] : peak;
-            if (peak > maxima[h]) {
-                const float shrink = expf(maxima[h] - peak);  /* 0 on the first block */
-                sums[h] *= shrink;
-                float *o = out + h * head_dim;
-#pragma omp simd
-                for (int64_t i = 0; i < head_dim; i++) o[i] *= shrink;
-                maxima[h] = peak;
+                for (int64_t t = 0; t < count; t++)
+                    s[t] = dot(q_row + h * head_dim, k_cache, keys + t * token_stride, head_dim,
+                               bf16) * scale;
             }
-            float total = 0.0f;
+            for (int64_t h = 0; h < num_heads; h++) {
+                float *s = row_scores + h * block_size + lo;
+                float peak = row_maxima[h];
+                for (int64_t t = 0; t < count; t++) peak = s[t] > peak ? s[t] : peak;
+                if (peak > row_maxima[h]) {
+                    const float shrink = expf(row_maxima[h] - peak);  /* 0 on the first block */
+                    row_sums[h] *= shrink;
+                    float *o = out_row + h * head_dim;
+#pragma omp simd
+                    for (int64_t i = 0; i < head_dim; i++) o[i] *= shrink;
+                    row_maxima[h] = peak;
+                }
+                float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-            for (int64_t t = 0; t < count; t++) {
-                s[t] = expf(s[t] - peak);
-                total += s[t];
+                for (int64_t t = 0; t < count; t++) {
+                    s[t] = expf(s[t] - peak);
+                    total += s[t];
+                }
+                row_sums[h] += total;
             }
-            sums[h] += total;
-        }
-        for (int64_t h = 0; h < num_heads; h++) {
-            if (ahead) prefetch_part(v_cache, next, block_bytes, h, num_heads);
-            const int64_t values = block_start + lo * token_stride + (h / group) * head_dim;
-            const float *weights = scores + h * block_size + lo;
-            float *o = out + h * head_dim;
+            for (int64_t h = 0; h < num_heads; h++) {
+                if (ahead) prefetch_part(v_cache, next, block_bytes, h, num_heads);
+                const int64_t values = block_start + lo * token_stride + (h / group) * head_dim;
+                const float *weights = row_scores + h * block_size + lo;
+                float *o = out_row + h * head_dim;
 #ifdef HAVE_VECTOR_DOTS
-            if (head_dim % VLEN == 0) {
-                weighted_sum(o, weights, v_cache, values, token_stride, count, head_dim, bf16);
-                continue;
-            }
+                if (head_dim % VLEN == 0) {
+                    weighted_sum(o, weights, v_cache, values, token_stride, count, head_dim, bf16);
+                    continue;
+                }
 #endif
-            for (int64_t t = 0; t < count; t++)
-                axpy(o, weights[t], v_cache, values + t * token_stride, head_dim, bf16);
+                for (int64_t t = 0; t < count; t++)
+                    axpy(o, weights[t], v_cache, values + t * token_stride, head_dim, bf16);
+            }
+            ahead = 0;
         }
     }
-    for (int64_t h = 0; h < num_heads; h++) {
-        const float inverse = 1.0f / sums[h];
-        float *o = out + h * head_dim;
+    for (int64_t i = 0; i < nrows * num_heads; i++) {
+        const float inverse = 1.0f / sums[i];
+        float *o = out + i * head_dim;
 #pragma omp simd
-        for (int64_t i = 0; i < head_dim; i++) o[i] *= inverse;
+        for (int64_t j = 0; j < head_dim; j++) o[j] *= inverse;
     }
+}
+
+/* One of the two element types, chosen once per call. */
+static inline void attend(const float *query, const void *k_cache, const void *v_cache,
+                          const int32_t *table, const int64_t *first, const int64_t *len,
+                          int64_t nrows, int64_t num_heads, int64_t kv_heads, int64_t head_dim,
+                          int64_t block_size, float scale, float *out, float *scratch,
+                          int kv_bf16) {
+    float *maxima = scratch + nrows * num_heads * block_size, *sums = maxima + nrows * num_heads;
+    if (kv_bf16)
+        attend_rows(query, k_cache, v_cache, table, first, len, nrows, num_heads, kv_heads,
+                    head_dim, block_size, scale, out, scratch, maxima, sums, 1);
+    else
+        attend_rows(query, k_cache, v_cache, table, first, len, nrows, num_heads, kv_heads,
+                    head_dim, block_size, scale, out, scratch, maxima, sums, 0);
+}
+
+/* The first key position a row ending at `len` attends to. */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
 }
 
 /* Returns 0; -1 when scratch memory could not be allocated; -2 when a context length is
@@ -317,16 +361,58 @@ int paged_attention_f32(const float *q, const void *k_cache, const void *v_cache
                 for (int64_t i = 0; i < num_heads * head_dim; i++) result[i] = 0.0f;
                 continue;
             }
-            const int64_t first = (window > 0 && len > window) ? len - window : 0;
-            const float *query = q + r * num_heads * head_dim;
-            const int32_t *table = block_tables + r * max_blocks;
-            float *maxima = scratch + num_heads * block_size, *sums = maxima + num_heads;
-            if (kv_bf16)
-                attend_row(query, k_cache, v_cache, table, first, len, num_heads, kv_heads,
-                           head_dim, block_size, scale, result, scratch, maxima, sums, 1);
-            else
-                attend_row(query, k_cache, v_cache, table, first, len, num_heads, kv_heads,
-                           head_dim, block_size, scale, result, scratch, maxima, sums, 0);
+            const int64_t first = window_start(len, window);
+            attend(q + r * num_heads * head_dim, k_cache, v_cache, block_tables + r * max_blocks,
+                   &first, &len, 1, num_heads, kv_heads, head_dim, block_size, scale, result,
+                   scratch, kv_bf16);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Most rows of a prefill tile: 16 rows share each block's reads (32 gained nothing on small's
+ * heads; bench/README.md, seventeenth round). A short chunk gets smaller tiles, so that every
+ * thread has one. */
+#define PREFILL_TILE 16
+
+/* A prefill chunk of one sequence, its keys and values already written to their blocks: row i
+ * is position start + i and attends to positions [0, start + i] (the last `window` of them
+ * when window > 0) of `table` (table_len blocks). Same returns as paged_attention_f32. */
+int paged_prefill_attention_f32(const float *q, const void *k_cache, const void *v_cache,
+                                int64_t num_blocks, const int32_t *table, int64_t table_len,
+                                int64_t start, int64_t rows, int64_t num_heads,
+                                int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                int64_t window, float scale, float *out, int kv_bf16,
+                                int num_threads) {
+    if (rows <= 0) return 0;
+    if (start < 0 || start + rows > table_len * block_size) return -2;
+    for (int64_t b = 0; b * block_size < start + rows; b++)
+        if (table[b] < 0 || table[b] >= num_blocks) return -2;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    const int64_t per_thread = (rows + threads - 1) / threads;
+    const int64_t tile = per_thread < PREFILL_TILE ? per_thread : PREFILL_TILE;
+    const int64_t tiles = (rows + tile - 1) / tile;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * (size_t)(tile * num_heads * (block_size + 2)));
+        if (scratch == NULL) failed = 1;
+        /* Later tiles attend to more positions: handed out first, so the last one a thread
+         * picks up is short. */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = tiles - 1; t >= 0; t--) {
+            const int64_t row0 = t * tile;
+            const int64_t nrows = rows - row0 < tile ? rows - row0 : tile;
+            if (scratch == NULL) continue;
+            int64_t first[PREFILL_TILE] = {0}, len[PREFILL_TILE] = {0};
+            for (int64_t r = 0; r < nrows; r++) {
+                len[r] = start + row0 + r + 1;
+                first[r] = window_start(len[r], window);
+            }
+            attend(q + row0 * num_heads * head_dim, k_cache, v_cache, table, first, len, nrows,
+                   num_heads, kv_heads, head_dim, block_size, scale,
+                   out + row0 * num_heads * head_dim, scratch, kv_bf16);
         }
         free(scratch);
     }

@@ -389,17 +389,30 @@ def test_fused_ops_refuse_bad_shapes_and_slots(kernel):
         compiled.silu_mul(torch.randn(2, 7))
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_a_short_chunk_over_a_cached_context_reads_it_in_place_as_sdpa_would(kernel, window):
-    from runtime.engine.model import AttentionMetadata, PagedDecode, PrefillAttention
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "start,num_tokens,window",
+    [
+        (0, 1, None),  # a one-token prompt
+        (0, 45, None),  # a fresh prompt: tiles of 16 and a shorter last one
+        (37, 12, None),  # a short chunk over cached blocks: tiles smaller than 16 rows
+        (37, 12, 6),  # the same under a sliding window
+        (21, 70, 9),  # a long chunk whose rows' windows start in different blocks
+        (3, 40, 64),  # a window longer than any row's context
+    ],
+)
+def test_prefill_kernel_attends_a_chunk_in_place_as_sdpa_over_its_blocks(
+    kernel, start, num_tokens, window, kv_dtype
+):
+    from runtime.engine.model import AttentionMetadata, PagedPrefill, PrefillAttention
     from runtime.engine.model import paged_attention as attend
 
-    # 12 new tokens at positions 37..48 of a sequence whose 37 earlier tokens are cached.
-    start, num_tokens, block_size = 37, 12, 4
-    end = start + num_tokens
+    compiled = kernels.cpu_kernels()
+    end, block_size = start + num_tokens, 4
     q, k_cache, v_cache, tables, _ = random_case(
-        rows=1, num_heads=4, kv_heads=2, head_dim=64, block_size=block_size, lens=[end])
-    q = torch.randn(num_tokens, 4, 64, generator=torch.Generator().manual_seed(3))
+        rows=1, num_heads=6, kv_heads=2, head_dim=64, block_size=block_size, lens=[end])
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    q = torch.randn(num_tokens, 6, 64, generator=torch.Generator().manual_seed(3))
     key_positions = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
     query_positions = torch.arange(start, end).unsqueeze(1)
     mask = key_positions <= query_positions
@@ -412,26 +425,47 @@ def test_a_short_chunk_over_a_cached_context_reads_it_in_place_as_sdpa_would(ker
         return attend(q, unused, unused, k_cache, v_cache, meta)
 
     gathered = run(PrefillAttention(0, num_tokens, context_blocks=tables[0].long(), mask=mask))
-    in_place = run(PrefillAttention(0, num_tokens, None, None, paged=PagedDecode(
-        kernel, tables.repeat(num_tokens, 1).contiguous(),
-        torch.arange(start + 1, end + 1, dtype=torch.int32), window)))
+    in_place = run(PrefillAttention(0, num_tokens, None, None, paged=PagedPrefill(
+        compiled.paged_prefill_attention, tables[0].contiguous(), start, window)))
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
 
 
-def test_the_runner_reads_short_chunks_with_context_in_place_and_long_ones_by_gather(
+def test_prefill_kernel_refuses_what_it_would_read_out_of_bounds(kernel):
+    compiled = kernels.cpu_kernels()
+    q, k_cache, v_cache, tables, _ = random_case(
+        rows=1, num_heads=4, kv_heads=2, head_dim=64, block_size=16, lens=[33])
+    rows = torch.randn(10, 4, 64)
+    out = torch.empty_like(rows)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        compiled.paged_prefill_attention(rows, k_cache, v_cache, tables[0][:2].contiguous(), 30,
+                                         out)  # positions 30..39 need 3 blocks
+    bad = tables[0].clone()
+    bad[1] = k_cache.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        compiled.paged_prefill_attention(rows, k_cache, v_cache, bad, 20, out)
+    with pytest.raises(ValueError, match="one contiguous row of int32"):
+        compiled.paged_prefill_attention(rows, k_cache, v_cache, tables, 20, out)
+
+
+def test_the_runner_attends_prefill_chunks_in_place_with_the_kernels_and_by_sdpa_without(
     make_engine, kernel
 ):
     from runtime.engine.scheduler import ScheduledChunk
     from runtime.engine.sequence import Sequence
 
-    runner = make_engine(ops_backend="kernels").runner
     seq = Sequence("r", list(range(3, 203)))
     seq.block_table = list(range(50))
-    short = runner._prefill_metadata(ScheduledChunk(seq, 100, model_runner.PAGED_PREFILL_MAX_TOKENS,
-                                                    completes_sequence=False), 0)
-    long = runner._prefill_metadata(ScheduledChunk(seq, 100, model_runner.PAGED_PREFILL_MAX_TOKENS + 1,
-                                                   completes_sequence=False), 0)
+    runner = make_engine(ops_backend="kernels").runner
+    with_context = runner._prefill_metadata(ScheduledChunk(seq, 100, 40, completes_sequence=False), 0)
     fresh = runner._prefill_metadata(ScheduledChunk(seq, 0, 16, completes_sequence=False), 0)
-    assert short.paged is not None and short.paged.context_lens.tolist()[:2] == [101, 102]
-    assert long.paged is None and long.context_blocks is not None
+    assert with_context.paged is not None and with_context.paged.start == 100
+    # 4-token blocks: positions up to 139 span 35 of them, a fresh 16-token prompt 4.
+    assert with_context.paged.block_table.tolist() == list(range(35))
+    assert fresh.paged is not None and fresh.paged.block_table.tolist() == [0, 1, 2, 3]
+    # bf16 prefill attention (a bf16 cache on AMX) stays with SDPA, as does the torch path.
+    runner.prefill_dtype = torch.bfloat16
+    gathered = runner._prefill_metadata(ScheduledChunk(seq, 100, 40, completes_sequence=False), 0)
+    assert gathered.paged is None and gathered.context_blocks is not None
+    torch_runner = make_engine(ops_backend="torch").runner
+    fresh = torch_runner._prefill_metadata(ScheduledChunk(seq, 0, 16, completes_sequence=False), 0)
     assert fresh.paged is None and fresh.context_blocks is None
