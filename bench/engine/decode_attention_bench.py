@@ -1,23 +1,26 @@
-"""Decode attention over a paged KV cache: the engine's kernel against vLLM's CPU kernel.
+"""Attention over a paged KV cache: the engine's kernels against vLLM's CPU kernel.
 
-A decode step attends one query row per running sequence over that sequence's cached keys
-and values. This times it alone, on the same keys, values and queries for both:
+A decode step attends one query row per running sequence over that sequence's cached keys and
+values; a prefill attends every position of a prompt over the positions before it. This times
+both alone, on the same keys, values and queries for each side:
 
-- the engine's `CpuKernels.paged_attention` (runtime/engine/csrc/paged_attention.c) with its
-  default 16-token blocks, and with `--baseline REV` the same kernel as it was at a git
-  revision (built from that revision's csrc/ with the same flags), alternating with the current
-  one in the same process: an A/B of a kernel change;
+- the engine's `CpuKernels.paged_attention` (decode) and `paged_prefill_attention` (prefill;
+  runtime/engine/csrc/paged_attention.c) with its default 16-token blocks, and with
+  `--baseline REV` the kernels as they were at a git revision (built from that revision's
+  csrc/ with the same flags; one decode row per position where it had no prefill kernel),
+  alternating with the current ones in the same process: an A/B of a kernel change;
 - vLLM's `cpu_attention_with_kv_cache` with its CPU default of 128-token blocks, written by its
   own `cpu_attn_reshape_and_cache`, with the scheduler metadata its attention backend builds,
   in its own virtualenv (`bench/engine/peers.sh`) with the `LD_PRELOAD` its CPU guide asks for
   unless `--vllm-preload none`.
 
-Each case is a model's heads (`tiny`'s 4 query over 2 KV heads of 64, `small`'s 12 over 4),
-a cache dtype (float32, bf16), `--rows` sequences with contexts drawn from `--context`
-(default 350-700 tokens: workload B's prompts plus part of their outputs), and the blocks of
-all sequences scattered at random over a pool twice the size needed, as a cache that has
-served a while holds them. Medians in ms per call, with the KV bytes read per second and the
-largest difference between the engine's and vLLM's outputs, go to --result-json.
+Each case is a model's heads (`tiny`'s 4 query over 2 KV heads of 64, `small`'s 12 over 4), a
+cache dtype (float32, bf16) and a workload: a decode step of `--rows` sequences with contexts
+drawn from `--context` (default 350-700 tokens: workload B's prompts plus part of their
+outputs), or one fresh prompt of each `--prefill` length. Blocks are scattered at random over a
+pool twice the size needed, as a cache that has served a while holds them. Medians in ms per
+call, with the KV bytes of the contexts per second and the largest difference between the
+engine's and vLLM's outputs, go to --result-json.
 
     .venv/bin/python bench/engine/decode_attention_bench.py --baseline HEAD~1 \\
         --result-json bench/engine/results/decode_attention.json
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import statistics
 import subprocess
 import sys
@@ -66,7 +70,8 @@ for case in spec["cases"]:
     inputs = torch.load(case["inputs"])
     q, keys, values, lens = inputs["q"], inputs["keys"], inputs["values"], inputs["lens"]
     dtype = getattr(torch, case["dtype"])
-    rows, heads, head_dim = q.shape
+    _, heads, head_dim = q.shape
+    rows = len(lens)
     kv_heads, block_size = keys.shape[1], case["vllm_block_size"]
     isa = _get_attn_isa(dtype, block_size, head_dim)
     per_row = [-(-int(n) // block_size) for n in lens]
@@ -85,7 +90,7 @@ for case in spec["cases"]:
     ops.cpu_attn_reshape_and_cache(keys.to(dtype), values.to(dtype), key_cache, value_cache,
                                    torch.cat(slots), isa)
     q = q.to(dtype)  # vLLM attends in the model's dtype; the engine keeps float32 queries
-    query_start_loc = torch.arange(rows + 1, dtype=torch.int32)
+    query_start_loc = torch.cat([torch.zeros(1), inputs["new"].cumsum(0)]).to(torch.int32)
     seq_lens = lens.to(torch.int32)
     out = torch.empty_like(q)
     samples = []
@@ -125,18 +130,30 @@ def heads_of(preset: str) -> tuple[int, int, int]:
     return heads, config.num_key_value_heads, config.hidden_size // heads
 
 
-def make_inputs(heads: int, kv_heads: int, head_dim: int, rows: int, context: tuple[int, int],
+def make_inputs(heads: int, kv_heads: int, head_dim: int, lens: torch.Tensor, new: torch.Tensor,
                 seed: int) -> dict[str, torch.Tensor]:
-    """Queries, each row's keys and values one after another, and the context lengths."""
+    """Each sequence's keys and values one after another, and queries for its last `new`
+    positions (1 for a decode), all the sequences' queries one after another."""
     generator = torch.Generator().manual_seed(seed)
-    lens = torch.randint(context[0], context[1] + 1, (rows,), generator=generator)
     total = int(lens.sum())
     return {
-        "q": torch.randn(rows, heads, head_dim, generator=generator),
+        "q": torch.randn(int(new.sum()), heads, head_dim, generator=generator),
         "keys": torch.randn(total, kv_heads, head_dim, generator=generator),
         "values": torch.randn(total, kv_heads, head_dim, generator=generator),
         "lens": lens,
+        "new": new,
     }
+
+
+def workloads(args: argparse.Namespace) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name: (context lengths, query rows per sequence). A decode step of --rows sequences,
+    then one fresh prompt of each --prefill length (its causal attention over itself)."""
+    generator = torch.Generator().manual_seed(args.seed)
+    lens = torch.randint(args.context[0], args.context[1] + 1, (args.rows,), generator=generator)
+    found = {"decode": (lens, torch.ones(args.rows, dtype=torch.long))}
+    for length in args.prefill:
+        found[f"prefill {length}"] = (torch.tensor([length]), torch.tensor([length]))
+    return found
 
 
 def engine_layout(inputs: dict[str, torch.Tensor], dtype: torch.dtype, seed: int):
@@ -179,16 +196,33 @@ def baseline_kernels(revision: str, work_dir: Path) -> kernels.CpuKernels:
     return kernels.CpuKernels(ctypes.CDLL(str(library)))
 
 
-def time_engine(implementations: dict[str, kernels.CpuKernels], case_inputs, reps: int):
+def time_engine(implementations: dict[str, kernels.CpuKernels], case_inputs, new: torch.Tensor,
+                reps: int):
     """{implementation: [ms, ...]}, the implementations alternating call by call, and the
-    current kernel's output."""
+    current kernel's output. A decode step goes to paged_attention, a prefill (one sequence)
+    to paged_prefill_attention where the implementation has it, else one decode row per
+    position."""
     q, k_cache, v_cache, tables, lens = case_inputs
     outputs = {name: torch.empty_like(q) for name in implementations}
     samples: dict[str, list[float]] = {name: [] for name in implementations}
+    prefill_start = int(lens[0] - new[0]) if len(new) == 1 and new[0] > 1 else None
+
+    def attend(implementation: kernels.CpuKernels, out: torch.Tensor) -> None:
+        if prefill_start is None:
+            implementation.paged_attention(q, k_cache, v_cache, tables, lens, out)
+        elif hasattr(implementation, "_paged_prefill_attention_f32"):
+            implementation.paged_prefill_attention(q, k_cache, v_cache, tables[0], prefill_start,
+                                                   out)
+        else:
+            rows = len(q)
+            implementation.paged_attention(
+                q, k_cache, v_cache, tables.expand(rows, -1).contiguous(),
+                torch.arange(prefill_start + 1, prefill_start + rows + 1, dtype=torch.int32), out)
+
     for rep in range(reps + 1):
         for name, implementation in implementations.items():
             started = time.perf_counter()
-            implementation.paged_attention(q, k_cache, v_cache, tables, lens, outputs[name])
+            attend(implementation, outputs[name])
             if rep:  # the first call warms up
                 samples[name].append((time.perf_counter() - started) * 1000)
     return samples, outputs
@@ -200,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--context", type=int, nargs=2, default=[350, 700], metavar=("MIN", "MAX"))
+    parser.add_argument("--prefill", type=int, nargs="*", default=[512, 2048],
+                        help="lengths of fresh prompts whose prefill attention is timed too")
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -219,26 +255,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         implementations[f"engine at {args.baseline}"] = baseline_kernels(args.baseline, args.work_dir)
     cases, results = [], {}
-    for preset in args.presets:
+    for (preset, dtype_name), (workload, (lens, new)) in itertools.product(
+            itertools.product(args.presets, args.dtypes), workloads(args).items()):
         heads, kv_heads, head_dim = heads_of(preset)
-        for dtype_name in args.dtypes:
-            name = f"{preset} {dtype_name}"
-            inputs = make_inputs(heads, kv_heads, head_dim, args.rows, tuple(args.context), args.seed)
-            print(f"engine: {name} ...", file=sys.stderr)
-            samples, outputs = time_engine(
-                implementations,
-                (inputs["q"], *engine_layout(inputs, DTYPES[dtype_name], args.seed)), args.reps)
-            kv_bytes = int(inputs["lens"].sum()) * kv_heads * head_dim * 2 * DTYPES[dtype_name].itemsize
-            results[name] = {
-                "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "kv_bytes": kv_bytes,
-                "ms": {impl: statistics.median(ts) for impl, ts in samples.items()},
-                "engine_output": outputs["engine"],
-            }
-            input_path = args.work_dir / f"{preset}_{dtype_name}_inputs.pt"
-            torch.save(inputs, input_path)
-            cases.append({"name": name, "dtype": dtype_name, "inputs": str(input_path),
-                          "seed": args.seed, "vllm_block_size": VLLM_BLOCK_SIZE,
-                          "vllm_result": str(args.work_dir / f"{preset}_{dtype_name}_vllm.pt")})
+        name = f"{preset} {dtype_name} {workload}"
+        slug = name.replace(" ", "_")
+        inputs = make_inputs(heads, kv_heads, head_dim, lens, new, args.seed)
+        print(f"engine: {name} ...", file=sys.stderr)
+        samples, outputs = time_engine(
+            implementations,
+            (inputs["q"], *engine_layout(inputs, DTYPES[dtype_name], args.seed)), new,
+            args.reps)
+        kv_bytes = int(inputs["lens"].sum()) * kv_heads * head_dim * 2 * DTYPES[dtype_name].itemsize
+        results[name] = {
+            "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "kv_bytes": kv_bytes,
+            "ms": {impl: statistics.median(ts) for impl, ts in samples.items()},
+            "engine_output": outputs["engine"],
+        }
+        input_path = args.work_dir / f"{slug}_inputs.pt"
+        torch.save(inputs, input_path)
+        cases.append({"name": name, "dtype": dtype_name, "inputs": str(input_path),
+                      "seed": args.seed, "vllm_block_size": VLLM_BLOCK_SIZE,
+                      "vllm_result": str(args.work_dir / f"{slug}_vllm.pt")})
     preload = vllm_ld_preload(args.vllm_preload)
     vllm_times = time_under_vllm(VLLM_TIMER, cases, args, preload)
     report_cases = {}
@@ -257,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         report_cases[case["name"]] = result
     emit_report({
         "benchmark": "decode_attention", "rows": args.rows, "context": args.context,
+        "prefill": args.prefill,
         "threads": args.threads, "reps": args.reps, "baseline": args.baseline,
         "engine_block_size": ENGINE_BLOCK_SIZE, "vllm_block_size": VLLM_BLOCK_SIZE,
         "vllm_ld_preload": preload, "cpu": cpu_description(), "cases": report_cases,

@@ -207,7 +207,9 @@ class CpuKernels:
         """`library`: another build of csrc/ (a benchmark's baseline); default, this one's."""
         library = library or load()
         for name, argtypes in _SIGNATURES.items():
-            function = getattr(library, name)
+            function = getattr(library, name, None)
+            if function is None:  # an older build (a benchmark's baseline) lacks it
+                continue
             function.argtypes = argtypes
             function.restype = ctypes.c_int
             setattr(self, f"_{name}", function)
