@@ -53,19 +53,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ENGINE_BLOCK_SIZE = 16
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU platform default (vllm/platforms/cpu.py)
 
-# Runs under vLLM's interpreter: reads the cases from argv[1], prints {case: [ms, ...]} last
-# and saves each case's output beside its inputs for the comparison.
+# Runs under vLLM's interpreter after sampler_bench.VLLM_TIMER_PREAMBLE: prints
+# {case: [ms, ...]} last and saves each case's output beside its inputs for the comparison.
 VLLM_TIMER = """
-import json, sys, time
-import torch
-from vllm.platforms import current_platform
-current_platform.import_kernels()
 from vllm import _custom_ops as ops
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-spec = json.loads(open(sys.argv[1]).read())
-torch.set_num_threads(spec["threads"])
-times = {}
 for case in spec["cases"]:
     inputs = torch.load(case["inputs"])
     q, keys, values, lens = inputs["q"], inputs["keys"], inputs["values"], inputs["lens"]

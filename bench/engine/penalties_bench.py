@@ -49,19 +49,12 @@ SETTINGS = {
     "logprobs_5": {"logprobs": 5},
 }
 
-# Runs under vLLM's interpreter: reads the cases from argv[1], prints {case: [ms, ...]} and
-# saves each case's result next to its inputs for the comparison.
+# Runs under vLLM's interpreter after sampler_bench.VLLM_TIMER_PREAMBLE: prints
+# {case: [ms, ...]} and saves each case's result next to its inputs for the comparison.
 VLLM_TIMER = """
-import json, sys, time
-import torch
-from vllm.platforms import current_platform
-current_platform.import_kernels()
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.sampler import Sampler
 
-spec = json.loads(open(sys.argv[1]).read())
-torch.set_num_threads(spec["threads"])
-times = {}
 for case in spec["cases"]:
     inputs = torch.load(case["inputs"])
     logits, setting = inputs["logits"], case["setting"]

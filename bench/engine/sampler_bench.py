@@ -46,18 +46,11 @@ SETTINGS = {
     "top_k_50_t0.8": {"temperature": 0.8, "top_k": 50},
 }
 
-# Runs under vLLM's interpreter: reads the cases from argv[1], prints {case: [ms, ...]}.
+# Runs under vLLM's interpreter after VLLM_TIMER_PREAMBLE: prints {case: [ms, ...]}.
 VLLM_TIMER = """
-import json, sys, time
-import torch
-from vllm.platforms import current_platform
-current_platform.import_kernels()  # its compiled ops (the Gumbel-argmax kernel)
 from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
-spec = json.loads(open(sys.argv[1]).read())
-torch.set_num_threads(spec["threads"])
 sampler = TopKTopPSampler()
-times = {}
 for case in spec["cases"]:
     logits = torch.load(case["logits"])
     rows, setting = logits.shape[0], case["setting"]
@@ -87,9 +80,23 @@ def time_engine_sampler(logits: torch.Tensor, setting: dict, reps: int) -> list[
     return samples[1:]
 
 
+# What every timer run by time_under_vllm starts with: vLLM's compiled ops loaded (the
+# Gumbel-argmax kernel, the attention kernels), `spec` read from argv[1] (threads, reps,
+# cases), torch's threads set, and `times` for the timer to fill with {case: [ms, ...]}.
+VLLM_TIMER_PREAMBLE = """
+import json, sys, time
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+spec = json.loads(open(sys.argv[1]).read())
+torch.set_num_threads(spec["threads"])
+times = {}
+"""
+
+
 def time_under_vllm(timer: str, cases: list[dict], args: argparse.Namespace,
                     ld_preload: str = "") -> dict[str, list[float]] | None:
-    """Run `timer` (source that reads the cases' file named in argv[1] and prints
+    """Run `timer` (source that, after VLLM_TIMER_PREAMBLE, times spec["cases"] and prints
     {case: [ms, ...]} last) under vLLM's interpreter, with `ld_preload` if given; None, and a
     note, where vLLM's virtualenv is missing."""
     if not VLLM_PYTHON.exists():
@@ -99,8 +106,9 @@ def time_under_vllm(timer: str, cases: list[dict], args: argparse.Namespace,
     spec_path = args.work_dir / "cases.json"
     spec_path.write_text(json.dumps({"threads": args.threads, "reps": args.reps, "cases": cases}))
     completed = subprocess.run(
-        [str(VLLM_PYTHON), "-c", timer, str(spec_path)], capture_output=True, text=True,
-        check=True, env={**os.environ, **({"LD_PRELOAD": ld_preload} if ld_preload else {})})
+        [str(VLLM_PYTHON), "-c", VLLM_TIMER_PREAMBLE + timer, str(spec_path)],
+        capture_output=True, text=True, check=True,
+        env={**os.environ, **({"LD_PRELOAD": ld_preload} if ld_preload else {})})
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
