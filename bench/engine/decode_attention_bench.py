@@ -42,13 +42,12 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from sampler_bench import time_under_vllm  # noqa: E402
+from sampler_bench import add_timing_arguments, time_under_vllm  # noqa: E402
 from serving_bench import add_vllm_preload_argument, emit_report, vllm_ld_preload  # noqa: E402
 
 from runtime.engine import kernels  # noqa: E402
 from runtime.engine.demo_model import PRESETS  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ENGINE_BLOCK_SIZE = 16
 VLLM_BLOCK_SIZE = 128  # vLLM's CPU platform default (vllm/platforms/cpu.py)
@@ -229,13 +228,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, nargs=2, default=[350, 700], metavar=("MIN", "MAX"))
     parser.add_argument("--prefill", type=int, nargs="*", default=[512, 2048],
                         help="lengths of fresh prompts whose prefill attention is timed too")
-    parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", default=None,
-                        help="a git revision whose csrc/ kernel is timed beside the current one")
-    parser.add_argument("--work-dir", type=Path, default=HERE / "work" / "decode_attention")
-    parser.add_argument("--result-json", type=Path, default=None)
+                        help="a git revision whose csrc/ kernels are timed beside the current ones")
+    add_timing_arguments(parser, reps=40, work_dir="decode_attention")
     add_vllm_preload_argument(parser)
     return parser.parse_args(argv)
 

@@ -35,13 +35,12 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from sampler_bench import VOCABULARIES, time_under_vllm  # noqa: E402
+from sampler_bench import VOCABULARIES, add_timing_arguments, time_under_vllm  # noqa: E402
 from serving_bench import add_vllm_preload_argument, emit_report, vllm_ld_preload  # noqa: E402
 
 from runtime.engine.model_runner import keep_freed_memory_for_reuse  # noqa: E402
 from runtime.engine.sampling import SamplingParams, apply_penalties, token_logprobs  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 SETTINGS = {
     "repetition": {"repetition_penalty": 1.1},
     "frequency_presence": {"frequency_penalty": 0.5, "presence_penalty": 0.5},
@@ -127,11 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", default="32,128", help="batch sizes, comma-separated")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", type=Path, default=HERE / "work" / "penalties")
-    parser.add_argument("--result-json", type=Path, default=None)
+    add_timing_arguments(parser, reps=7, work_dir="penalties")
     add_vllm_preload_argument(parser)
     return parser.parse_args(argv)
 

@@ -118,14 +118,19 @@ def nucleus_size(logits: torch.Tensor, setting: dict) -> float:
     return statistics.median((probs > 0).sum(dim=-1).tolist())
 
 
+def add_timing_arguments(parser: argparse.ArgumentParser, reps: int, work_dir: str) -> None:
+    """What the benches that time one operation against vLLM's (time_under_vllm) share."""
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--work-dir", type=Path, default=HERE / "work" / work_dir)
+    parser.add_argument("--result-json", type=Path, default=None)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--work-dir", type=Path, default=HERE / "work" / "sampler")
-    parser.add_argument("--result-json", type=Path, default=None)
+    add_timing_arguments(parser, reps=7, work_dir="sampler")
     return parser.parse_args(argv)
 
 
