@@ -297,7 +297,7 @@ class ModelRunner:
 
     def _prefill_metadata(self, chunk: ScheduledChunk, first_row: int) -> PrefillAttention:
         """How a prefill chunk is attended. With the compiled kernels and float32 prefill
-        attention: in place, tiles of rows reading each block of the context once; 1.1-2.4x
+        attention: in place, tiles of rows reading each block of the context once; 1.2-2.5x
         faster than SDPA over the same chunks, fresh prompts of 64-2,048 tokens and chunks
         over up to 1,024 cached (small's heads, Zen 5; bench/README.md, seventeenth round).
         Otherwise SDPA: over the chunk's own keys for a fresh prompt, over its gathered

@@ -6,11 +6,15 @@
  * compiler and calls it through ctypes (which releases the GIL for the call). OpenMP is the
  * one torch already loaded (libgomp.so.1 from torch/lib), so the kernel's threads are torch's.
  *
- * Layouts (all contiguous):
+ * Two entry points: paged_attention_f32 for decodes (one row per sequence, any sequences) and
+ * paged_prefill_attention_f32 for a prefill chunk (consecutive positions of one sequence,
+ * causal, its own keys and values already stored). Layouts (all contiguous):
  *   q, out        [rows, num_heads, head_dim]
  *   k/v_cache     [num_blocks, block_size, kv_heads, head_dim]
  *   block_tables  [rows, max_blocks] int32: row r's keys live in blocks block_tables[r][0..]
+ *                 (prefill: one table for every row)
  *   context_lens  [rows] int32: row r attends to key positions [0, context_lens[r])
+ *                 (prefill: row i to [0, start + i])
  * `window` > 0 keeps only the last `window` of those positions (sliding-window attention).
  * Query heads h * group .. h * group + group - 1 share kv head h (grouped-query attention).
  *
