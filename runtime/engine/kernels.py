@@ -259,7 +259,8 @@ class CpuKernels:
         """A prefill chunk of one sequence whose keys and values are already in their slots:
         out[i] = the attention of position start + i over positions [0, start + i] (the last
         `window` of them) of `block_table` ([width] int32); q, out and caches as for
-        paged_attention. Rows go in tiles that read each block once (csrc/paged_attention.c)."""
+        paged_attention. Rows go in tiles that read each block once, multiplied as small
+        matrices where the head_dim fits the CPU's vectors (csrc/paged_attention.c)."""
         rows = q.shape[0]
         kv_bf16 = _check_attention(q, k_cache, v_cache, out)
         if block_table.dtype != torch.int32 or block_table.dim() != 1 \

@@ -8,7 +8,8 @@
  *
  * Two entry points: paged_attention_f32 for decodes (one row per sequence, any sequences) and
  * paged_prefill_attention_f32 for a prefill chunk (consecutive positions of one sequence,
- * causal, its own keys and values already stored). Layouts (all contiguous):
+ * causal, its own keys and values already stored; its tiles are multiplied as small matrices
+ * by attend_tile where the vector code runs). Layouts (all contiguous):
  *   q, out        [rows, num_heads, head_dim]
  *   k/v_cache     [num_blocks, block_size, kv_heads, head_dim]
  *   block_tables  [rows, max_blocks] int32: row r's keys live in blocks block_tables[r][0..]
@@ -66,6 +67,7 @@ typedef __m512 vec;
 #define vec_loadu _mm512_loadu_ps
 #define vec_storeu _mm512_storeu_ps
 #define vec_fmadd _mm512_fmadd_ps
+#define vec_mul _mm512_mul_ps
 /* Elements [index, index + 16) of a cache, as float32. */
 static inline vec load_vec(const void *cache, int64_t index, int bf16) {
     if (bf16) {
@@ -87,6 +89,7 @@ typedef __m256 vec;
 #define vec_loadu _mm256_loadu_ps
 #define vec_storeu _mm256_storeu_ps
 #define vec_fmadd _mm256_fmadd_ps
+#define vec_mul _mm256_mul_ps
 /* Elements [index, index + 8) of a cache, as float32. */
 static inline vec load_vec(const void *cache, int64_t index, int bf16) {
     if (bf16) {
@@ -203,10 +206,11 @@ static inline void prefetch_part(const void *cache, int32_t block, int64_t block
 
 /* Rows of one sequence, attended together: row r (r < nrows) is query[r] ([num_heads,
  * head_dim]) over key positions [first[r], len[r]) of the same block table. A decode is one
- * row; a prefill chunk comes in tiles of PREFILL_TILE consecutive positions, so that each
- * block of keys and values is read from memory once for the tile instead of once per row
- * (row-at-a-time prefill re-read the whole context for every token and lost to SDPA from
- * ~1,000 tokens of context). A block at a time: keys and values of a block are [block_size,
+ * row; a prefill chunk comes in tiles of PREFILL_TILE consecutive positions (here where the
+ * head_dim fits no vector: attend_tile below takes the rest), so that each block of keys and
+ * values is read from memory once for the tile instead of once per row (row-at-a-time prefill
+ * re-read the whole context for every token and lost to SDPA from ~1,000 tokens of context).
+ * A block at a time: keys and values of a block are [block_size,
  * kv_heads, head_dim], contiguous, so every read is sequential; blocks ahead are prefetched
  * while this one is computed, since their addresses (block-table lookups) are jumps the
  * hardware prefetcher cannot guess. Softmax is the online kind: a running maximum per row and
@@ -380,6 +384,294 @@ int paged_attention_f32(const float *q, const void *k_cache, const void *v_cache
  * thread has one. */
 #define PREFILL_TILE 16
 
+/* ---- Prefill tiles as small matrix products ------------------------------------------------
+ *
+ * A tile's rows that share a kv head (its positions times the heads of the group) are attended
+ * together, so that every key and value loaded feeds many rows' FMAs, and no horizontal sum is
+ * taken. The queries are transposed once per tile and kv head into qt [head_dim][rows] (scale
+ * folded in, rows padded to a multiple of VLEN), so a key's scores for VLEN rows are one vector:
+ * scores^T [keys][rows] += qt[d] * key[d], register-blocked over 4 keys and 3 row vectors. The
+ * online softmax then runs along the rows (a row's maximum over a block is an element-wise max
+ * over its keys, not a reduction), and the weighted sum adds probs^T[key][row] * value[key] into
+ * PV_ROWS output rows at once, each value vector loaded once for them, with the row's rescale
+ * folded into loading its sums. The row-at-a-time code above took dot products with horizontal
+ * sums and lost 2-4x to vLLM's prefill attention (bench/README.md, seventeenth round). */
+#ifdef HAVE_VECTOR_DOTS
+#if VLEN == 16
+#define PV_ROWS 4 /* 4 rows x 4 vectors of sums: 16 of AVX-512's 32 registers */
+#else
+#define PV_ROWS 2 /* 2 x 4: half of AVX2's 16 */
+#endif
+#define PV_VECS 4
+/* A vector loaded once for several FMAs stays in a register: left to itself, gcc folds the
+ * load into every FMA, and the loads, not the FMAs, then set the pace. */
+#define HOLD(x) __asm__("" : "+v"(x))
+
+/* st[a * nqp + c * VLEN ...] = qt . keys[a], for KEYS keys and VECS vectors of rows. */
+#define DEFINE_QK(KEYS, VECS)                                                                 \
+    static inline void qk_##KEYS##_##VECS(const float *qt, int64_t nqp, const float *keys,   \
+                                          int64_t key_stride, int64_t head_dim, float *st) { \
+        vec acc[KEYS][VECS];                                                                 \
+        for (int a = 0; a < KEYS; a++)                                                       \
+            for (int c = 0; c < VECS; c++) acc[a][c] = vec_zero();                           \
+        for (int64_t d = 0; d < head_dim; d++) {                                             \
+            vec q[VECS];                                                                     \
+            for (int c = 0; c < VECS; c++) {                                                 \
+                q[c] = vec_loadu(qt + d * nqp + c * VLEN);                                   \
+                HOLD(q[c]);                                                                  \
+            }                                                                                \
+            for (int a = 0; a < KEYS; a++) {                                                 \
+                const vec k = vec_set1(keys[a * key_stride + d]);                            \
+                for (int c = 0; c < VECS; c++) acc[a][c] = vec_fmadd(q[c], k, acc[a][c]);    \
+            }                                                                                \
+        }                                                                                    \
+        for (int a = 0; a < KEYS; a++)                                                       \
+            for (int c = 0; c < VECS; c++) vec_storeu(st + a * nqp + c * VLEN, acc[a][c]);   \
+    }
+DEFINE_QK(4, 3)
+DEFINE_QK(4, 2)
+DEFINE_QK(4, 1)
+DEFINE_QK(1, 3)
+DEFINE_QK(1, 2)
+DEFINE_QK(1, 1)
+
+/* Scores of keys [from, to) (key k at keys + k * key_stride) for every row vector. */
+static inline void tile_scores(const float *qt, int64_t nqp, const float *keys, int64_t key_stride,
+                               int64_t from, int64_t to, int64_t head_dim, float *st) {
+    const int64_t vectors = nqp / VLEN;
+    int64_t k = from;
+    for (; k + 4 <= to; k += 4) {
+        int64_t c = 0;
+        for (; c + 3 <= vectors; c += 3)
+            qk_4_3(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
+                   st + k * nqp + c * VLEN);
+        if (vectors - c == 2)
+            qk_4_2(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
+                   st + k * nqp + c * VLEN);
+        else if (vectors - c == 1)
+            qk_4_1(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
+                   st + k * nqp + c * VLEN);
+    }
+    for (; k < to; k++) {
+        int64_t c = 0;
+        for (; c + 3 <= vectors; c += 3)
+            qk_1_3(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
+                   st + k * nqp + c * VLEN);
+        if (vectors - c == 2)
+            qk_1_2(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
+                   st + k * nqp + c * VLEN);
+        else if (vectors - c == 1)
+            qk_1_1(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
+                   st + k * nqp + c * VLEN);
+    }
+}
+
+/* outs[j][...] = outs[j][...] * factors[j] + sum over k in [from, to) of pt[k * nqp + j] *
+ * values[start + k * stride ...], for ROWS rows: PV_VECS vectors of a head at a time, then one. */
+#define DEFINE_PV(ROWS)                                                                       \
+    static inline void pv_##ROWS(float *const *outs, const float *factors, const float *pt,  \
+                                 int64_t nqp, const void *values, int64_t start,             \
+                                 int64_t stride, int64_t from, int64_t to, int64_t head_dim, \
+                                 int bf16) {                                                 \
+        int64_t i = 0;                                                                       \
+        for (; i + PV_VECS * VLEN <= head_dim; i += PV_VECS * VLEN) {                        \
+            vec acc[ROWS][PV_VECS];                                                          \
+            for (int j = 0; j < ROWS; j++) {                                                 \
+                const vec f = vec_set1(factors[j]);                                          \
+                for (int c = 0; c < PV_VECS; c++)                                            \
+                    acc[j][c] = vec_mul(vec_loadu(outs[j] + i + c * VLEN), f);               \
+            }                                                                                \
+            for (int64_t k = from; k < to; k++) {                                            \
+                const int64_t row = start + k * stride + i;                                  \
+                vec v[PV_VECS];                                                              \
+                for (int c = 0; c < PV_VECS; c++) {                                          \
+                    v[c] = load_vec(values, row + c * VLEN, bf16);                           \
+                    HOLD(v[c]);                                                              \
+                }                                                                            \
+                for (int j = 0; j < ROWS; j++) {                                             \
+                    const vec w = vec_set1(pt[k * nqp + j]);                                 \
+                    for (int c = 0; c < PV_VECS; c++) acc[j][c] = vec_fmadd(w, v[c], acc[j][c]); \
+                }                                                                            \
+            }                                                                                \
+            for (int j = 0; j < ROWS; j++)                                                   \
+                for (int c = 0; c < PV_VECS; c++) vec_storeu(outs[j] + i + c * VLEN, acc[j][c]); \
+        }                                                                                    \
+        for (; i < head_dim; i += VLEN) {                                                    \
+            vec acc[ROWS];                                                                   \
+            for (int j = 0; j < ROWS; j++)                                                   \
+                acc[j] = vec_mul(vec_loadu(outs[j] + i), vec_set1(factors[j]));              \
+            for (int64_t k = from; k < to; k++) {                                            \
+                const vec v = load_vec(values, start + k * stride + i, bf16);                \
+                for (int j = 0; j < ROWS; j++)                                               \
+                    acc[j] = vec_fmadd(vec_set1(pt[k * nqp + j]), v, acc[j]);                \
+            }                                                                                \
+            for (int j = 0; j < ROWS; j++) vec_storeu(outs[j] + i, acc[j]);                  \
+        }                                                                                    \
+    }
+DEFINE_PV(4)
+DEFINE_PV(2)
+DEFINE_PV(1)
+#define PV_CALL_(ROWS) pv_##ROWS
+#define PV_CALL(ROWS) PV_CALL_(ROWS)
+
+/* Asks for the cache lines of one kv head's slice of a block (block_size tokens of head_dim
+ * elements, token_stride apart), for the loop over that head's blocks. */
+static inline void prefetch_head_slice(const void *cache, int64_t first_element, int64_t tokens,
+                                       int64_t token_stride, int64_t head_bytes, int64_t elem) {
+    const char *base = (const char *)cache + first_element * elem;
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t byte = 0; byte < head_bytes; byte += 64)
+            __builtin_prefetch(base + t * token_stride * elem + byte);
+}
+
+/* Scratch floats (and int32s, counted as floats) attend_tile needs for a tile of `nrows`. */
+static inline int64_t tile_scratch_floats(int64_t nrows, int64_t group, int64_t head_dim,
+                                          int64_t block_size) {
+    const int64_t nqp = (nrows * group + VLEN - 1) / VLEN * VLEN;
+    /* row pointers (2 floats' room each) first, where malloc's alignment holds for them */
+    return nqp * (2 + head_dim + block_size + 7) + block_size * head_dim;
+}
+
+/* The rows of a prefill tile as above: row r (r < nrows) is query[r] ([num_heads, head_dim])
+ * over key positions [first[r], len[r]) of `table`; same numerics as attend_rows. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const float *query, const void *k_cache, const void *v_cache, const int32_t *table,
+    const int64_t *first, const int64_t *len, int64_t nrows, int64_t num_heads,
+    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float *out,
+    float *scratch, const int bf16) {
+    const int64_t group = num_heads / kv_heads;
+    const int64_t token_stride = kv_heads * head_dim;
+    const int64_t block_elements = block_size * token_stride;
+    const int64_t row_size = num_heads * head_dim;
+    const int64_t elem = bf16 ? 2 : 4, head_bytes = head_dim * elem;
+    const int64_t nq = nrows * group, nqp = (nq + VLEN - 1) / VLEN * VLEN;
+    float **outs = (float **)scratch;            /* [nq]: each row's output */
+    float *qt = scratch + 2 * nqp;               /* [head_dim][nqp] */
+    float *st = qt + head_dim * nqp;             /* [block_size][nqp]: scores, then probs */
+    float *maxima = st + block_size * nqp, *sums = maxima + nqp, *factors = sums + nqp;
+    float *shift = factors + nqp, *block_max = shift + nqp;
+    int32_t *lo = (int32_t *)(block_max + nqp), *hi = lo + nqp;  /* each row's key positions */
+    float *widened = (float *)(hi + nqp);        /* [block_size][head_dim]: bf16 keys as float */
+    int64_t lowest = first[0], highest = len[0], latest_first = first[0], earliest_len = len[0];
+    for (int64_t r = 0; r < nrows; r++) {
+        lowest = first[r] < lowest ? first[r] : lowest;
+        highest = len[r] > highest ? len[r] : highest;
+        latest_first = first[r] > latest_first ? first[r] : latest_first;
+        earliest_len = len[r] < earliest_len ? len[r] : earliest_len;
+    }
+    for (int64_t r = 0; r < nqp; r++) {  /* padding rows copy the last row's key range */
+        const int64_t t = r < nq ? r / group : nrows - 1;
+        lo[r] = (int32_t)first[t];
+        hi[r] = (int32_t)len[t];
+    }
+    const int64_t first_block = lowest / block_size, last_block = (highest - 1) / block_size;
+    for (int64_t g = 0; g < kv_heads; g++) {
+        for (int64_t r = 0; r < nqp; r++) {
+            if (r >= nq) {
+                for (int64_t d = 0; d < head_dim; d++) qt[d * nqp + r] = 0.0f;
+                continue;
+            }
+            const int64_t offset = (r / group) * row_size + (g * group + r % group) * head_dim;
+            const float *q_row = query + offset;
+            for (int64_t d = 0; d < head_dim; d++) qt[d * nqp + r] = q_row[d] * scale;
+            outs[r] = out + offset;
+            for (int64_t i = 0; i < head_dim; i++) outs[r][i] = 0.0f;
+        }
+        for (int64_t r = 0; r < nqp; r++) {
+            maxima[r] = -INFINITY;
+            sums[r] = 0.0f;
+        }
+        for (int64_t b = first_block; b < first_block + PREFETCH_BLOCKS && b <= last_block; b++) {
+            const int64_t slice = (int64_t)table[b] * block_elements + g * head_dim;
+            prefetch_head_slice(k_cache, slice, block_size, token_stride, head_bytes, elem);
+            prefetch_head_slice(v_cache, slice, block_size, token_stride, head_bytes, elem);
+        }
+        for (int64_t b = first_block; b <= last_block; b++) {
+            const int64_t block_first = b * block_size;
+            const int64_t slice = (int64_t)table[b] * block_elements + g * head_dim;
+            const int64_t from = (lowest > block_first ? lowest : block_first) - block_first;
+            const int64_t to = (highest < block_first + block_size ? highest
+                                                                   : block_first + block_size) -
+                               block_first;
+            const int ahead = b + PREFETCH_BLOCKS <= last_block;
+            const int64_t next = ahead ? (int64_t)table[b + PREFETCH_BLOCKS] * block_elements +
+                                             g * head_dim
+                                       : 0;
+            if (ahead) prefetch_head_slice(k_cache, next, block_size, token_stride, head_bytes, elem);
+            const float *keys;
+            int64_t key_stride;
+            if (bf16) {
+                for (int64_t k = from; k < to; k++)
+                    for (int64_t i = 0; i < head_dim; i += VLEN)
+                        vec_storeu(widened + k * head_dim + i,
+                                   load_vec(k_cache, slice + k * token_stride + i, 1));
+                keys = widened;
+                key_stride = head_dim;
+            } else {
+                keys = (const float *)k_cache + slice;
+                key_stride = token_stride;
+            }
+            tile_scores(qt, nqp, keys, key_stride, from, to, head_dim, st);
+            /* The block's maximum per row, along rows; keys outside a row's range get -inf
+             * first, where the block is not inside every row's range (the diagonal, a
+             * window's edge). */
+            for (int64_t r = 0; r < nqp; r++) block_max[r] = -INFINITY;
+            const int inside = block_first + from >= latest_first && block_first + to <= earliest_len;
+            for (int64_t k = from; k < to; k++) {
+                const int32_t position = (int32_t)(block_first + k);
+                float *s = st + k * nqp;
+                if (inside) {
+#pragma omp simd
+                    for (int64_t r = 0; r < nqp; r++)
+                        block_max[r] = s[r] > block_max[r] ? s[r] : block_max[r];
+                    continue;
+                }
+#pragma omp simd
+                for (int64_t r = 0; r < nqp; r++) {
+                    const float x = (position >= lo[r] && position < hi[r]) ? s[r] : -INFINITY;
+                    s[r] = x;
+                    block_max[r] = x > block_max[r] ? x : block_max[r];
+                }
+            }
+            /* A row with no key yet keeps -inf as its maximum; exponents are taken against 0
+             * then, so its sums stay 0 instead of becoming NaN. */
+#pragma omp simd
+            for (int64_t r = 0; r < nqp; r++) {
+                const float peak = block_max[r] > maxima[r] ? block_max[r] : maxima[r];
+                shift[r] = peak == -INFINITY ? 0.0f : peak;
+                factors[r] = maxima[r] - shift[r];
+                maxima[r] = peak;
+            }
+#pragma omp simd
+            for (int64_t r = 0; r < nqp; r++) factors[r] = expf(factors[r]);
+#pragma omp simd
+            for (int64_t r = 0; r < nqp; r++) sums[r] *= factors[r];
+            for (int64_t k = from; k < to; k++) {
+                float *s = st + k * nqp;
+#pragma omp simd
+                for (int64_t r = 0; r < nqp; r++) {
+                    s[r] = expf(s[r] - shift[r]);
+                    sums[r] += s[r];
+                }
+            }
+            if (ahead) prefetch_head_slice(v_cache, next, block_size, token_stride, head_bytes, elem);
+            int64_t r = 0;
+            for (; r + PV_ROWS <= nq; r += PV_ROWS)
+                PV_CALL(PV_ROWS)(outs + r, factors + r, st + r, nqp, v_cache, slice, token_stride,
+                                 from, to, head_dim, bf16);
+            for (; r < nq; r++)
+                pv_1(outs + r, factors + r, st + r, nqp, v_cache, slice, token_stride, from, to,
+                     head_dim, bf16);
+        }
+        for (int64_t r = 0; r < nq; r++) {
+            const float inverse = 1.0f / sums[r];
+#pragma omp simd
+            for (int64_t i = 0; i < head_dim; i++) outs[r][i] *= inverse;
+        }
+    }
+}
+#endif
+
 /* A prefill chunk of one sequence, its keys and values already written to their blocks: row i
  * is position start + i and attends to positions [0, start + i] (the last `window` of them
  * when window > 0) of `table` (table_len blocks). Same returns as paged_attention_f32. */
@@ -397,10 +689,18 @@ int paged_prefill_attention_f32(const float *q, const void *k_cache, const void 
     const int64_t per_thread = (rows + threads - 1) / threads;
     const int64_t tile = per_thread < PREFILL_TILE ? per_thread : PREFILL_TILE;
     const int64_t tiles = (rows + tile - 1) / tile;
+    int blocked = 0;
+    int64_t scratch_floats = tile * num_heads * (block_size + 2);
+#ifdef HAVE_VECTOR_DOTS
+    if (head_dim % VLEN == 0) {
+        blocked = 1;
+        scratch_floats = tile_scratch_floats(tile, num_heads / kv_heads, head_dim, block_size);
+    }
+#endif
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scratch = malloc(sizeof(float) * (size_t)(tile * num_heads * (block_size + 2)));
+        float *scratch = malloc(sizeof(float) * (size_t)scratch_floats);
         if (scratch == NULL) failed = 1;
         /* Later tiles attend to more positions: handed out first, so the last one a thread
          * picks up is short. */
@@ -414,9 +714,21 @@ int paged_prefill_attention_f32(const float *q, const void *k_cache, const void 
                 len[r] = start + row0 + r + 1;
                 first[r] = window_start(len[r], window);
             }
-            attend(q + row0 * num_heads * head_dim, k_cache, v_cache, table, first, len, nrows,
-                   num_heads, kv_heads, head_dim, block_size, scale,
-                   out + row0 * num_heads * head_dim, scratch, kv_bf16);
+            const float *rows_q = q + row0 * num_heads * head_dim;
+            float *rows_out = out + row0 * num_heads * head_dim;
+#ifdef HAVE_VECTOR_DOTS
+            if (blocked) {
+                if (kv_bf16)
+                    attend_tile(rows_q, k_cache, v_cache, table, first, len, nrows, num_heads,
+                                kv_heads, head_dim, block_size, scale, rows_out, scratch, 1);
+                else
+                    attend_tile(rows_q, k_cache, v_cache, table, first, len, nrows, num_heads,
+                                kv_heads, head_dim, block_size, scale, rows_out, scratch, 0);
+                continue;
+            }
+#endif
+            attend(rows_q, k_cache, v_cache, table, first, len, nrows, num_heads, kv_heads,
+                   head_dim, block_size, scale, rows_out, scratch, kv_bf16);
         }
         free(scratch);
     }

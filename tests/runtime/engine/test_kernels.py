@@ -401,18 +401,34 @@ def test_fused_ops_refuse_bad_shapes_and_slots(kernel):
         (3, 40, 64),  # a window longer than any row's context
     ],
 )
+@pytest.mark.parametrize(
+    "num_heads,kv_heads,head_dim,block_size",
+    [
+        # Where the vector code runs, a tile's rows of one kv head (positions x the group) are
+        # multiplied as one matrix: in vectors of 3, 2 and 1 (48 rows of a group of 3 fill
+        # three AVX-512 vectors), with 4 keys at a time and a tail of fewer.
+        (6, 2, 64, 4),
+        (6, 2, 64, 16),
+        (8, 1, 32, 16),  # multi-query: 128 rows a kv head
+        (4, 4, 128, 16),  # plain multi-head; head_dim in two 64-float slices
+        (2, 1, 96, 8),  # 64 floats of a head, then 16- or 8-float vectors
+        (6, 2, 24, 16),  # a multiple of 8, not of 16: AVX2's vectors, AVX-512's portable loops
+        (6, 3, 20, 8),  # head_dim not a multiple of 8: the portable path
+    ],
+)
 def test_prefill_kernel_attends_a_chunk_in_place_as_sdpa_over_its_blocks(
-    kernel, start, num_tokens, window, kv_dtype
+    kernel, start, num_tokens, window, kv_dtype, num_heads, kv_heads, head_dim, block_size
 ):
     from runtime.engine.model import AttentionMetadata, PagedPrefill, PrefillAttention
     from runtime.engine.model import paged_attention as attend
 
     compiled = kernels.cpu_kernels()
-    end, block_size = start + num_tokens, 4
+    end = start + num_tokens
     q, k_cache, v_cache, tables, _ = random_case(
-        rows=1, num_heads=6, kv_heads=2, head_dim=64, block_size=block_size, lens=[end])
+        rows=1, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
+        block_size=block_size, lens=[end])
     k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
-    q = torch.randn(num_tokens, 6, 64, generator=torch.Generator().manual_seed(3))
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=torch.Generator().manual_seed(3))
     key_positions = torch.arange(tables.shape[1] * block_size).unsqueeze(0)
     query_positions = torch.arange(start, end).unsqueeze(1)
     mask = key_positions <= query_positions
@@ -425,6 +441,11 @@ def test_prefill_kernel_attends_a_chunk_in_place_as_sdpa_over_its_blocks(
         return attend(q, unused, unused, k_cache, v_cache, meta)
 
     gathered = run(PrefillAttention(0, num_tokens, context_blocks=tables[0].long(), mask=mask))
+    # Slots past the chunk's last position hold whatever the cache held: never to be read.
+    for position in range(end, tables.shape[1] * block_size):
+        block = tables[0, position // block_size]
+        k_cache[block, position % block_size] = float("nan")
+        v_cache[block, position % block_size] = float("nan")
     in_place = run(PrefillAttention(0, num_tokens, None, None, paged=PagedPrefill(
         compiled.paged_prefill_attention, tables[0].contiguous(), start, window)))
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
