@@ -435,35 +435,27 @@ DEFINE_QK(1, 3)
 DEFINE_QK(1, 2)
 DEFINE_QK(1, 1)
 
+/* Scores of KEYS keys from key k on, for every row vector: 3 vectors at a time, then the rest. */
+#define QK_ALL_ROWS(KEYS)                                                                     \
+    do {                                                                                     \
+        const float *keys_k = keys + k * key_stride;                                         \
+        float *st_k = st + k * nqp;                                                          \
+        int64_t c = 0;                                                                       \
+        for (; c + 3 <= vectors; c += 3)                                                     \
+            qk_##KEYS##_3(qt + c * VLEN, nqp, keys_k, key_stride, head_dim, st_k + c * VLEN);\
+        if (vectors - c == 2)                                                                \
+            qk_##KEYS##_2(qt + c * VLEN, nqp, keys_k, key_stride, head_dim, st_k + c * VLEN);\
+        else if (vectors - c == 1)                                                           \
+            qk_##KEYS##_1(qt + c * VLEN, nqp, keys_k, key_stride, head_dim, st_k + c * VLEN);\
+    } while (0)
+
 /* Scores of keys [from, to) (key k at keys + k * key_stride) for every row vector. */
 static inline void tile_scores(const float *qt, int64_t nqp, const float *keys, int64_t key_stride,
                                int64_t from, int64_t to, int64_t head_dim, float *st) {
     const int64_t vectors = nqp / VLEN;
     int64_t k = from;
-    for (; k + 4 <= to; k += 4) {
-        int64_t c = 0;
-        for (; c + 3 <= vectors; c += 3)
-            qk_4_3(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
-                   st + k * nqp + c * VLEN);
-        if (vectors - c == 2)
-            qk_4_2(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
-                   st + k * nqp + c * VLEN);
-        else if (vectors - c == 1)
-            qk_4_1(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
-                   st + k * nqp + c * VLEN);
-    }
-    for (; k < to; k++) {
-        int64_t c = 0;
-        for (; c + 3 <= vectors; c += 3)
-            qk_1_3(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
-                   st + k * nqp + c * VLEN);
-        if (vectors - c == 2)
-            qk_1_2(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
-                   st + k * nqp + c * VLEN);
-        else if (vectors - c == 1)
-            qk_1_1(qt + c * VLEN, nqp, keys + k * key_stride, key_stride, head_dim,
-                   st + k * nqp + c * VLEN);
-    }
+    for (; k + 4 <= to; k += 4) QK_ALL_ROWS(4);
+    for (; k < to; k++) QK_ALL_ROWS(1);
 }
 
 /* outs[j][...] = outs[j][...] * factors[j] + sum over k in [from, to) of pt[k * nqp + j] *
