@@ -21,6 +21,11 @@ before the random part, as vLLM's `--random-prefix-len` does; `--shared-prefix-r
 fraction of requests that share one prefix, the others get a private prefix of the same length
 so that only cacheability differs.
 
+`request_classes` (Python callers only) splits the requests into classes, each sent with its own
+API key (e.g. keys of different priorities behind a gateway) in an exact share of the requests,
+interleaved in one arrival process; the result then holds each class's own summary under
+`classes`, and per request its class, send time, error kind and error code.
+
 Python callers use `run_benchmark(BenchConfig(...)) -> dict`.
 
 The client is aiohttp (C-accelerated HTTP parsing): the generator shares the machine with the
@@ -108,6 +113,15 @@ class LengthRange:
         return self.low if self.low == self.high else rng.randint(self.low, self.high)
 
 
+@dataclass(frozen=True)
+class RequestClass:
+    """A share of the requests, sent with its own API key."""
+
+    name: str
+    api_key: str
+    share: float
+
+
 @dataclass
 class BenchConfig:
     base_url: str
@@ -123,6 +137,8 @@ class BenchConfig:
     shared_prefix_len: int = 0
     shared_prefix_ratio: float = 1.0
     goodput_slos_ms: dict[str, float] = field(default_factory=dict)
+    # Empty: every request is sent with `api_key`.
+    request_classes: list[RequestClass] = field(default_factory=list)
     seed: int = 0
     # Sampling sent with every request; greedy by default, as in vLLM's `bench serve`.
     temperature: float = 0.0
@@ -165,6 +181,11 @@ class BenchConfig:
                 raise BenchConfigError(f"{name}: must lie in [-2, 2]")
         if self.repetition_penalty is not None and not self.repetition_penalty > 0:
             raise BenchConfigError("repetition_penalty: must be > 0")
+        names = [request_class.name for request_class in self.request_classes]
+        if len(set(names)) != len(names) or not all(names):
+            raise BenchConfigError("request_classes: names must be non-empty and distinct")
+        if not all(request_class.share > 0 for request_class in self.request_classes):
+            raise BenchConfigError("request_classes: every share must be > 0")
         for name, limit in self.goodput_slos_ms.items():
             if name not in SLO_METRICS:
                 raise BenchConfigError(f"goodput: unknown metric {name!r}; use ttft, tpot, e2el")
@@ -177,6 +198,7 @@ class PlannedRequest:
     prompt: str
     prompt_len: int
     output_len: int
+    request_class: str = ""
 
 
 @dataclass
@@ -184,6 +206,9 @@ class RequestResult:
     success: bool = False
     error_kind: str = ""
     error_message: str = ""
+    error_code: str = ""  # an error body's `code` (e.g. the gateway's "degraded")
+    request_class: str = ""
+    sent_at_s: float = 0.0  # from the start of the run
     prompt_len: int = 0
     output_tokens: int = 0
     ttft_s: float = 0.0
@@ -268,7 +293,25 @@ class PromptPlanner:
                 prefix = shared_prefix if index in sharing else self.text_of_length(prefix_len)
                 body = f"{prefix} {body}"
             planned.append(PlannedRequest(body, prefix_len + input_len, output_len))
+        for request, name in zip(planned, self.class_names(), strict=True):
+            request.request_class = name
         return planned
+
+    def class_names(self) -> list[str]:
+        """Each request's class: exact shares (largest remainders), shuffled by their own seed so
+        that adding classes leaves the prompts of a seed unchanged."""
+        classes, total = self.config.request_classes, self.config.num_prompts
+        if not classes:
+            return [""] * total
+        weight = sum(request_class.share for request_class in classes)
+        exact = [total * request_class.share / weight for request_class in classes]
+        counts = [math.floor(value) for value in exact]
+        by_remainder = sorted(range(len(classes)), key=lambda index: counts[index] - exact[index])
+        for index in by_remainder[: total - sum(counts)]:
+            counts[index] += 1
+        names = [c.name for c, count in zip(classes, counts, strict=True) for _ in range(count)]
+        random.Random(self.config.seed + 2).shuffle(names)
+        return names
 
 
 def arrival_gaps(
@@ -290,7 +333,11 @@ class StreamingClient:
         self.client = client
         self.config = config
         self.url = config.base_url.rstrip("/") + ENDPOINT_PATHS[config.endpoint]
-        self.headers = {"Authorization": f"Bearer {config.api_key}"}
+        self.keys = {c.name: c.api_key for c in config.request_classes}
+        self.keys[""] = config.api_key
+
+    def headers(self, request: PlannedRequest) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[request.request_class]}"}
 
     def payload(self, request: PlannedRequest) -> dict:
         body: dict = {
@@ -317,17 +364,18 @@ class StreamingClient:
         return body
 
     async def send(self, request: PlannedRequest) -> RequestResult:
-        result = RequestResult(prompt_len=request.prompt_len)
+        result = RequestResult(prompt_len=request.prompt_len, request_class=request.request_class)
         text_chunks = 0
         started = time.perf_counter()
         last_text_at = started
         first_choice_at = None
         try:
             async with self.client.post(
-                self.url, json=self.payload(request), headers=self.headers
+                self.url, json=self.payload(request), headers=self.headers(request)
             ) as response:
                 if response.status != 200:
                     body = (await response.read()).decode("utf-8", "replace")
+                    result.error_code = error_code(body)
                     return self.failed(result, f"http_{response.status}", error_text(body))
                 async for line in response.content:  # one SSE line at a time
                     if not line.startswith(b"data:"):
@@ -393,6 +441,14 @@ def error_text(body: str) -> str:
         return body[:500]
 
 
+def error_code(body: str) -> str:
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    return "" if code is None else str(code)
+
+
 def percentile_summary(name: str, values_s: list[float]) -> dict[str, float]:
     """mean/median/std and percentiles in ms, with numpy's linear interpolation (as vLLM)."""
     values_ms = np.asarray(values_s or [0.0], dtype=float) * 1000.0
@@ -447,7 +503,8 @@ def summarize(results: list[RequestResult], duration_s: float, slos_ms: dict[str
     return metrics
 
 
-async def drive(config: BenchConfig, planned: list[PlannedRequest]) -> tuple[list, float]:
+async def drive(config: BenchConfig, planned: list[PlannedRequest]) -> tuple[list, float, float]:
+    """Send the planned requests; returns their results, the run's seconds and its Unix start."""
     gaps = arrival_gaps(
         len(planned), config.request_rate, config.burstiness, random.Random(config.seed + 1)
     )
@@ -467,15 +524,17 @@ async def drive(config: BenchConfig, planned: list[PlannedRequest]) -> tuple[lis
         sender = StreamingClient(client, config)
 
         async def one(request: PlannedRequest) -> RequestResult:
+            sent_at_s = time.perf_counter() - started
             if semaphore is None:
                 result = await sender.send(request)
             else:
                 async with semaphore:
                     result = await sender.send(request)
+            result.sent_at_s = sent_at_s
             progress.update(1)
             return result
 
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         tasks = []
         send_at = started
         for gap, request in zip(gaps, planned, strict=True):
@@ -488,21 +547,32 @@ async def drive(config: BenchConfig, planned: list[PlannedRequest]) -> tuple[lis
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - started
     progress.close()
-    return list(results), duration
+    return list(results), duration, started_at
 
 
 def run_benchmark(config: BenchConfig) -> dict:
     """Run the whole benchmark and return its metrics (also written to result_json if set)."""
     config.validate()
     planned = PromptPlanner(config).plan()
-    results, duration = asyncio.run(drive(config, planned))
+    results, duration, started_at = asyncio.run(drive(config, planned))
     metrics = summarize(results, duration, config.goodput_slos_ms)
+    metrics["started_at"] = started_at  # Unix time of the first send: lines up with other logs
     metrics["config"] = config_summary(config)
     metrics["error_messages"] = first_error_messages(results)
     metrics["input_lens"] = [result.prompt_len for result in results]
     metrics["output_lens"] = [result.output_tokens for result in results]
     metrics["ttfts"] = [result.ttft_s for result in results]
     metrics["e2els"] = [result.e2el_s for result in results]
+    if config.request_classes:
+        metrics["classes"] = {
+            c.name: summarize([r for r in results if r.request_class == c.name], duration,
+                              config.goodput_slos_ms)
+            for c in config.request_classes
+        }
+        metrics["request_classes"] = [result.request_class for result in results]
+        metrics["sent_at"] = [result.sent_at_s for result in results]
+        metrics["error_kinds"] = [result.error_kind for result in results]
+        metrics["error_codes"] = [result.error_code for result in results]
     if config.result_json:
         Path(config.result_json).write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
@@ -511,6 +581,9 @@ def run_benchmark(config: BenchConfig) -> dict:
 def config_summary(config: BenchConfig) -> dict:
     summary = asdict(config)
     summary.pop("api_key")
+    summary["request_classes"] = [
+        {"name": c.name, "share": c.share} for c in config.request_classes
+    ]
     summary.pop("show_progress")
     summary["request_rate"] = "inf" if math.isinf(config.request_rate) else config.request_rate
     summary["input_len"] = f"{config.input_len.low}-{config.input_len.high}"

@@ -19,18 +19,29 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar
+
+if TYPE_CHECKING:  # each of these imports torch, which loads in the model thread
+    from runtime.engine.engine import CompletionOutput, EngineStats
+    from runtime.engine.sampling import SamplingParams
+    from runtime.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-LOADING, READY, FAILED, DEAD, STOPPED = "loading", "ready", "failed", "dead", "stopped"
+EngineState = Literal["loading", "ready", "failed", "dead", "stopped"]
+LOADING: Final = "loading"
+READY: Final = "ready"
+FAILED: Final = "failed"
+DEAD: Final = "dead"
+STOPPED: Final = "stopped"
 
 
 class EngineUnavailableError(RuntimeError):
     """The model is still loading, failed to load, or its loop thread has died."""
 
-    def __init__(self, state: str, detail: str = "") -> None:
-        self.state = state
+    def __init__(self, state: EngineState, detail: str = "") -> None:
+        self.state: EngineState = state
+        self.detail = detail
         reason = {LOADING: "The model is still loading.",
                   FAILED: "The model failed to load.",
                   DEAD: "The engine loop has stopped.",
@@ -38,23 +49,85 @@ class EngineUnavailableError(RuntimeError):
         super().__init__(f"{reason} {detail}".strip())
 
 
+class RequestRefused(ValueError):
+    """The engine would not take a request (too long, a bad token id, ...); the engine itself
+    is fine. `param` names the request field at fault when the engine said which."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class GenerativeModel(Protocol):
+    """What the bridge drives: LLMEngine's API, called from the model thread only."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None: ...
+    def abort_request(self, request_id: str) -> None: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[CompletionOutput]: ...
+    def stats(self) -> EngineStats: ...
+
+
+EmbeddingInputs = list[str] | list[list[int]]
+
+
+class EmbeddingModelLike(Protocol):
+    """What the embedder drives: EmbeddingModel's API."""
+
+    def embed(self, inputs: EmbeddingInputs) -> tuple[list[list[float]], list[int]]: ...
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A request handed to the engine: what `AsyncEngine.submit()` takes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+    @property
+    def num_choices(self) -> int:
+        return max(1, int(self.params.n or 1))
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
 @dataclass(frozen=True)
 class EngineEvent:
-    """One CompletionOutput plus when the engine step that produced it began."""
+    """One sequence's output of one engine step, and when that step began."""
 
-    output: Any
+    output: CompletionOutput
     step_started_at: float
 
 
-class _ModelThread:
+@dataclass(frozen=True)
+class Embeddings:
+    """One unit vector per input and the number of tokens each input used."""
+
+    vectors: list[list[float]]
+    token_counts: list[int]
+
+
+ModelT = TypeVar("ModelT")
+
+
+class _ModelThread(Generic[ModelT]):
     """Loads a model in a daemon thread and runs `_serve()` there; tracks the lifecycle."""
 
     thread_name = "model-loop"
 
-    def __init__(self, load: Callable[[], Any]) -> None:
+    def __init__(self, load: Callable[[], ModelT]) -> None:
         self._load = load
-        self.model: Any = None
-        self.state = LOADING
+        self.model: ModelT | None = None
+        self.state: EngineState = LOADING
         self.error = ""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup = threading.Condition()
@@ -166,45 +239,48 @@ class RequestStream:
         self.done = True
 
 
-class AsyncEngine(_ModelThread):
+class AsyncEngine(_ModelThread[GenerativeModel]):
     """Runs an LLMEngine in a thread and streams its outputs to coroutines."""
 
-    def __init__(self, load: Callable[[], Any]) -> None:
+    def __init__(self, load: Callable[[], GenerativeModel]) -> None:
         super().__init__(load)
-        self._pending: list[tuple[str, tuple[Any, ...]]] = []
+        self._pending: list[EngineRequest | _Abort] = []
         self._channels: dict[str, _RequestChannel] = {}  # touched on the event loop only
 
     @property
-    def max_model_len(self) -> int:
+    def engine(self) -> GenerativeModel:
         self.check_ready()
-        return int(self.model.max_model_len)
+        assert self.model is not None
+        return self.model
 
     @property
-    def tokenizer(self) -> Any:
-        self.check_ready()
-        return self.model.tokenizer
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
 
-    def stats(self) -> Any | None:
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats | None:
         return self.model.stats() if self.model is not None else None
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                     priority: int = 0) -> RequestStream:
+    async def submit(self, request: EngineRequest) -> RequestStream:
         """Hand a request to the engine; returns once the engine has accepted it.
 
-        Raises the engine's ValueError when it refuses the request, and
+        Raises RequestRefused when the engine refuses the request, and
         EngineUnavailableError when the model is not serving.
         """
+        request_id = request.request_id
         if request_id in self._channels:
-            raise ValueError(f"duplicate request id {request_id}")
+            raise RequestRefused(f"duplicate request id {request_id}")
         assert self._loop is not None
-        channel = _RequestChannel(max(1, int(getattr(params, "n", 1) or 1)),
-                                  self._loop.create_future())
+        channel = _RequestChannel(request.num_choices, self._loop.create_future())
         self._channels[request_id] = channel
         # Checked after registering: a loop that dies from here on fails this channel too.
         if self.state != READY:
             del self._channels[request_id]
             raise EngineUnavailableError(self.state, self.error)
-        self._submit("add", request_id, list(prompt_token_ids), params, priority)
+        self._submit(request)
         try:
             await channel.accepted
         except BaseException:
@@ -212,10 +288,9 @@ class AsyncEngine(_ModelThread):
             raise
         return RequestStream(self, request_id, channel)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                       priority: int = 0) -> AsyncIterator[EngineEvent]:
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
         """`submit()` and iterate in one call."""
-        stream = await self.submit(request_id, prompt_token_ids, params, priority)
+        stream = await self.submit(request)
         async for event in stream:
             yield event
 
@@ -231,15 +306,16 @@ class AsyncEngine(_ModelThread):
 
     def _forget(self, request_id: str, abort: bool) -> None:
         if self._channels.pop(request_id, None) is not None and abort:
-            self._submit("abort", request_id)
+            self._submit(_Abort(request_id))
 
-    def _submit(self, command: str, *args: Any) -> None:
+    def _submit(self, command: EngineRequest | _Abort) -> None:
         with self._wakeup:
-            self._pending.append((command, args))
+            self._pending.append(command)
             self._wakeup.notify()
 
     def _serve(self) -> None:
         engine = self.model
+        assert engine is not None
         while True:
             with self._wakeup:
                 while not (self._pending or self._stopping or engine.has_unfinished_requests()):
@@ -247,8 +323,8 @@ class AsyncEngine(_ModelThread):
                 if self._stopping:
                     return
                 commands, self._pending = self._pending, []
-            for command, args in commands:
-                self._apply(engine, command, args)
+            for command in commands:
+                self._apply(engine, command)
             if not engine.has_unfinished_requests():
                 continue
             step_started_at = time.monotonic()
@@ -256,24 +332,26 @@ class AsyncEngine(_ModelThread):
             if outputs:
                 self._call_soon(self._dispatch, outputs, step_started_at)
 
-    def _apply(self, engine: Any, command: str, args: tuple[Any, ...]) -> None:
-        if command == "abort":
-            engine.abort_request(args[0])
+    def _apply(self, engine: GenerativeModel, command: EngineRequest | _Abort) -> None:
+        if isinstance(command, _Abort):
+            engine.abort_request(command.request_id)
             return
-        request_id, prompt_token_ids, params, priority = args
+        refusal: Exception | None = None
         try:
-            engine.add_request(request_id, prompt_token_ids, params, priority=priority)
-        except (ValueError, TypeError) as exc:  # the request is bad, the engine is fine
-            self._call_soon(self._settle_acceptance, request_id, exc)
-        else:
-            self._call_soon(self._settle_acceptance, request_id, None)
+            engine.add_request(command.request_id, list(command.prompt_token_ids),
+                               command.params, priority=command.priority)
+        except ValueError as exc:  # the request is bad, the engine is fine
+            refusal = RequestRefused(str(exc), getattr(exc, "param", None))
+        except TypeError as exc:  # a malformed request object is the server's bug: a 500
+            refusal = exc
+        self._call_soon(self._settle_acceptance, command.request_id, refusal)
 
-    def _settle_acceptance(self, request_id: str, exc: BaseException | None) -> None:
+    def _settle_acceptance(self, request_id: str, refusal: Exception | None) -> None:
         channel = self._channels.get(request_id)
         if channel is not None:
-            _settle(channel.accepted, None, exc)
+            _settle(channel.accepted, None, refusal)
 
-    def _dispatch(self, outputs: list[Any], step_started_at: float) -> None:
+    def _dispatch(self, outputs: list[CompletionOutput], step_started_at: float) -> None:
         for output in outputs:
             # A request aborted a moment ago may still appear in one more step's outputs.
             channel = self._channels.get(output.request_id)
@@ -301,38 +379,47 @@ class EncoderStats:
     generation_tokens_total: int = 0
 
 
-class AsyncEmbedder(_ModelThread):
+@dataclass(frozen=True, eq=False)
+class _EmbeddingJob:
+    """One embedding request waiting for (or in) a batch."""
+
+    inputs: EmbeddingInputs
+    result: asyncio.Future[Embeddings]
+
+
+class AsyncEmbedder(_ModelThread[EmbeddingModelLike]):
     """Runs an EmbeddingModel in a thread; concurrent requests share one batch."""
 
     thread_name = "embedding-loop"
 
-    def __init__(self, load: Callable[[], Any], max_batch_inputs: int = 64) -> None:
+    def __init__(self, load: Callable[[], EmbeddingModelLike], max_batch_inputs: int = 64) -> None:
         super().__init__(load)
         self.max_batch_inputs = max_batch_inputs
-        self._pending: list[tuple[list[Any], asyncio.Future[Any]]] = []
-        self._running_batch: list[tuple[list[Any], asyncio.Future[Any]]] = []
+        self._pending: list[_EmbeddingJob] = []
+        self._running_batch: list[_EmbeddingJob] = []
         self._stats = EncoderStats()
 
     def stats(self) -> EncoderStats:
         return self._stats
 
-    async def embed(self, inputs: list[Any]) -> tuple[list[list[float]], list[int]]:
+    async def embed(self, inputs: EmbeddingInputs) -> Embeddings:
         self.check_ready()
         assert self._loop is not None
-        future: asyncio.Future[Any] = self._loop.create_future()
+        job = _EmbeddingJob(inputs, self._loop.create_future())
         with self._wakeup:
-            self._pending.append((inputs, future))
+            self._pending.append(job)
             self._stats.num_waiting += 1
             self._wakeup.notify()
-        return await future
+        return await job.result
 
-    def _take_batch(self) -> list[tuple[list[Any], asyncio.Future[Any]]]:
-        batch, size = [], 0
-        while self._pending and (not batch or size + len(self._pending[0][0])
+    def _take_batch(self) -> list[_EmbeddingJob]:
+        batch: list[_EmbeddingJob] = []
+        size = 0
+        while self._pending and (not batch or size + len(self._pending[0].inputs)
                                  <= self.max_batch_inputs):
-            item = self._pending.pop(0)
-            batch.append(item)
-            size += len(item[0])
+            job = self._pending.pop(0)
+            batch.append(job)
+            size += len(job.inputs)
         return batch
 
     def _serve(self) -> None:
@@ -350,35 +437,37 @@ class AsyncEmbedder(_ModelThread):
             self._running_batch = []
             self._stats.num_running = 0
 
-    def _run_batch(self, batch: list[tuple[list[Any], asyncio.Future[Any]]]) -> None:
+    def _run_batch(self, batch: list[_EmbeddingJob]) -> None:
+        model = self.model
+        assert model is not None
         # Texts and token-id inputs cannot share one call, so group by kind.
         for want_text in (True, False):
-            group = [(inputs, fut) for inputs, fut in batch
-                     if isinstance(inputs[0], str) == want_text]
+            group = [job for job in batch if isinstance(job.inputs[0], str) == want_text]
             if not group:
                 continue
-            flat = [x for inputs, _ in group for x in inputs]
+            flat: Any = [x for job in group for x in job.inputs]  # one kind, grouped above
             try:
-                vectors, counts = self.model.embed(flat)
+                vectors, counts = model.embed(flat)
             except (ValueError, TypeError) as exc:
                 if len(group) > 1:  # one bad request must not fail its batch neighbours
-                    for item in group:
-                        self._run_batch([item])
+                    for job in group:
+                        self._run_batch([job])
                     continue
-                self._call_soon(_settle, group[0][1], None, exc)
+                self._call_soon(_settle, group[0].result, None, exc)
                 continue
             self._stats.prompt_tokens_total += sum(counts)
             start = 0
-            for inputs, fut in group:
-                end = start + len(inputs)
-                self._call_soon(_settle, fut, (vectors[start:end], counts[start:end]), None)
+            for job in group:
+                end = start + len(job.inputs)
+                self._call_soon(_settle, job.result,
+                                Embeddings(vectors[start:end], counts[start:end]), None)
                 start = end
 
     def _fail_all(self) -> None:
         with self._wakeup:
             pending, self._pending = self._running_batch + self._pending, []
-        for _, fut in pending:
-            _settle(fut, None, EngineUnavailableError(self.state, self.error))
+        for job in pending:
+            _settle(job.result, None, EngineUnavailableError(self.state, self.error))
 
 
 def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

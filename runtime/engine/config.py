@@ -9,16 +9,21 @@ from pathlib import Path
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DEFAULT_KV_CACHE_MEMORY = 512 * 1024 * 1024
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-LINEAR_BACKENDS = ("auto", "onednn", "torch")  # see model.Linear
-OPS_BACKENDS = ("auto", "kernels", "torch")  # see model_runner.compiled_kernels
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # see model_runner.kv_cache_dtype
+# What each "auto" and the dtypes become on this machine: plan.resolve_plan.
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
+OPS_BACKENDS = ("auto", "kernels", "torch")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
 class EngineConfig:
+    """What the engine is asked for; plan.ExecutionPlan is what that comes to here."""
+
     model: str  # checkpoint directory
     served_model_name: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16
+    # The weights': auto | float32 | bfloat16 | float16 (auto: the checkpoint's, or float32
+    # where this CPU has no native matmul in it).
+    dtype: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
     # bytes; when both this and num_kv_blocks are None: 512 MiB, capped at what
@@ -39,11 +44,10 @@ class EngineConfig:
     # How the forward pass multiplies by its weights: "onednn" (weights packed once into
     # oneDNN's layout, 2-3x faster on CPU), "torch" (F.linear), "auto" (oneDNN where it can).
     linear_backend: str = "auto"
-    # Decode attention and the element-wise work between matmuls (norms, rotary, SiLU, cache
+    # Attention and the element-wise work between matmuls (norms, rotary, SiLU, cache
     # writes): "kernels" (compiled C, runtime/engine/csrc; attention reads KV blocks in
     # place; float32 only), "torch" (gathers blocks for SDPA; torch ops), "auto" (the
-    # kernels where they build). With bf16 weights and the kernels, activations stay float32
-    # (model_runner.activation_dtype).
+    # kernels where they build). With bf16 weights and the kernels, activations stay float32.
     ops_backend: str = "auto"
     # What the KV cache stores: "auto" is the weights' dtype (as in vLLM), so a bf16 model
     # holds twice the tokens a float32 one does in the same memory; "float32" or "bfloat16"

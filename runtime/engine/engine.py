@@ -34,15 +34,8 @@ import torch
 
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.config import EngineConfig, ModelConfig
-from runtime.engine.loader import resolve_dtype
-from runtime.engine.model import onednn_packs
-from runtime.engine.model_runner import (
-    ModelRunner,
-    activation_dtype,
-    kv_bytes_per_block,
-    kv_cache_dtype,
-    num_kv_blocks_for,
-)
+from runtime.engine.model_runner import ModelRunner, kv_bytes_per_block, num_kv_blocks_for
+from runtime.engine.plan import resolve_plan
 from runtime.engine.sampling import (
     INVALID_TOKEN,
     Sampler,
@@ -64,10 +57,6 @@ logger = logging.getLogger(__name__)
 # Prompt positions whose logits are made at once for prompt logprobs: 256 rows of a 152k
 # vocabulary are 156 MB of float32 (twice that with their log-softmax).
 PROMPT_LOGITS_ROWS = 256
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class InvalidRequest(ValueError):
@@ -148,18 +137,13 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         self.tokenizer = Tokenizer.from_dir(config.model)
         self.served_model_name = config.served_model_name or config.model
-        self.dtype = resolve_dtype(  # of the weights
-            config.dtype, self.model_config.checkpoint_dtype, onednn_packs
-        )
-        self.activation_dtype = activation_dtype(config.ops_backend, self.dtype)
-        self.kv_cache_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.plan = resolve_plan(config, self.model_config.checkpoint_dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.num_kv_blocks = num_kv_blocks_for(
-            config, self.model_config, self.max_model_len, self.kv_cache_dtype
+            config, self.model_config, self.max_model_len, self.plan.kv_cache_dtype
         )
         self.runner = ModelRunner(
-            config, self.model_config, self.dtype, self.activation_dtype, self.kv_cache_dtype,
-            self.max_model_len, self.num_kv_blocks,
+            config, self.model_config, self.plan, self.max_model_len, self.num_kv_blocks
         )
         self.block_manager = BlockManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
@@ -170,11 +154,9 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         kv_bytes = self.num_kv_blocks * kv_bytes_per_block(
-            self.model_config, config.block_size, self.kv_cache_dtype)
-        logger.info("weights %s, activations %s; KV cache %s, %d blocks of %d tokens (%.0f MiB)",
-                    dtype_name(self.dtype), dtype_name(self.activation_dtype),
-                    dtype_name(self.kv_cache_dtype), self.num_kv_blocks, config.block_size,
-                    kv_bytes / 2**20)
+            self.model_config, config.block_size, self.plan.kv_cache_dtype)
+        logger.info("%s; %d KV blocks of %d tokens (%.0f MiB)", self.plan.describe(),
+                    self.num_kv_blocks, config.block_size, kv_bytes / 2**20)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(
             self.model_config.eos_token_ids
         )

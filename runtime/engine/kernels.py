@@ -8,9 +8,12 @@ torch's thread pool instead of starting a second one.
 
 All of csrc/*.c build into one library, cached under $INFEROPS_KERNEL_CACHE (default
 ~/.cache/inferops/kernels) and keyed by the sources, the compiler, the flags and the CPU
-(`-march=native`), so a cache copied to another machine is never used there. Without a
-compiler, or when the build fails, `load()` raises KernelUnavailableError and the engine
-keeps its pure-torch path (EngineConfig.ops_backend "auto").
+(`-march=native`), so a cache copied to another machine is never used there. The C code picks
+its vector paths from the flags the compiler targets: AVX-512, else AVX2 with FMA, else
+portable loops. The engine builds for this CPU (CFLAGS); PORTABLE_CFLAGS build the loops
+alone, which the tests check too. Without a compiler, or when the build fails, `load()`
+raises KernelUnavailableError and the engine keeps its pure-torch path
+(EngineConfig.ops_backend "auto").
 """
 
 from __future__ import annotations
@@ -32,7 +35,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 LIBRARY = "inferops_kernels"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+_COMMON_CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+CFLAGS = ("-march=native", *_COMMON_CFLAGS)
+# The baseline x86-64 (SSE2 only): no AVX2 or AVX-512 code, whatever the compiler's default.
+PORTABLE_CFLAGS = (*(("-march=x86-64",) if platform.machine() == "x86_64" else ()),
+                   *_COMMON_CFLAGS)
 # libmvec: glibc's vector math (expf 8 at a time), x86-64 only (see csrc/paged_attention.c).
 LIBS = ("-lmvec", "-lm") if platform.machine() == "x86_64" else ("-lm",)
 
@@ -69,11 +76,11 @@ def find_compiler() -> str:
     """$CC, else cc, else gcc."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        raise KernelUnavailableError("no C compiler found (install gcc, or set CC)")
+        raise KernelUnavailableError("no C compiler (cc or gcc; install gcc, or set CC)")
     return compiler
 
 
-def _build() -> Path:
+def _build(cflags: tuple[str, ...]) -> Path:
     compiler = find_compiler()
     sources = sorted(SOURCE_DIR.glob("*.c"))
     headers = sorted(SOURCE_DIR.glob("*.h"))
@@ -83,7 +90,7 @@ def _build() -> Path:
     except (OSError, subprocess.SubprocessError) as error:
         raise KernelUnavailableError(f"C compiler {compiler} does not run: {error}") from error
     key = hashlib.sha256("\0".join(
-        [*(path.read_text() for path in sources + headers), compiler, version, *CFLAGS, *LIBS,
+        [*(path.read_text() for path in sources + headers), compiler, version, *cflags, *LIBS,
          _cpu_signature()]
     ).encode()).hexdigest()[:16]
     directory = cache_dir()
@@ -103,7 +110,7 @@ def _build() -> Path:
     try:
         try:
             result = subprocess.run(
-                [compiler, *CFLAGS, "-o", scratch, *map(str, sources), *LIBS],
+                [compiler, *cflags, "-o", scratch, *map(str, sources), *LIBS],
                 capture_output=True, text=True, timeout=300,
             )
         except (OSError, subprocess.SubprocessError) as error:
@@ -121,22 +128,23 @@ def _build() -> Path:
 
 
 @cache
-def load() -> ctypes.CDLL:
-    """The library of every csrc/*.c, built now unless cached. Raises KernelUnavailableError
-    when it cannot be built or loaded."""
-    path = _build()
+def load(cflags: tuple[str, ...] = CFLAGS) -> ctypes.CDLL:
+    """The library of every csrc/*.c built with `cflags`, built now unless cached. Raises
+    KernelUnavailableError when it cannot be built or loaded."""
+    path = _build(cflags)
     try:
         return ctypes.CDLL(str(path))
     except OSError as error:
         raise KernelUnavailableError(f"cannot load {path}: {error}") from error
 
 
-def available() -> bool:
+def unavailable_reason(cflags: tuple[str, ...] = CFLAGS) -> str | None:
+    """None where the build for `cflags` loads here; else why not, for a test's skip."""
     try:
-        load()
-    except KernelUnavailableError:
-        return False
-    return True
+        load(cflags)
+    except KernelUnavailableError as error:
+        return f"{error}: the kernels' torch fallback runs instead"
+    return None
 
 
 _POINTER, _SIZE, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -200,8 +208,6 @@ class CpuKernels:
     Block ids, context lengths and cache slots are checked by the C code itself (cheaper than
     torch reductions on every call) and refused with a ValueError instead of a crash.
     """
-
-    dtype = torch.float32
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         """`library`: another build of csrc/ (a benchmark's baseline); default, this one's."""

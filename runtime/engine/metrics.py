@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-# vLLM 0.32's default buckets (shared/fixtures/vllm-0.32-cpu/metrics.txt).
+# vLLM 0.32's default buckets (bench/scrape/vllm-0.32-cpu-metrics.txt, as recorded).
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
@@ -27,7 +27,12 @@ DEFAULT_BUCKETS: dict[str, tuple[float, ...]] = {
     "tpot": _TOKEN_GAP_BUCKETS,
     "e2e": _LATENCY_BUCKETS,
     "queue": _LATENCY_BUCKETS,
+    "prefill": _LATENCY_BUCKETS,
+    "decode": _LATENCY_BUCKETS,
+    "inference": _LATENCY_BUCKETS,
 }
+# vLLM's 1-2-5 request length buckets up to max_model_len (2048 here, as recorded).
+TOKEN_COUNT_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0)
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -99,6 +104,18 @@ class ServerMetrics:
                              "Histogram of e2e request latency in seconds.", "e2e")
         self.queue = histogram("vllm:request_queue_time_seconds",
                                "Histogram of time spent in WAITING phase for request.", "queue")
+        self.prefill = histogram("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", "prefill")
+        self.decode = histogram("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", "decode")
+        self.inference = histogram("vllm:request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", "inference")
+        self.prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labelnames=LABEL_NAMES,
+            buckets=TOKEN_COUNT_BUCKETS, registry=self.registry).labels(**labels)
+        self.generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            labelnames=LABEL_NAMES, buckets=TOKEN_COUNT_BUCKETS, registry=self.registry).labels(**labels)
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           labelnames=("engine", "finished_reason", "model_name"),
                           registry=self.registry)
@@ -119,12 +136,16 @@ class RequestTimer:
     """Timestamps of one request, turned into histogram observations as they happen.
 
     Definitions follow `vllm bench serve`: TTFT from arrival to the first output token, ITL
-    between output chunks, TPOT = (E2E - TTFT) / (output tokens - 1).
+    between output chunks, TPOT = (E2E - TTFT) / (output tokens - 1). Phases follow vLLM's:
+    queue (arrival to scheduled), prefill (scheduled to first token), decode (first token to
+    the end), inference (scheduled to the end).
     """
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
         self.arrived_at = time.monotonic()
+        self.scheduled_at: float | None = None
+        self.num_prompt_tokens = 0  # set by the server once the prompt is tokenized
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
@@ -138,7 +159,8 @@ class RequestTimer:
         prompt chunked over several steps it also holds the earlier chunks' time.
         """
         if self.first_token_at is None:
-            self.metrics.queue.observe(max(0.0, step_started_at - self.arrived_at))
+            self.scheduled_at = max(self.arrived_at, step_started_at)
+            self.metrics.queue.observe(self.scheduled_at - self.arrived_at)
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -160,7 +182,13 @@ class RequestTimer:
         self.metrics.request_success[reason if reason in FINISH_REASONS else "stop"].inc()
         if reason in ("abort", "error"):
             return
-        self.metrics.e2e.observe(now - self.arrived_at)
+        metrics = self.metrics
+        metrics.e2e.observe(now - self.arrived_at)
+        metrics.prompt_tokens.observe(self.num_prompt_tokens)
+        metrics.generation_tokens.observe(self.num_output_tokens)
         if self.first_token_at is not None and self.num_output_tokens > 1:
-            self.metrics.tpot.observe(
-                (now - self.first_token_at) / (self.num_output_tokens - 1))
+            metrics.tpot.observe((now - self.first_token_at) / (self.num_output_tokens - 1))
+        if self.first_token_at is not None and self.scheduled_at is not None:
+            metrics.prefill.observe(self.first_token_at - self.scheduled_at)
+            metrics.decode.observe(now - self.first_token_at)
+            metrics.inference.observe(now - self.scheduled_at)

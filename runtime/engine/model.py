@@ -7,15 +7,18 @@ float32 then cast, SDPA attention) so fp32 greedy output matches `generate` toke
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from runtime.engine.config import LINEAR_BACKENDS, ModelConfig, RopeConfig
+from runtime.engine.config import ModelConfig, RopeConfig
+
+if TYPE_CHECKING:
+    from runtime.engine.plan import ExecutionPlan
 
 
 @dataclass
@@ -72,8 +75,8 @@ class AttentionMetadata:
     paged_decode: PagedDecode | None = None
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillAttention] = field(default_factory=list)
-    # The dtype prefill chunks are attended in (SDPA); None: q's (model_runner.
-    # prefill_attention_dtype).
+    # The dtype prefill chunks are attended in by SDPA; None: q's
+    # (ExecutionPlan.prefill_attention_dtype).
     prefill_dtype: torch.dtype | None = None
 
 
@@ -139,29 +142,15 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-@functools.cache
-def onednn_packs(dtype: torch.dtype) -> bool:
-    """Whether oneDNN can pack (and so natively multiply) weights of `dtype` on this CPU: bf16
-    wants AVX512BW/VL/DQ or AVX-NE-CONVERT, fp16 AVX512-FP16 or AVX-NE-CONVERT."""
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
-    except (RuntimeError, AttributeError):
-        return False
-    return True
-
-
 class Linear:
     """`x @ weight^T + bias`, with the weight packed once into oneDNN's blocked layout.
 
-    torch's `F.linear` goes to MKL, whose fp32 GEMM on this kind of CPU (AMD EPYC, AVX-512)
-    reaches 15-70 GFLOP/s for a step's few rows and a vocabulary-sized weight; oneDNN with a
-    weight reordered ahead of time reaches 110-210 GFLOP/s on the same shapes (bench/README.md,
-    "Third round"). Results differ from MKL's only in summation order (fp32 throughout).
+    oneDNN with a weight reordered ahead of time is several times faster than `F.linear`
+    (MKL) for a step's few rows; results differ from MKL's only in summation order.
 
-    `backend`: "onednn" packs or fails; "torch" never packs; "auto" packs where this torch
-    build and CPU can (oneDNN has no fp16 path without AVX512-FP16, for one) and otherwise
-    falls back to F.linear. `transposed_fallback` keeps the fallback's weight as W^T for
-    `torch.mm`, which beats F.linear for a vocabulary-sized weight and few rows.
+    `backend` (ExecutionPlan.linear_backend): "onednn" packs or fails; "torch" uses F.linear,
+    or with `transposed_fallback` `torch.mm` over W^T, which beats F.linear for a
+    vocabulary-sized weight and few rows.
     """
 
     def __init__(
@@ -169,23 +158,20 @@ class Linear:
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         *,
-        backend: str = "auto",
+        backend: str,
         transposed_fallback: bool = False,
     ):
-        if backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear backend must be one of {LINEAR_BACKENDS}, not {backend!r}")
+        if backend not in ("onednn", "torch"):
+            raise ValueError(f"linear backend must be onednn or torch, not {backend!r}")
         self.bias = bias
         self.dtype = weight.dtype
         self.packed = self.weight_t = self.weight = None
-        if backend != "torch":
+        if backend == "onednn":
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
             except (RuntimeError, AttributeError) as error:
-                if backend == "onednn":
-                    raise ValueError(
-                        f"oneDNN cannot run a {weight.dtype} linear here: {error}"
-                    ) from error
-        if self.packed is not None:
+                raise ValueError(f"oneDNN cannot run a {weight.dtype} linear here: {error}") \
+                    from error
             return
         if transposed_fallback and bias is None:
             self.weight_t = weight.t().contiguous()
@@ -198,7 +184,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x in any float dtype; it is multiplied in the weight's dtype and returned in its own
-        (bf16 weights with float32 activations: see model_runner.activation_dtype)."""
+        (bf16 weights with float32 activations: ExecutionPlan.activation_dtype)."""
         if x.dtype != self.dtype:
             return self._multiply(x.to(self.dtype)).to(x.dtype)
         return self._multiply(x)
@@ -220,7 +206,7 @@ class TorchOps:
     """The element-wise work between a layer's matmuls, in torch ops (any dtype).
 
     kernels.CpuKernels has the same three methods, fused in C (float32 only); the forward pass
-    calls whichever the runner picked (EngineConfig.ops_backend).
+    calls whichever the plan holds (ExecutionPlan.kernels).
     """
 
     def __init__(self, config: ModelConfig):
@@ -296,15 +282,15 @@ class CausalLM:
         config: ModelConfig,
         state: dict[str, torch.Tensor],
         max_len: int,
-        dtype: torch.dtype,
-        linear_backend: str = "auto",
-        ops: TorchOps | None = None,  # or kernels.CpuKernels: the same three methods, in C
+        plan: ExecutionPlan,
     ):
-        """`dtype` is the activations' (the residual stream, norms, rotary, attention); the
-        matmul weights keep the dtype `state` holds them in."""
+        """Activations (the residual stream, norms, rotary, attention) in
+        plan.activation_dtype; the matmul weights keep the dtype `state` holds them in."""
         self.config = config
-        self.dtype = dtype
-        self.ops = ops or TorchOps(config)
+        self.dtype = dtype = plan.activation_dtype
+        linear_backend = plan.linear_backend
+        # The compiled kernels have TorchOps' three methods, in C.
+        self.ops = plan.kernels or TorchOps(config)
         self.layers = [
             DecoderLayer(state, f"model.layers.{i}", config, linear_backend, dtype)
             for i in range(config.num_layers)
@@ -364,9 +350,9 @@ def paged_attention(
     """Attend each row to its sequence's context (this step's k/v already in their slots).
 
     Caches are [num_blocks, block_size, kv_heads, head_dim], in q's dtype or another
-    (kv_cache_dtype): what is read from them is converted to q's, or for prefill chunks to
-    meta.prefill_dtype, the result back to q's. Decodes are read in place by the
-    compiled kernel when the runner has one; otherwise, like prefill chunks with context, whole
+    (ExecutionPlan.kv_cache_dtype): what is read from them is converted to q's, or for prefill
+    chunks to meta.prefill_dtype, the result back to q's. Decodes are read in place by the
+    compiled kernel when the plan has one; otherwise, like prefill chunks with context, whole
     blocks at a time (one index_select per decode group, several times faster than advanced
     indexing on CPU) with the positions past each sequence's length masked out.
     """

@@ -9,9 +9,8 @@ import logging
 import numpy as np
 import torch
 
-from runtime.engine import kernels
 from runtime.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
-from runtime.engine.loader import TORCH_DTYPES, load_state_dict
+from runtime.engine.loader import load_state_dict
 from runtime.engine.model import (
     AttentionMetadata,
     CausalLM,
@@ -19,8 +18,8 @@ from runtime.engine.model import (
     PagedDecode,
     PagedPrefill,
     PrefillAttention,
-    TorchOps,
 )
+from runtime.engine.plan import ExecutionPlan
 from runtime.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -55,12 +54,11 @@ def num_kv_blocks_for(
 
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-# A step's large intermediates (a 2,048-token step on the small preset allocates ~700 MB of
-# tensors of 6-33 MB each) come back step after step. With glibc's defaults, blocks above its
-# mmap threshold (dynamic, at most 32 MiB) are fresh mappings and freed heap tops go back to
-# the OS, so every such step pays a page fault per 4 KiB of them (~110,000-200,000 faults,
-# 10-15 % of the step; bench/README.md, fifth round). Serving them from the heap and keeping
-# up to a GiB of freed memory makes later steps reuse the same pages.
+# A step's large intermediates (hundreds of MB of tensors of several MB each for a long step)
+# come back step after step. With glibc's defaults, blocks above its mmap threshold (dynamic,
+# at most 32 MiB) are fresh mappings and freed heap tops go back to the OS, so every such step
+# pays a page fault per 4 KiB of them. Serving them from the heap and keeping up to a GiB of
+# freed memory makes later steps reuse the same pages.
 MALLOC_TRIM_THRESHOLD_BYTES = 1 << 30
 MALLOC_MMAP_THRESHOLD_BYTES = 256 << 20
 
@@ -79,72 +77,6 @@ def keep_freed_memory_for_reuse() -> bool:
     )
 
 
-def compiled_kernels(backend: str, dtype: torch.dtype) -> kernels.CpuKernels | None:
-    """The compiled kernels for `backend` (EngineConfig.ops_backend), or None for torch ops.
-    "kernels" raises ValueError where they cannot run; "auto" falls back with a warning."""
-    if backend == "torch":
-        return None
-    reason = None
-    if dtype != kernels.CpuKernels.dtype:
-        reason = f"the kernels are float32 only, the model runs in {dtype}"
-    else:
-        try:
-            return kernels.cpu_kernels()
-        except kernels.KernelUnavailableError as error:
-            reason = str(error)
-    if backend == "kernels":
-        raise ValueError(f"ops backend 'kernels' cannot run here: {reason}")
-    logger.warning("attention and element-wise ops fall back to torch: %s", reason)
-    return None
-
-
-def activation_dtype(ops_backend: str, weight_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of activations for weights in `weight_dtype`.
-
-    bf16 weights keep activations in float32 wherever the compiled kernels run (their
-    arithmetic is float32 only): each matmul converts its input to bf16 and its output back,
-    so the matmuls run at bf16 speed (oneDNN; native on CPUs with AVX512-BF16 or AMX, ~2x
-    float32 here) while the norms, rotary, decode attention and the residual stream run in the
-    C kernels, and stay closer to float32 numerics (prefill attention: prefill_attention_dtype).
-    torch's own bf16 element-wise ops and attention on CPU are slower than the kernels in
-    float32 (bench/README.md, ninth round). The KV cache's dtype is chosen apart
-    (kv_cache_dtype). `ops_backend="torch"` keeps everything in bf16."""
-    if weight_dtype != torch.bfloat16 or ops_backend == "torch":
-        return weight_dtype
-    try:
-        kernels.cpu_kernels()
-    except kernels.KernelUnavailableError:
-        return weight_dtype
-    return torch.float32
-
-
-def kv_cache_dtype(setting: str, weight_dtype: torch.dtype) -> torch.dtype:
-    """EngineConfig.kv_cache_dtype resolved: "auto" stores keys and values in the weights'
-    dtype, as vLLM does. With float32 activations (bf16 weights and the kernels) a bf16 cache
-    rounds each key and value once, when it is stored."""
-    return weight_dtype if setting == "auto" else TORCH_DTYPES[setting]
-
-
-def prefill_attention_dtype(activations: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
-    """The dtype prefill chunks are attended in (SDPA; decodes go to the C kernel regardless).
-
-    With float32 activations over a bf16 cache (bf16 weights and the kernels, or
-    `--kv-cache-dtype bfloat16` for a float32 model), the cached keys and values are bf16
-    already, and torch's flash attention runs bf16 on AMX tiles 2.3-2.7x faster than float32
-    for workload B's chunks on small's heads (Emerald Rapids; a prefill-heavy burst went 15 %
-    faster: bench/README.md, fourteenth round). vLLM attends in bf16 too. Without AMX, bf16
-    gains nothing: on a Zen 4 with AVX512-BF16 it ran at 0.91-1.01x of float32
-    (bench/engine/prefill_attention_bench.py, fifteenth round), so such CPUs keep float32.
-    """
-    if activations == torch.float32 and kv_dtype == torch.bfloat16 and cpu_has_amx():
-        return torch.bfloat16
-    return activations
-
-
-def cpu_has_amx() -> bool:
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-
-
 def long_tensor(values: list[int]) -> torch.Tensor:
     """torch.tensor(values, dtype=torch.long) through numpy, which converts a list of a
     step's 2,048 ints 3.5x faster (160 vs 550 us)."""
@@ -156,9 +88,7 @@ class ModelRunner:
         self,
         config: EngineConfig,
         model_config: ModelConfig,
-        weight_dtype: torch.dtype,
-        dtype: torch.dtype,  # activations: activation_dtype()
-        kv_dtype: torch.dtype,  # the KV cache's: kv_cache_dtype()
+        plan: ExecutionPlan,
         max_model_len: int,
         num_blocks: int,
     ):
@@ -167,19 +97,17 @@ class ModelRunner:
         if not keep_freed_memory_for_reuse():
             logger.info("not glibc: malloc left as it is")
         self.block_size = config.block_size
-        self.dtype = dtype
-        state = load_state_dict(config.model, weight_dtype)
-        self.kernels = compiled_kernels(config.ops_backend, dtype)
-        self.model = CausalLM(model_config, state, max_model_len, dtype, config.linear_backend,
-                              self.kernels or TorchOps(model_config))
+        self.plan = plan
+        state = load_state_dict(config.model, plan.weight_dtype)
+        self.model = CausalLM(model_config, state, max_model_len, plan)
         del state  # the layers hold what they need (packed copies, with oneDNN)
         shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
+        kv_dtype = plan.kv_cache_dtype
         self.kv_caches = [
             (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
             for _ in range(model_config.num_layers)
         ]
         self.sliding_window = model_config.sliding_window
-        self.prefill_dtype = prefill_attention_dtype(dtype, kv_dtype)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,10 +152,10 @@ class ModelRunner:
             if chunk.completes_sequence:
                 sample_rows.append(len(token_ids) - 1)
         meta = AttentionMetadata(slot_mapping=torch.from_numpy(np.concatenate(slot_parts)),
-                                 prefill_dtype=self.prefill_dtype)
+                                 prefill_dtype=self.plan.prefill_attention_dtype)
         if decodes:
             meta.num_decodes = len(decodes)
-            if self.kernels is not None:
+            if self.plan.kernels is not None:
                 meta.paged_decode = self._paged_decode(decodes)
             else:
                 meta.decode_groups = self._decode_groups(decodes)
@@ -249,7 +177,7 @@ class ModelRunner:
         for row, table in zip(block_tables, tables, strict=True):
             row[: len(table)] = table
         return PagedDecode(
-            self.kernels.paged_attention,
+            self.plan.kernels.paged_attention,
             torch.from_numpy(block_tables),
             torch.from_numpy(np.array([c.end for c in decodes], dtype=np.int32)),
             self.sliding_window,
@@ -296,22 +224,18 @@ class ModelRunner:
                            allowed[:, None, None, :])
 
     def _prefill_metadata(self, chunk: ScheduledChunk, first_row: int) -> PrefillAttention:
-        """How a prefill chunk is attended. With the compiled kernels and float32 prefill
-        attention: in place, tiles of rows reading each block of the context once, each
-        tile's rows of a kv head multiplied as one small matrix; 1.2-2.5x faster than SDPA
-        over the same chunks, fresh prompts of 64-2,048 tokens and chunks over up to 1,024
-        cached, with row-at-a-time dot products (small's heads, Zen 5; bench/README.md,
-        seventeenth round), and the matrix form 1.6-1.8x faster again (Zen 4, eighteenth).
-        Otherwise SDPA: over the chunk's own keys for a fresh prompt, over its gathered
-        blocks, masked, for a chunk with context."""
+        """How a prefill chunk is attended (ExecutionPlan.prefill_attention). "kernel": in
+        place, in tiles of rows that read each block of the context once, several times
+        faster than SDPA over gathered blocks. "sdpa": over the chunk's own keys for a fresh
+        prompt, over its gathered blocks, masked, for a chunk with context."""
         rows = (first_row, first_row + chunk.num_tokens)
         window = self.sliding_window
         bs = self.block_size
         num_blocks = -(-chunk.end // bs)
-        if self.kernels is not None and self.prefill_dtype == torch.float32:
+        if self.plan.prefill_attention == "kernel":
             table = torch.from_numpy(np.array(chunk.seq.block_table[:num_blocks], dtype=np.int32))
             return PrefillAttention(*rows, context_blocks=None, mask=None, paged=PagedPrefill(
-                self.kernels.paged_prefill_attention, table, chunk.start, window))
+                self.plan.kernels.paged_prefill_attention, table, chunk.start, window))
         if chunk.start == 0 and (window is None or chunk.num_tokens <= window):
             return PrefillAttention(*rows, context_blocks=None, mask=None)
         blocks = torch.tensor(chunk.seq.block_table[:num_blocks], dtype=torch.long)

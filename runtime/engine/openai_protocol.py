@@ -5,7 +5,7 @@ best_of, ...) is refused with a 400 that names it, because silently ignoring it 
 the caller something other than what they asked for. Parameters that change nothing about the
 generated tokens (`user`, `metadata`, ...) are accepted and ignored.
 
-Shapes follow the recorded vLLM responses in shared/fixtures/vllm-0.32-cpu/.
+Shapes follow the recorded vLLM responses in tests/fixtures/vllm-0.32-cpu/.
 """
 
 from __future__ import annotations

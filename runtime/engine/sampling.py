@@ -212,12 +212,11 @@ class Sampler:
     A sampled row costs a few passes over its logits, batched with the other rows: temperature,
     then softmax for a row without top-k / top-p, or logsumexp and the `head` most likely
     tokens for one with them; then a single uniform draw from the row's generator against the
-    cumulative distribution of what it keeps, in token id order. (torch.multinomial per row
-    and a full sort for top-p took 118 ms for 32 rows of a 30k vocabulary and 470 ms of a 152k
-    one on a 2-core CPU: bench/README.md, eleventh round.) A row's token depends only on its
-    logits, params and generator, not on its batch: the cut-off is a probability, with ties
-    kept, found from float64 running sums on every path, and the draw runs in token id order,
-    whatever width the batch gave the head.
+    cumulative distribution of what it keeps, in token id order (torch.multinomial per row
+    and a full sort for top-p cost tens to hundreds of ms a step). A row's token depends only
+    on its logits, params and generator, not on its batch: the cut-off is a probability, with
+    ties kept, found from float64 running sums on every path, and the draw runs in token id
+    order, whatever width the batch gave the head.
 
     A row whose maximum logit is not finite gets INVALID_TOKEN; the other rows are unaffected.
     """

@@ -206,10 +206,9 @@ class IncrementalDetokenizer:
 
     The text comes from the tokenizers library's `DecodeStream`, which decodes a short window
     of the latest tokens in Rust and keeps back a token whose character is not complete yet
-    (about 2.6x cheaper per token than decoding windows from Python, which was 6 % of the
-    engine thread under workload B). The stream is primed with the prompt's last few tokens,
-    so that the first output token joins them as it would in the full text (a WordPiece `##`
-    piece, a SentencePiece leading space).
+    (several times cheaper per token than decoding windows from Python). The stream is primed
+    with the prompt's last few tokens, so that the first output token joins them as it would
+    in the full text (a WordPiece `##` piece, a SentencePiece leading space).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: list[str]):

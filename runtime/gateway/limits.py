@@ -9,16 +9,19 @@ with skewed clocks still count into the same window. Per scope (the key, then it
   their lease runs out instead of leaking forever.
 Checks run for every scope before anything is charged, so a refused request costs nothing.
 Key names are built inside the script from the bases passed in KEYS (one Redis, not Cluster).
+An admission also returns each scope's counts after the charge and the time left in the window,
+which become OpenAI's `x-ratelimit-*` response headers (`ratelimit_headers`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from runtime.gateway.contract import RATE_LIMIT_PREFIX
 from runtime.gateway.state import ApiKey, ScopeLimits
 
 logger = logging.getLogger(__name__)
@@ -30,40 +33,45 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local window = math.floor(now / 60)
 local until_next_window = math.ceil((window + 1) * 60 - now)
+local reset_ms = math.ceil(((window + 1) * 60 - now) * 1000)
 local request_id, cost, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 for i, base in ipairs(KEYS) do
   local o = 3 + (i - 1) * 3
   local rpm, tpm, conc = tonumber(ARGV[o + 1]), tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
   if rpm >= 0 and tonumber(redis.call('GET', base .. ':rpm:' .. window) or '0') + 1 > rpm then
-    return {i, 'rpm', rpm, until_next_window}
+    return {i, 'rpm', rpm, until_next_window, reset_ms}
   end
   if tpm >= 0 and tonumber(redis.call('GET', base .. ':tpm:' .. window) or '0') + cost > tpm then
-    return {i, 'tpm', tpm, until_next_window}
+    return {i, 'tpm', tpm, until_next_window, reset_ms}
   end
   if conc >= 0 then
     redis.call('ZREMRANGEBYSCORE', base .. ':conc', '-inf', now)
     if redis.call('ZCARD', base .. ':conc') + 1 > conc then
-      return {i, 'max_concurrent', conc, 1}
+      return {i, 'max_concurrent', conc, 1, 0}
     end
   end
 end
+local result = {0, '', 0, window, reset_ms}
 for i, base in ipairs(KEYS) do
   local o = 3 + (i - 1) * 3
   local rpm, tpm, conc = tonumber(ARGV[o + 1]), tonumber(ARGV[o + 2]), tonumber(ARGV[o + 3])
+  local used_requests, used_tokens = -1, -1
   if rpm >= 0 then
-    redis.call('INCR', base .. ':rpm:' .. window)
+    used_requests = redis.call('INCR', base .. ':rpm:' .. window)
     redis.call('EXPIRE', base .. ':rpm:' .. window, 120)
   end
   if tpm >= 0 then
-    redis.call('INCRBY', base .. ':tpm:' .. window, cost)
+    used_tokens = redis.call('INCRBY', base .. ':tpm:' .. window, cost)
     redis.call('EXPIRE', base .. ':tpm:' .. window, 120)
   end
+  table.insert(result, used_requests)
+  table.insert(result, used_tokens)
   if conc >= 0 then
     redis.call('ZADD', base .. ':conc', now + lease, request_id)
     redis.call('EXPIRE', base .. ':conc', math.ceil(lease) + 60)
   end
 end
-return {0, '', 0, window}
+return result
 """
 
 _RELEASE = """
@@ -106,10 +114,16 @@ class Refusal:
     limit_name: str  # rpm, tpm or max_concurrent
     limit: int
     retry_after_s: int
+    reset_ms: int = 0
 
     @property
     def message(self) -> str:
         return f"{self.scope} {self.scope_name} {self.limit_name} limit {self.limit} exceeded"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The exhausted limit as OpenAI reports it (concurrency has no OpenAI header)."""
+        unit = {"rpm": "requests", "tpm": "tokens"}.get(self.limit_name)
+        return [] if unit is None else _headers(unit, self.limit, 0, self.reset_ms)
 
 
 @dataclass
@@ -120,10 +134,40 @@ class Admission:
     window: int
     charged_tokens: int
     scopes: list[tuple[str, ScopeLimits]]
+    reset_ms: int = 0
+    used: list[tuple[int, int]] = field(default_factory=list)  # per scope: (requests, tokens) this window
 
     @property
     def holds_slots(self) -> bool:
         return any(limits.max_concurrent is not None for _, limits in self.scopes)
+
+    def ratelimit_headers(self) -> list[tuple[bytes, bytes]]:
+        """OpenAI's `x-ratelimit-*` headers for the requests and tokens limits; with both a key
+        and a tenant limit, the scope with less left is the one reported."""
+        headers: list[tuple[bytes, bytes]] = []
+        for unit, index, limit_of in (("requests", 0, lambda lim: lim.rpm), ("tokens", 1, lambda lim: lim.tpm)):
+            left = [(limit_of(limits) - used[index], limit_of(limits))
+                    for (_, limits), used in zip(self.scopes, self.used, strict=True) if limit_of(limits) is not None]
+            if left:
+                remaining, limit = min(left)
+                headers += _headers(unit, limit, max(0, remaining), self.reset_ms)
+        return headers
+
+
+def _headers(unit: str, limit: int, remaining: int, reset_ms: int) -> list[tuple[bytes, bytes]]:
+    return [(f"x-ratelimit-limit-{unit}".encode(), str(limit).encode()),
+            (f"x-ratelimit-remaining-{unit}".encode(), str(remaining).encode()),
+            (f"x-ratelimit-reset-{unit}".encode(), openai_duration(reset_ms / 1000).encode())]
+
+
+def openai_duration(seconds: float) -> str:
+    """A duration as OpenAI writes its reset headers (Go's format): `20ms`, `1s`, `1.5s`, `6m0s`."""
+    ms = max(0, round(seconds * 1000))
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, rest_ms = divmod(ms, 60_000)
+    rest = f"{rest_ms / 1000:.3f}".rstrip("0").rstrip(".")
+    return f"{minutes}m{rest}s" if minutes else f"{rest}s"
 
 
 def _scopes(key: ApiKey) -> list[tuple[str, str, ScopeLimits]]:
@@ -150,16 +194,18 @@ class RateLimiter:
     async def admit(self, key: ApiKey, request_id: str, prompt_tokens: int) -> Admission | Refusal:
         """Raises RedisError/OSError when Redis is unreachable; the caller applies the policy."""
         scopes = _scopes(key)
-        bases = [f"inferops:rl:{scope}:{name}" for scope, name, _ in scopes]
+        bases = [f"{RATE_LIMIT_PREFIX}:{scope}:{name}" for scope, name, _ in scopes]
         args: list[int | str | float] = [request_id, prompt_tokens, self.lease_s]
         for _, _, limits in scopes:
             args += [_arg(limits.rpm), _arg(limits.tpm), _arg(limits.max_concurrent)]
-        index, limit_name, limit, extra = await self._admit(keys=bases, args=args)
+        index, limit_name, limit, extra, reset_ms, *used = await self._admit(keys=bases, args=args)
         if index:
             scope, name, _ = scopes[index - 1]
-            return Refusal(scope, name, limit_name.decode(), int(limit), max(1, int(extra)))
+            return Refusal(scope, name, limit_name.decode(), int(limit), max(1, int(extra)), int(reset_ms))
         limits_by_base = [(base, limits) for base, (_, _, limits) in zip(bases, scopes, strict=True)]
-        admission = Admission(request_id, window=int(extra), charged_tokens=prompt_tokens, scopes=limits_by_base)
+        admission = Admission(request_id, window=int(extra), charged_tokens=prompt_tokens, scopes=limits_by_base,
+                              reset_ms=int(reset_ms),
+                              used=[(int(used[i]), int(used[i + 1])) for i in range(0, len(used), 2)])
         if admission.holds_slots:
             self.live[request_id] = admission
         return admission

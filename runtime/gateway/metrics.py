@@ -59,7 +59,8 @@ class GatewayMetrics:
         self.retries = Counter("inferops_gateway_retries", "Attempts sent to another replica", ["deployment"],
                                registry=r)
         self.shed = Counter("inferops_gateway_shed", "Requests answered 503 at once because every replica "
-                            "was saturated or none was ready", ["deployment", "reason"], registry=r)
+                            "was saturated, none was ready, or the degradation level sheds their priority",
+                            ["deployment", "reason"], registry=r)
         self.ejections = Counter("inferops_gateway_replica_ejections", "Replicas ejected after repeated failures",
                                  ["deployment"], registry=r)
         self.limits_bypassed = Counter("inferops_gateway_limits_bypassed",

@@ -14,11 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from runtime.gateway.contract import UPSTREAM_CONNECT, UPSTREAM_ERROR, UPSTREAM_TIMEOUT
 from runtime.gateway.http1 import Http1Pool, Response, UpstreamBroken, UpstreamConnectError, UpstreamTimeout
 
-CONNECT = "upstream_connect"
-TIMEOUT = "upstream_timeout"
-ERROR = "upstream_error"
+CONNECT, TIMEOUT, ERROR = UPSTREAM_CONNECT, UPSTREAM_TIMEOUT, UPSTREAM_ERROR
 
 
 class UpstreamFailure(Exception):
@@ -78,15 +77,14 @@ class Upstream:
     def close(self) -> None:
         self.pool.close()
 
-    async def open(self, url: str, body: bytes, stream: bool, request_id: str) -> Opened:
+    async def open(self, url: str, body: bytes, stream: bool, headers: dict[str, str]) -> Opened:
         """Sends the request and reads its first bytes; raises UpstreamFailure if that fails."""
         # Streams: the read timeout is the first-token timeout (and then the longest silence
         # between chunks). Whole answers come in one piece at the end, so they get the request
         # timeout instead.
         read_timeout = self.first_token_timeout_s if stream else self.request_timeout_s
         try:
-            response = await self.pool.post(url, body, {"Content-Type": "application/json",
-                                                        "X-Request-Id": request_id},
+            response = await self.pool.post(url, body, {"Content-Type": "application/json", **headers},
                                             head_timeout_s=read_timeout, read_timeout_s=read_timeout)
         except (UpstreamConnectError, UpstreamBroken, UpstreamTimeout) as exc:
             raise _failure(exc) from exc

@@ -5,6 +5,13 @@ A plain ASGI app rather than a framework router: every API request runs as one c
 whatever way it ended (answer, refusal, upstream failure, client gone, bug). A watcher on the
 ASGI `receive` channel cancels that coroutine when the client disconnects, which closes the
 upstream stream so the replica aborts the request too.
+
+Every API answer carries `X-Request-Id`: the client's own when it sent a usable one (printable,
+at most 128 characters), else the gateway's; the replica gets the same id, and a well-formed W3C
+`traceparent` (with its `tracestate`) unchanged. The usage event's `request_id` is always the
+gateway's (the ledger's idempotency key, so a client reusing an id loses no usage);
+`client_request_id` holds the client's. A non-streamed answer's TTFT and TPOT come from the
+replica's `Server-Timing` header (`ttft_source` "server"); a stream's are timed here ("gateway").
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import contextlib
 import json
 import logging
 import os
+import random
+import re
 import socket
 import time
 import uuid
@@ -26,23 +35,30 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
+from runtime.gateway import heartbeat, jsonlog
+from runtime.gateway.contract import DEGRADED, INTERNAL, PREVIEW_SUFFIX, SHED, hash_api_key
 from runtime.gateway.limits import Admission, RateLimiter, Refusal, estimate_prompt_tokens
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.proxy import CONNECT, TIMEOUT, Opened, StreamObserver, Upstream, UpstreamFailure, read_usage
 from runtime.gateway.router import NoReplica, Router, Saturated, affinity_key
-from runtime.gateway.state import PREVIEW_SUFFIX, ApiKey, RedisHealth, Route, StateSync, hash_api_key
+from runtime.gateway.state import ApiKey, RedisHealth, Route, StateSync
 from runtime.gateway.usage import UsageSink
 
 logger = logging.getLogger(__name__)
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/embeddings": "embeddings"}
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before the answer"
+MAX_REQUEST_ID = 128
+# W3C Trace Context: version 00 exactly; a later version may append fields; ff is invalid.
+TRACEPARENT = re.compile(rb"(?!ff)[0-9a-f]{2}-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+MAX_TRACESTATE = 512
 
 
 @dataclass
 class GatewaySettings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     instance: str = "gateway"
+    advertise_address: str | None = None  # host:port Prometheus scrapes; None: not announced
     spool_dir: Path = Path(".inferops/gateway-spool")
     redis_down_limits: str = "open"  # "open": admit without limits; "closed": answer 503
     max_outstanding_per_replica: int = 64
@@ -64,7 +80,7 @@ class GatewayError(Exception):
 
     def __init__(self, status: int, message: str, error_type: str, kind: str, param: str | None = None,
                  retry_after_s: int | None = None, body: bytes | None = None,
-                 content_type: str = "application/json") -> None:
+                 content_type: str = "application/json", code: str | int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.error_type = error_type
@@ -73,7 +89,19 @@ class GatewayError(Exception):
         self.retry_after_s = retry_after_s
         self.content_type = content_type
         self.body = body if body is not None else json.dumps(
-            {"error": {"message": message, "type": error_type, "param": param, "code": status}}).encode()
+            {"error": {"message": message, "type": error_type, "param": param,
+                       "code": status if code is None else code}}).encode()
+
+
+def effective_priority(key: ApiKey, asked: Any) -> int:
+    """The key's priority, or a lower one the client asks for: a client may yield to its own other
+    work, never jump the queue past its key's priority."""
+    if asked is None:
+        return key.priority
+    if isinstance(asked, bool) or not isinstance(asked, int):
+        raise _bad_request(f"`priority` must be an integer at most your key's priority ({key.priority}).",
+                           "priority")
+    return min(asked, key.priority)
 
 
 @dataclass
@@ -82,9 +110,14 @@ class RequestRecord:
 
     endpoint: str
     request_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
+    client_request_id: str | None = None  # the client's X-Request-Id, when usable
+    trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent/tracestate to pass on
     started_at: float = field(default_factory=time.time)  # epoch, the event's "time"
     started: float = field(default_factory=time.perf_counter)
     key: ApiKey | None = None
+    priority: int = 0  # the request's effective priority: its key's, or lower if the client asked
+    degradation_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # what degradation did
+    ratelimit_headers: list[tuple[bytes, bytes]] = field(default_factory=list)  # x-ratelimit-*
     deployment: str | None = None
     version: int | None = None
     replica: int | None = None
@@ -95,6 +128,7 @@ class RequestRecord:
     usage: dict[str, Any] | None = None
     content_chunks: int = 0
     first_chunk_at: float | None = None
+    server_timing: tuple[float | None, float | None] = (None, None)  # the replica's TTFT, TPOT (ms)
     finish_reason: str | None = None
     status: int = 500
     error_kind: str | None = None
@@ -103,6 +137,14 @@ class RequestRecord:
     headers_sent: bool = False
     response_done: bool = False
     client_gone: bool = False
+
+    @property
+    def public_id(self) -> str:
+        """The id the client and the replica see."""
+        return self.client_request_id or self.request_id
+
+    def response_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(b"x-request-id", self.public_id.encode()), *self.ratelimit_headers, *self.degradation_headers]
 
     def tokens(self) -> tuple[int, int]:
         if self.usage:
@@ -117,17 +159,61 @@ class RequestRecord:
         e2e = now - self.started
         ttft = self.first_chunk_at - self.started if self.first_chunk_at is not None else None
         tpot = (e2e - ttft) / (completion_tokens - 1) if ttft is not None and completion_tokens > 1 else None
+        ttft_ms, tpot_ms = (ttft * 1000 if ttft is not None else None), (tpot * 1000 if tpot is not None else None)
+        source = "gateway" if ttft_ms is not None else None
+        if ttft_ms is None and self.server_timing[0] is not None:
+            (ttft_ms, tpot_ms), source = self.server_timing, "server"
         return {
-            "request_id": self.request_id, "time": self.started_at,
+            "request_id": self.request_id, "client_request_id": self.client_request_id, "time": self.started_at,
             "tenant": self.key.tenant if self.key else None, "key_prefix": self.key.prefix if self.key else None,
             "deployment": self.deployment, "version": self.version, "replica": self.replica,
             "failed_replica": self.failed_replica,
-            "priority": self.key.priority if self.key else 0, "endpoint": self.endpoint, "stream": self.stream,
+            "priority": self.priority, "endpoint": self.endpoint, "stream": self.stream,
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "ttft_ms": ttft * 1000 if ttft is not None else None, "tpot_ms": tpot * 1000 if tpot is not None else None,
+            "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "ttft_source": source,
             "e2e_ms": e2e * 1000, "status": self.status, "finish_reason": self.finish_reason,
             "error_kind": self.error_kind, "retries": self.retries,
         }
+
+
+def client_request_id(value: bytes | None) -> str | None:
+    """The client's X-Request-Id if usable (printable ASCII, 1-128 characters), else None."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not 0 < len(value) <= MAX_REQUEST_ID or not all(0x20 <= byte < 0x7f for byte in value):
+        return None
+    return value.decode("ascii")
+
+
+def trace_headers(scope: dict) -> dict[str, str]:
+    """traceparent (and tracestate) to pass to the replica unchanged, when traceparent is well-formed."""
+    parent = _header(scope, b"traceparent")
+    if parent is None or not TRACEPARENT.match(parent) or (parent[:2] == b"00" and len(parent) != 55) \
+            or (len(parent) > 55 and parent[55:56] != b"-"):
+        return {}
+    headers = {"traceparent": parent.decode("ascii")}
+    state = _header(scope, b"tracestate")
+    if state is not None and len(state) <= MAX_TRACESTATE and all(0x20 <= byte < 0x7f for byte in state):
+        headers["tracestate"] = state.decode("ascii")
+    return headers
+
+
+def server_timing(value: bytes | None) -> tuple[float | None, float | None]:
+    """TTFT and TPOT in ms from a `Server-Timing: ttft;dur=12.3, tpot;dur=4.5` header."""
+    found: dict[str, float] = {}
+    for metric in (value or b"").decode("latin-1").split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        for param in params:
+            key, _, number = param.partition("=")
+            if key.strip().lower() == "dur":
+                try:
+                    duration = float(number.strip().strip('"'))
+                except ValueError:
+                    continue
+                if 0 <= duration < float("inf"):
+                    found[name.lower()] = duration
+    return found.get("ttft"), found.get("tpot")
 
 
 def _header(scope: dict, name: bytes) -> bytes | None:
@@ -178,6 +264,7 @@ class Gateway:
         self.upstream: Upstream | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -193,12 +280,17 @@ class Gateway:
         await self.state.start()
         await self.usage.start()
         self._renewer = asyncio.create_task(self._renew_leases())
+        if s.advertise_address:
+            self._heartbeat = asyncio.create_task(heartbeat.beat(self.redis, s.instance, s.advertise_address))
         logger.info("gateway %s: %d deployments, %d keys, redis %s", s.instance, len(self.state.snapshot.routes),
                     len(self.state.snapshot.keys), "up" if self.health.up else "DOWN")
 
     async def shutdown(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await heartbeat.leave(self.redis, self.settings.instance)
         if self._background:
             await asyncio.wait(self._background, timeout=2)
         if self.state is not None:
@@ -265,7 +357,7 @@ class Gateway:
 
     async def _models(self, scope: dict, send: Any) -> None:
         try:
-            key = self._authenticate(scope)
+            key = await self._authenticate(scope)
         except GatewayError as error:
             await _send_whole(send, error.status, error.body)
             return
@@ -276,7 +368,9 @@ class Gateway:
     # -- one API request ---------------------------------------------------------------------
 
     async def _api_request(self, scope: dict, receive: Any, send: Any, endpoint: str) -> None:
-        record = RequestRecord(endpoint)
+        record = RequestRecord(endpoint, client_request_id=client_request_id(_header(scope, b"x-request-id")),
+                               trace_headers=trace_headers(scope))
+        jsonlog.REQUEST_ID.set(record.public_id)
         task = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
         try:
@@ -287,11 +381,12 @@ class Gateway:
             record.status, record.error_kind = error.status, error.kind
             if not record.headers_sent:
                 headers = [(b"retry-after", str(error.retry_after_s).encode())] if error.retry_after_s else []
+                headers += record.response_headers()
                 await self._respond(send, record, error.status, error.body, error.content_type, headers)
         except (asyncio.CancelledError, ClientGone) as exc:
             if isinstance(exc, asyncio.CancelledError):
                 if not record.client_gone:
-                    record.error_kind = record.error_kind or "internal"
+                    record.error_kind = record.error_kind or INTERNAL
                     raise  # the server is shutting down: not ours to swallow
                 task.uncancel()
             record.client_gone = True
@@ -300,10 +395,10 @@ class Gateway:
                 record.status = CLIENT_CLOSED_REQUEST
         except Exception:
             logger.exception("request %s failed", record.request_id)
-            record.error_kind = "internal"
+            record.error_kind = INTERNAL
             if not record.headers_sent:
                 record.status = 500
-                error = GatewayError(500, "Internal gateway error.", "InternalServerError", "internal")
+                error = GatewayError(500, "Internal gateway error.", "InternalServerError", INTERNAL)
                 with contextlib.suppress(Exception):
                     await self._respond(send, record, 500, error.body)
         finally:
@@ -349,7 +444,7 @@ class Gateway:
 
     async def _serve(self, scope: dict, body: bytes, send: Any, record: RequestRecord) -> None:
         snapshot = self.state.snapshot
-        record.key = key = self._authenticate(scope)
+        record.key = key = await self._authenticate(scope)
         try:
             payload = json.loads(body)
         except ValueError as exc:
@@ -369,26 +464,75 @@ class Gateway:
                                "PermissionDeniedError", "forbidden", "model")
         record.stream = payload.get("stream") is True and record.endpoint != "embeddings"
         record.prompt_estimate = estimate_prompt_tokens(payload)
+        record.priority = effective_priority(key, payload.get("priority"))
+        route, changed = self._degrade(route, payload, record)
         if deployment.endswith(PREVIEW_SUFFIX):
             # A rollout's candidate serves under the deployment's own name.
             payload["model"] = deployment.removesuffix(PREVIEW_SUFFIX)
-            body = json.dumps(payload).encode()
+            changed = True
+        # The built-in engine schedules and preempts generations by priority (higher first). vLLM
+        # schedules first come first served unless started for priorities (whose order is the
+        # opposite), and embeddings are not scheduled by it: those get no priority field at all.
+        upstream_priority = record.priority if route.backend == "builtin" and record.endpoint != "embeddings" else None
+        if payload.get("priority") != upstream_priority:
+            payload.pop("priority", None)
+            if upstream_priority is not None:
+                payload["priority"] = upstream_priority
+            changed = True
         strip_usage = False
         if record.stream:
             options = payload.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage") is True):
                 # The gateway needs the token counts; the client gets the stream it asked for.
                 payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
-                body = json.dumps(payload).encode()
-                strip_usage = True
+                changed = strip_usage = True
+        if changed:
+            body = json.dumps(payload).encode()
         await self._proxy(scope["path"], route, key, body, payload, send, record, strip_usage)
 
-    def _authenticate(self, scope: dict) -> ApiKey:
+    def _degrade(self, route: Route, payload: dict, record: RequestRecord) -> tuple[Route, bool]:
+        """Apply the deployment's degradation level: shed low priorities, cap max_tokens, send a
+        share to the fallback deployment. Returns the route to serve from and whether `payload` changed."""
+        degradation = route.degradation
+        if degradation is None:
+            return route, False
+        record.degradation_headers.append((b"x-inferops-degradation-level", str(degradation.level).encode()))
+        if degradation.shed_below_priority is not None and record.priority < degradation.shed_below_priority:
+            self.metrics.shed.labels(route.deployment, DEGRADED).inc()
+            raise GatewayError(
+                503, f"`{route.deployment}` is degraded (level {degradation.level} {degradation.name}): requests "
+                f"below priority {degradation.shed_below_priority} are shed for now (this one has "
+                f"{record.priority}). Retry later, or use a key of a higher priority.",
+                "ServiceUnavailableError", DEGRADED, None, degradation.retry_after_s, code=DEGRADED)
+        changed = False
+        cap = degradation.max_tokens_cap
+        if cap is not None and record.endpoint != "embeddings":
+            asked = [payload.get(name) for name in ("max_tokens", "max_completion_tokens")]
+            if all(value is None for value in asked):
+                payload["max_tokens"] = cap
+                changed = True
+            for name, value in zip(("max_tokens", "max_completion_tokens"), asked, strict=True):
+                if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+                    payload[name] = cap
+                    changed = True
+            if changed:
+                record.degradation_headers.append((b"x-inferops-max-tokens-capped", str(cap).encode()))
+        fallback = degradation.fallback
+        if fallback is not None and fallback.takes(record.priority, random.random()):
+            target = self.state.snapshot.routes.get(fallback.deployment)
+            if target is not None and any(v.replicas and v.weight for v in target.versions):
+                # The fallback's replicas serve under its own name; the usage event says who served.
+                payload["model"] = record.deployment = fallback.deployment
+                record.degradation_headers.append((b"x-inferops-fallback", fallback.deployment.encode()))
+                return target, True
+        return route, changed
+
+    async def _authenticate(self, scope: dict) -> ApiKey:
         header = _header(scope, b"authorization")
         if header is None or not header[:7].lower() == b"bearer ":
             raise GatewayError(401, "Missing API key: send `Authorization: Bearer <key>`.", "AuthenticationError",
                                "auth")
-        key = self.state.snapshot.keys.get(hash_api_key(header[7:].strip().decode(errors="replace")))
+        key = await self.state.find_key(hash_api_key(header[7:].strip().decode(errors="replace")))
         if key is None:
             raise GatewayError(401, "Invalid API key.", "AuthenticationError", "auth")
         if key.expired(time.time()):
@@ -406,13 +550,15 @@ class Gateway:
             else:
                 self.health.mark_up()
                 if isinstance(result, Refusal):
+                    record.ratelimit_headers = result.headers()
                     self.metrics.rate_limited.labels(result.scope, result.limit_name).inc()
                     raise GatewayError(429, result.message, "RateLimitError", "rate_limited", None,
                                        result.retry_after_s)
+                record.ratelimit_headers = result.ratelimit_headers()
                 return result
         if self.settings.redis_down_limits == "closed":
             raise GatewayError(503, "Rate limits cannot be checked (Redis unreachable) and the gateway "
-                               "fails closed.", "ServiceUnavailableError", "shed", None, 1)
+                               "fails closed.", "ServiceUnavailableError", SHED, None, 1)
         self.metrics.limits_bypassed.inc()
         return None
 
@@ -427,13 +573,13 @@ class Gateway:
             except Saturated:
                 self.metrics.shed.labels(route.deployment, "saturated").inc()
                 raise GatewayError(503, f"Every replica of `{route.deployment}` is saturated; retry shortly.",
-                                   "ServiceUnavailableError", "shed", None, 1) from None
+                                   "ServiceUnavailableError", SHED, None, 1) from None
             except NoReplica:
                 if last_failure is not None:
                     raise _final_failure(last_failure) from None
                 self.metrics.shed.labels(route.deployment, "no_replica").inc()
                 raise GatewayError(503, f"No ready replica serves `{route.deployment}`.", "ServiceUnavailableError",
-                                   "shed", None, 1) from None
+                                   SHED, None, 1) from None
             # Counted before any await, so concurrent requests see this one and the cap holds.
             self.router.started(choice.replica)
             try:
@@ -448,7 +594,7 @@ class Gateway:
                 record.sent_upstream = True
                 try:
                     opened = await self.upstream.open(choice.replica.url + path, body, record.stream,
-                                                      record.request_id)
+                                                      {"X-Request-Id": record.public_id, **record.trace_headers})
                 except UpstreamFailure as failure:
                     # Unreachable or refused: no work done. Timed out: the replica may have done it.
                     record.sent_upstream = failure.kind == TIMEOUT
@@ -471,10 +617,11 @@ class Gateway:
                 self.router.finished(choice.replica)
 
     async def _relay(self, opened: Opened, send: Any, record: RequestRecord, strip_usage: bool) -> None:
-        extra = [(b"x-request-id", record.request_id.encode())]
+        extra = record.response_headers()
         if not opened.streaming:
             if opened.status == 200:
                 record.usage, record.finish_reason = read_usage(opened.first)
+                record.server_timing = server_timing(opened.response.headers.get(b"server-timing"))
             else:
                 record.error_kind = "not_found" if opened.status == 404 else "bad_request"
             await self._respond(send, record, opened.status, opened.first, opened.content_type, extra)
@@ -549,6 +696,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: $REDIS_URL, else redis://127.0.0.1:6379/0)")
     parser.add_argument("--instance", default=None,
                         help="name of this gateway (spool file name; default: <hostname>-<port>)")
+    parser.add_argument("--advertise-address", default=None,
+                        help="host:port other machines reach this gateway at, announced in Redis for "
+                             "Prometheus service discovery (default: the bound host and port, or this "
+                             "machine's hostname when bound to all addresses)")
     parser.add_argument("--spool-dir", default=None,
                         help="usage spool directory (default: $INFEROPS_DATA_DIR/gateway-spool)")
     parser.add_argument("--redis-down-limits", choices=["open", "closed"], default=defaults.redis_down_limits,
@@ -578,13 +729,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
-    from inferops.embedded import data_dir  # plain os/pathlib; it never imports Django
-
-    spool_dir = Path(args.spool_dir) if args.spool_dir else data_dir() / "gateway-spool"
+    data_dir = Path(os.environ.get("INFEROPS_DATA_DIR", ".inferops")).expanduser()
+    spool_dir = Path(args.spool_dir) if args.spool_dir else data_dir / "gateway-spool"
     return GatewaySettings(
         redis_url=args.redis_url or os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0",
         instance=args.instance or f"{socket.gethostname()}-{args.port}",
         spool_dir=spool_dir,
+        advertise_address=args.advertise_address or advertised(args.host, args.port),
         redis_down_limits=args.redis_down_limits,
         max_outstanding_per_replica=args.max_outstanding_per_replica,
         affinity_slack=args.affinity_slack,
@@ -596,14 +747,21 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
     )
 
 
+def advertised(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    json_lines = jsonlog.configure(args.log_level)
     settings = settings_from_args(args)
     config = uvicorn.Config(Gateway(settings), host=args.host, port=args.port, loop="uvloop", http="httptools",
                             lifespan="on", log_level=args.log_level, access_log=False, timeout_keep_alive=30,
-                            backlog=4096, timeout_graceful_shutdown=5)
+                            backlog=4096, timeout_graceful_shutdown=5,
+                            log_config=None if json_lines else uvicorn.config.LOGGING_CONFIG)
     logger.info("gateway %s on http://%s:%d/v1 (redis %s)", settings.instance, args.host, args.port,
                 settings.redis_url)
     uvicorn.Server(config).run()

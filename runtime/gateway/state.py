@@ -5,13 +5,18 @@ it when a pub/sub message says something changed, and polls both generation coun
 second as a fallback (a pub/sub message is lost while the subscriber reconnects), so a revoked
 key stops working within about a second on every instance. When Redis is unreachable the last
 snapshot stays in use for as long as it takes.
+
+A key missing from the snapshot is looked up in Redis once before the gateway answers 401, so a
+key works on every instance the moment it is published. Keys found that way and misses are
+remembered only until the next snapshot replaces the current one (a miss at most
+NEGATIVE_CACHE_S), so revocation still acts within the poll interval and a flood of bad keys
+costs Redis one HGET per distinct key per NEGATIVE_CACHE_S.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import time
@@ -21,22 +26,20 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from runtime.gateway.contract import (
+    KEYS_CHANNEL,
+    KEYS_GENERATION_KEY,
+    KEYS_KEY,
+    PREVIEW_SUFFIX,
+    ROUTING_CHANNEL,
+    ROUTING_GENERATION_KEY,
+    ROUTING_KEY,
+)
+
 logger = logging.getLogger(__name__)
 
-ROUTING_KEY = "inferops:routing"
-ROUTING_GENERATION_KEY = "inferops:routing:generation"
-ROUTING_CHANNEL = "inferops:routing:changed"
-KEYS_KEY = "inferops:keys"
-KEYS_GENERATION_KEY = "inferops:keys:generation"
-KEYS_CHANNEL = "inferops:keys:changed"
-
-# `<deployment>--preview`: a rollout's candidate alone, for smoke tests before it takes traffic.
-PREVIEW_SUFFIX = "--preview"
-
-
-def hash_api_key(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
+NEGATIVE_CACHE_S = 5.0
+NEGATIVE_CACHE_MAX = 100_000  # distinct bad keys remembered; beyond, the oldest are forgotten
 
 @dataclass(frozen=True)
 class ScopeLimits:
@@ -99,10 +102,56 @@ class Version:
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """Where a degraded deployment sends part of its traffic: every request whose priority is in
+    `priorities`, and `weight` percent of the others."""
+
+    deployment: str
+    weight: int
+    priorities: frozenset[int]
+
+    def takes(self, priority: int, draw: float) -> bool:
+        """`draw` is uniform in [0, 1): the caller's random number, so tests can pin it."""
+        return priority in self.priorities or draw * 100 < self.weight
+
+
+@dataclass(frozen=True)
+class Degradation:
+    """The actions of the level a deployment's degradation policy is at (level >= 1)."""
+
+    level: int
+    name: str
+    shed_below_priority: int | None = None
+    max_tokens_cap: int | None = None
+    fallback: Fallback | None = None
+    retry_after_s: int = 30
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> Degradation | None:
+        if not data or not int(data.get("level") or 0):
+            return None
+        fallback = data.get("fallback")
+        return cls(
+            level=int(data["level"]), name=str(data.get("name") or ""),
+            shed_below_priority=_optional_int(data.get("shed_below_priority")),
+            max_tokens_cap=_optional_int(data.get("max_tokens_cap")),
+            fallback=Fallback(str(fallback["deployment"]), int(fallback.get("weight") or 0),
+                              frozenset(int(p) for p in fallback.get("priorities") or ())) if fallback else None,
+            retry_after_s=max(1, int(data.get("retry_after_s") or 30)),
+        )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True)
 class Route:
     deployment: str
     task: str
     versions: tuple[Version, ...]
+    backend: str = "builtin"
+    degradation: Degradation | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Route:
@@ -110,7 +159,8 @@ class Route:
             Version(int(v["version"]), int(v.get("weight") or 0),
                     tuple(Replica(int(r["id"]), r["url"].rstrip("/")) for r in v.get("replicas") or ()))
             for v in data.get("versions") or ())
-        return cls(data["deployment"], data.get("task", "generate"), versions)
+        return cls(data["deployment"], data.get("task", "generate"), versions, data.get("backend", "builtin"),
+                   Degradation.from_json(data.get("degradation")))
 
 
 def _decode_hash(raw: dict[bytes, bytes], parse: Any) -> dict[str, Any]:
@@ -175,6 +225,46 @@ class StateSync:
         self._generations: tuple[Any, Any] | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._found: dict[str, ApiKey] = {}  # looked up since the snapshot was taken
+        self._missing: dict[str, float] = {}  # key hash -> monotonic time its miss is forgotten
+        self._lookups: dict[str, asyncio.Future[ApiKey | None]] = {}
+
+    async def find_key(self, key_hash: str) -> ApiKey | None:
+        """The key from the snapshot, else from Redis (see the module docstring); None: unknown."""
+        key = self.snapshot.keys.get(key_hash) or self._found.get(key_hash)
+        if key is not None:
+            return key
+        forget_at = self._missing.get(key_hash)
+        if forget_at is not None and time.monotonic() < forget_at:
+            return None
+        if not self.health.worth_trying():
+            return None
+        # Concurrent requests with the same unknown key share one lookup.
+        pending = self._lookups.get(key_hash)
+        if pending is None:
+            pending = self._lookups[key_hash] = asyncio.ensure_future(self._look_up(key_hash))
+            pending.add_done_callback(lambda _: self._lookups.pop(key_hash, None))
+        return await asyncio.shield(pending)
+
+    async def _look_up(self, key_hash: str) -> ApiKey | None:
+        snapshot = self.snapshot
+        try:
+            raw = await self.client.hget(KEYS_KEY, key_hash)
+        except (RedisError, OSError) as exc:
+            self.health.mark_down(exc)
+            return None
+        self.health.mark_up()
+        key = _decode_hash({key_hash.encode(): raw}, ApiKey.from_json).get(key_hash) if raw else None
+        # A refresh that replaced the snapshot meanwhile may have seen this key revoked: keep nothing.
+        if self.snapshot is snapshot:
+            if key is not None:
+                self._found[key_hash] = key
+            else:
+                if len(self._missing) >= NEGATIVE_CACHE_MAX:
+                    for old in list(self._missing)[:NEGATIVE_CACHE_MAX // 10]:
+                        del self._missing[old]
+                self._missing[key_hash] = time.monotonic() + NEGATIVE_CACHE_S
+        return key
 
     async def start(self) -> None:
         await self.refresh()
@@ -207,6 +297,7 @@ class StateSync:
                     return True
                 self.snapshot = Snapshot(_decode_hash(routes_raw, Route.from_json),
                                          _decode_hash(keys_raw, ApiKey.from_json))
+                self._found, self._missing = {}, {}
                 self._generations = generations
         except (RedisError, OSError) as exc:
             self.health.mark_down(exc)

@@ -1,4 +1,4 @@
-"""Usage events: one per request, to the Redis stream `inferops:usage`, never lost.
+"""Usage events: one per request, to the usage stream of the Redis contract, never lost.
 
 Requests only append to an in-memory queue; one writer task sends what has gathered in one
 pipelined XADD batch, so a busy gateway pays one round trip per batch rather than per request.
@@ -20,11 +20,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from runtime.gateway.contract import USAGE_STREAM
 from runtime.gateway.state import RedisHealth
 
 logger = logging.getLogger(__name__)
 
-USAGE_STREAM = "inferops:usage"
 STREAM_MAXLEN = 1_000_000
 BATCH_SIZE = 500
 

@@ -22,6 +22,8 @@ from runtime.loadgen import (
     BenchConfig,
     BenchConfigError,
     LengthRange,
+    PromptPlanner,
+    RequestClass,
     RequestResult,
     arrival_gaps,
     run_benchmark,
@@ -39,10 +41,12 @@ class Responder:
     def __init__(self):
         self.reset()
 
-    def reset(self, *, fail_every: int = 0, send_usage: bool = True):
+    def reset(self, *, fail_every: int = 0, send_usage: bool = True, refuse_key: str | None = None):
         self.fail_every = fail_every
         self.send_usage = send_usage
+        self.refuse_key = refuse_key  # requests with this bearer key get a 503 with code "degraded"
         self.payloads: list[dict] = []
+        self.keys: list[str] = []
         self.arrivals: list[float] = []
         self.in_flight = 0
         self.most_in_flight = 0
@@ -51,6 +55,10 @@ class Responder:
         payload = await request.json()
         self.payloads.append(payload)
         self.arrivals.append(time.perf_counter())
+        self.keys.append(request.headers["authorization"].removeprefix("Bearer "))
+        if self.keys[-1] == self.refuse_key:
+            body = {"error": {"message": "shed", "type": "ServiceUnavailableError", "code": "degraded"}}
+            return JSONResponse(body, status_code=503)
         if self.fail_every and len(self.payloads) % self.fail_every == 0:
             body = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
             return JSONResponse(body, status_code=500)
@@ -226,6 +234,42 @@ def test_goodput_counts_requests_meeting_every_slo(responder, make_config):
     assert run_benchmark(make_config())["request_goodput"] is None
 
 
+def test_request_classes_send_their_keys_in_exact_shares_and_are_summarized_apart(
+    responder, make_config
+):
+    classes = [RequestClass("high", "key-high", 0.2), RequestClass("low", "key-low", 0.8)]
+    responder.reset(refuse_key="key-low")
+    config = make_config(num_prompts=10, request_rate=200.0, request_classes=classes,
+                         goodput_slos_ms={"ttft": 5000})
+    metrics = run_benchmark(config)
+    assert sorted(responder.keys) == ["key-high"] * 2 + ["key-low"] * 8
+    assert sorted(metrics["request_classes"]) == ["high"] * 2 + ["low"] * 8
+    high, low = metrics["classes"]["high"], metrics["classes"]["low"]
+    assert (high["completed"], high["failed"], high["good_requests"]) == (2, 0, 2)
+    assert (low["completed"], low["failed"], low["errors"]) == (0, 8, {"http_503": 8})
+    assert high["request_goodput"] == pytest.approx(metrics["request_goodput"])
+    for name, kind, code in zip(metrics["request_classes"], metrics["error_kinds"],
+                                metrics["error_codes"], strict=True):
+        assert (kind, code) == (("", "") if name == "high" else ("http_503", "degraded"))
+    # Send times follow the arrival schedule, in the order the requests were planned.
+    assert metrics["sent_at"] == sorted(metrics["sent_at"]) and metrics["sent_at"][0] < 0.05
+    assert time.time() - 60 < metrics["started_at"] < time.time()
+    assert metrics["config"]["request_classes"][0] == {"name": "high", "share": 0.2}
+    assert "key-high" not in json.dumps(metrics["config"])
+    assert "classes" not in run_benchmark(make_config(num_prompts=2))
+
+
+@pytest.mark.parametrize("shares, counts", [((1, 1, 1), (4, 3, 3)), ((0.2, 0.8), (2, 8)), ((5,), (10,))])
+def test_request_class_counts_are_exact_shares_and_leave_the_prompts_alone(make_config, shares, counts):
+    classes = [RequestClass(f"c{index}", f"k{index}", share) for index, share in enumerate(shares)]
+    planned = PromptPlanner(make_config(num_prompts=10, request_classes=classes)).plan()
+    names = [request.request_class for request in planned]
+    assert tuple(names.count(c.name) for c in classes) == counts
+    # The classes do not change what a seed sends, only with which key.
+    plain = PromptPlanner(make_config(num_prompts=10)).plan()
+    assert [r.prompt for r in planned] == [r.prompt for r in plain]
+
+
 def test_max_concurrency_caps_requests_in_flight(responder, make_config):
     metrics = run_benchmark(make_config(num_prompts=6, max_concurrency=2))
     assert metrics["completed"] == 6
@@ -394,6 +438,8 @@ def test_cli_prints_the_table_and_writes_the_result_json(responder_server, tmp_p
         ({"top_k": 0}, "top_k"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"request_classes": [RequestClass("a", "k", 1), RequestClass("a", "k", 1)]}, "request_classes"),
+        ({"request_classes": [RequestClass("a", "k", 0)]}, "request_classes"),
     ],
 )
 def test_bad_options_name_the_option(make_config, overrides, option):

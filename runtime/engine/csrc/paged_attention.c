@@ -53,8 +53,8 @@ static inline float dot(const float *query, const void *keys, int64_t start, int
 }
 
 /* The vector paths: one definition of the dot products and the weighted sum, over 512-bit
- * registers where the CPU has AVX-512 (half the instructions per element; with a bf16 cache,
- * half the widening too: ~20 % off the kernel on Zen 5) and 256-bit ones with AVX2 alone.
+ * registers where the CPU has AVX-512 (half the instructions per element, and with a bf16
+ * cache half the widening too) and 256-bit ones with AVX2 alone.
  * A head_dim that is not a multiple of the width takes the portable loops below. */
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -193,9 +193,7 @@ static inline void axpy(float *y, float a, const void *values, int64_t start, in
 /* Asks for part `part` of `parts` of a block's cache lines. A block's prefetches are spread
  * over the work on the block before it, a slice before each head's dot products or weighted
  * sum, rather than issued at once: 256-512 prefetches in a row filled the core's queue of
- * outstanding misses, and the arithmetic then waited for it (on Zen 5, spreading them took
- * 30 % off the kernel for small's heads in float32 and half in bf16; bench/README.md,
- * seventeenth round). */
+ * outstanding misses, and the arithmetic then waited for it. */
 static inline void prefetch_part(const void *cache, int32_t block, int64_t block_bytes,
                                  int64_t part, int64_t parts) {
     const char *base = (const char *)cache + (int64_t)block * block_bytes;
@@ -379,9 +377,8 @@ int paged_attention_f32(const float *q, const void *k_cache, const void *v_cache
     return failed ? -1 : 0;
 }
 
-/* Most rows of a prefill tile: 16 rows share each block's reads (32 gained nothing on small's
- * heads; bench/README.md, seventeenth round). A short chunk gets smaller tiles, so that every
- * thread has one. */
+/* Most rows of a prefill tile: 16 rows share each block's reads (more gain nothing). A short
+ * chunk gets smaller tiles, so that every thread has one. */
 #define PREFILL_TILE 16
 
 /* ---- Prefill tiles as small matrix products ------------------------------------------------
@@ -394,8 +391,8 @@ int paged_attention_f32(const float *q, const void *k_cache, const void *v_cache
  * online softmax then runs along the rows (a row's maximum over a block is an element-wise max
  * over its keys, not a reduction), and the weighted sum adds probs^T[key][row] * value[key] into
  * PV_ROWS output rows at once, each value vector loaded once for them, with the row's rescale
- * folded into loading its sums. The row-at-a-time code above took dot products with horizontal
- * sums and lost 2-4x to vLLM's prefill attention (bench/README.md, seventeenth round). */
+ * folded into loading its sums: several times faster than row-at-a-time dot products with
+ * horizontal sums. */
 #ifdef HAVE_VECTOR_DOTS
 #if VLEN == 16
 #define PV_ROWS 4 /* 4 rows x 4 vectors of sums: 16 of AVX-512's 32 registers */

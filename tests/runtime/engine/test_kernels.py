@@ -1,16 +1,19 @@
 """The compiled CPU kernels (runtime/engine/csrc): built with this machine's C compiler, equal
 to the torch code they replace, refusing what they would read out of bounds on, and skipped
-with a clear reason where they cannot be built."""
+with the reason in pytest's summary where they cannot be built.
+
+Each numeric test runs twice: on the build for this CPU (its AVX-512 or AVX2 code) and on the
+portable build (the plain C loops a CPU without either runs)."""
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.engine import kernels, model_runner
-from runtime.engine.config import EngineConfig
-from runtime.engine.model_runner import activation_dtype, compiled_kernels
+from runtime.engine import kernels
 from runtime.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -53,12 +56,30 @@ def random_case(*, rows, num_heads, kv_heads, head_dim, block_size, lens, seed=0
     return q, k_cache, v_cache, tables, lens
 
 
+BUILDS = {"native": kernels.CFLAGS, "portable": kernels.PORTABLE_CFLAGS}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def compiled(request) -> kernels.CpuKernels:
+    """The kernels of each build, loaded side by side (the engine's is the native one)."""
+    reason = kernels.unavailable_reason(BUILDS[request.param])
+    if reason is not None:
+        pytest.skip(f"{request.param} build: {reason}")
+    return kernels.CpuKernels(kernels.load(BUILDS[request.param]))
+
+
 @pytest.fixture(scope="module")
-def kernel():
-    try:
-        return kernels.cpu_kernels().paged_attention
-    except kernels.KernelUnavailableError as error:
-        pytest.skip(f"CPU kernels cannot be built here: {error}")
+def native() -> kernels.CpuKernels:
+    """What the engine runs: tests of the engine with its kernels need this build."""
+    reason = kernels.unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    return kernels.cpu_kernels()
+
+
+@pytest.fixture
+def kernel(compiled):
+    return compiled.paged_attention
 
 
 @pytest.mark.parametrize(
@@ -140,62 +161,48 @@ def test_paged_attention_refuses_what_it_would_read_out_of_bounds(kernel):
         kernel(q, k_cache, v_cache, tables, lens, torch.empty(3, 4, 64))
 
 
+def test_the_portable_build_targets_neither_avx2_nor_avx512():
+    reason = kernels.unavailable_reason(kernels.PORTABLE_CFLAGS)
+    if reason is not None:
+        pytest.skip(reason)
+    # What the C code's #if picks its paths by: the portable build must take the plain loops
+    # even where the compiler's default target has AVX2.
+    macros = subprocess.run(
+        [kernels.find_compiler(), *kernels.PORTABLE_CFLAGS, "-dM", "-E", "-x", "c", "/dev/null"],
+        capture_output=True, text=True, check=True).stdout.split()
+    assert "__AVX2__" not in macros and "__AVX512F__" not in macros
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 def test_engine_output_is_the_same_with_the_kernel_and_with_torch(
-    make_engine, kernel, kv_cache_dtype
+    make_engine, native, kv_cache_dtype
 ):
     # Mixed lengths across block boundaries (4 tokens), decoding while other prompts prefill.
     mixed = [[1] + [(i * 7 + n) % 200 + 3 for i in range(n)] for n in (37, 5, 22, 2, 13)]
     with_torch = make_engine(ops_backend="torch", kv_cache_dtype=kv_cache_dtype)
     with_kernel = make_engine(ops_backend="kernels", kv_cache_dtype=kv_cache_dtype)
-    assert with_torch.runner.kernels is None
-    assert isinstance(with_kernel.runner.kernels, kernels.CpuKernels)
+    assert with_torch.plan.kernels is None
+    assert with_kernel.plan.kernels is native
     expected_dtype = torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32
     assert with_kernel.runner.kv_caches[0][1].dtype == expected_dtype
     assert with_torch.runner.kv_caches[0][1].dtype == expected_dtype
     assert with_kernel.generate(mixed, GREEDY) == with_torch.generate(mixed, GREEDY)
 
 
-def test_without_a_compiler_auto_falls_back_and_kernel_refuses(tmp_path, monkeypatch):
-    warnings = []
-    monkeypatch.setattr(model_runner.logger, "warning", lambda *args: warnings.append(args))
+def test_without_a_compiler_the_build_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("INFEROPS_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     kernels.load.cache_clear()
-    kernels.cpu_kernels.cache_clear()
     try:
-        assert compiled_kernels("auto", torch.float32) is None
-        # Without the kernels, bf16 weights keep bf16 activations (torch ops throughout).
-        assert activation_dtype("auto", torch.bfloat16) == torch.bfloat16
-        message, reason = warnings[0]
-        assert "fall back to torch" in message and "no-such-compiler" in reason
-        with pytest.raises(ValueError, match="ops backend 'kernels' cannot run here"):
-            compiled_kernels("kernels", torch.float32)
+        with pytest.raises(kernels.KernelUnavailableError, match="no-such-compiler"):
+            kernels.load()
+        assert kernels.unavailable_reason().endswith("the kernels' torch fallback runs instead")
+        monkeypatch.delenv("CC")
+        monkeypatch.setenv("PATH", str(tmp_path))  # neither cc nor gcc
+        kernels.load.cache_clear()
+        assert kernels.unavailable_reason(kernels.PORTABLE_CFLAGS).startswith("no C compiler (cc")
     finally:
         kernels.load.cache_clear()
-        kernels.cpu_kernels.cache_clear()
-    assert compiled_kernels("torch", torch.float32) is None
-
-
-def test_bf16_weights_run_with_float32_activations_where_the_kernels_do(kernel):
-    assert activation_dtype("auto", torch.bfloat16) == torch.float32
-    assert activation_dtype("kernels", torch.bfloat16) == torch.float32
-    assert activation_dtype("torch", torch.bfloat16) == torch.bfloat16
-    assert activation_dtype("auto", torch.float32) == torch.float32
-    assert activation_dtype("auto", torch.float16) == torch.float16
-
-
-@pytest.mark.parametrize(("activations", "kv", "amx", "expected"), [
-    (torch.float32, torch.bfloat16, True, torch.bfloat16),  # bf16 weights with the kernels
-    (torch.float32, torch.bfloat16, False, torch.float32),  # measured on AMX only
-    (torch.float32, torch.float32, True, torch.float32),  # a float32 model stays exact
-    (torch.bfloat16, torch.bfloat16, True, torch.bfloat16),  # torch ops: bf16 throughout
-])
-def test_prefill_attention_runs_in_bf16_over_a_bf16_cache_on_amx(
-    monkeypatch, activations, kv, amx, expected
-):
-    monkeypatch.setattr(model_runner, "cpu_has_amx", lambda: amx)
-    assert model_runner.prefill_attention_dtype(activations, kv) == expected
 
 
 def test_prefill_chunks_are_attended_in_the_prefill_dtype():
@@ -243,14 +250,6 @@ def test_prefill_chunks_are_attended_in_the_prefill_dtype():
     torch.testing.assert_close(in_bf16, in_float32, rtol=0, atol=3e-2)
 
 
-def test_kernels_are_float32_only_and_unknown_backends_are_refused():
-    assert compiled_kernels("auto", torch.bfloat16) is None
-    with pytest.raises(ValueError, match="float32 only"):
-        compiled_kernels("kernels", torch.bfloat16)
-    with pytest.raises(ValueError, match="ops_backend must be auto, kernels or torch"):
-        EngineConfig(model="unused", ops_backend="cuda")
-
-
 def test_a_failing_build_says_why_and_leaves_no_partial_file(tmp_path, monkeypatch):
     compiler = tmp_path / "broken-cc"
     compiler.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1.0; exit 0; fi\n"
@@ -268,7 +267,7 @@ def test_a_failing_build_says_why_and_leaves_no_partial_file(tmp_path, monkeypat
     assert list(cache.iterdir()) == []
 
 
-def test_an_unwritable_kernel_cache_makes_the_kernels_unavailable(tmp_path, monkeypatch):
+def test_an_unwritable_kernel_cache_makes_the_kernels_unavailable(native, tmp_path, monkeypatch):
     not_a_directory = tmp_path / "file"
     not_a_directory.write_text("")
     monkeypatch.setenv("INFEROPS_KERNEL_CACHE", str(not_a_directory / "kernels"))
@@ -280,7 +279,7 @@ def test_an_unwritable_kernel_cache_makes_the_kernels_unavailable(tmp_path, monk
         kernels.load.cache_clear()
 
 
-def test_kernels_share_torchs_openmp_runtime(kernel):
+def test_kernels_share_torchs_openmp_runtime(compiled):
     # A second OpenMP runtime would start its own threads beside torch's and oversubscribe
     # the cores; the library must bind to the libgomp torch already loaded.
     maps = open("/proc/self/maps").read().splitlines()
@@ -300,11 +299,10 @@ def fused_case(rows, seed=0):
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 20])  # 20: the rows split across threads
-def test_fused_ops_equal_the_torch_ops(kernel, rows):
+def test_fused_ops_equal_the_torch_ops(compiled, rows):
     from runtime.engine.config import ModelConfig
     from runtime.engine.model import TorchOps
 
-    compiled = kernels.cpu_kernels()
     qkv, cos, sin, slots, shape, num_heads = fused_case(rows)
     torch_ops = TorchOps(ModelConfig.from_dict({
         "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 64,
@@ -335,7 +333,7 @@ def test_fused_ops_equal_the_torch_ops(kernel, rows):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_keys_and_values_stored_in_a_bf16_cache_round_as_torch_does(kernel):
+def test_keys_and_values_stored_in_a_bf16_cache_round_as_torch_does(compiled):
     from runtime.engine.config import ModelConfig
     from runtime.engine.model import TorchOps
 
@@ -348,7 +346,7 @@ def test_keys_and_values_stored_in_a_bf16_cache_round_as_torch_does(kernel):
         "num_key_value_heads": shape[2],
     }))
     stored = {}
-    for name, ops in (("torch", torch_ops), ("kernels", kernels.cpu_kernels())):
+    for name, ops in (("torch", torch_ops), ("kernels", compiled)):
         k_cache, v_cache = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(
             shape, dtype=torch.bfloat16)
         q, k, v = ops.rope_store_kv(qkv, cos, sin, slots, k_cache, v_cache, num_heads)
@@ -364,8 +362,7 @@ def test_keys_and_values_stored_in_a_bf16_cache_round_as_torch_does(kernel):
                                equal_nan=True)
 
 
-def test_fused_ops_refuse_bad_shapes_and_slots(kernel):
-    compiled = kernels.cpu_kernels()
+def test_fused_ops_refuse_bad_shapes_and_slots(compiled):
     qkv, cos, sin, slots, shape, num_heads = fused_case(5)
     k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
     bad = slots.clone()
@@ -417,12 +414,11 @@ def test_fused_ops_refuse_bad_shapes_and_slots(kernel):
     ],
 )
 def test_prefill_kernel_attends_a_chunk_in_place_as_sdpa_over_its_blocks(
-    kernel, start, num_tokens, window, kv_dtype, num_heads, kv_heads, head_dim, block_size
+    compiled, start, num_tokens, window, kv_dtype, num_heads, kv_heads, head_dim, block_size
 ):
     from runtime.engine.model import AttentionMetadata, PagedPrefill, PrefillAttention
     from runtime.engine.model import paged_attention as attend
 
-    compiled = kernels.cpu_kernels()
     end = start + num_tokens
     q, k_cache, v_cache, tables, _ = random_case(
         rows=1, num_heads=num_heads, kv_heads=kv_heads, head_dim=head_dim,
@@ -451,8 +447,7 @@ def test_prefill_kernel_attends_a_chunk_in_place_as_sdpa_over_its_blocks(
     torch.testing.assert_close(in_place, gathered, atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_kernel_refuses_what_it_would_read_out_of_bounds(kernel):
-    compiled = kernels.cpu_kernels()
+def test_prefill_kernel_refuses_what_it_would_read_out_of_bounds(compiled):
     q, k_cache, v_cache, tables, _ = random_case(
         rows=1, num_heads=4, kv_heads=2, head_dim=64, block_size=16, lens=[33])
     rows = torch.randn(10, 4, 64)
@@ -469,14 +464,17 @@ def test_prefill_kernel_refuses_what_it_would_read_out_of_bounds(kernel):
 
 
 def test_the_runner_attends_prefill_chunks_in_place_with_the_kernels_and_by_sdpa_without(
-    make_engine, kernel
+    make_engine, native
 ):
+    from dataclasses import replace
+
     from runtime.engine.scheduler import ScheduledChunk
     from runtime.engine.sequence import Sequence
 
     seq = Sequence("r", list(range(3, 203)))
     seq.block_table = list(range(50))
     runner = make_engine(ops_backend="kernels").runner
+    assert runner.plan.prefill_attention == "kernel"
     with_context = runner._prefill_metadata(ScheduledChunk(seq, 100, 40, completes_sequence=False), 0)
     fresh = runner._prefill_metadata(ScheduledChunk(seq, 0, 16, completes_sequence=False), 0)
     assert with_context.paged is not None and with_context.paged.start == 100
@@ -484,7 +482,8 @@ def test_the_runner_attends_prefill_chunks_in_place_with_the_kernels_and_by_sdpa
     assert with_context.paged.block_table.tolist() == list(range(35))
     assert fresh.paged is not None and fresh.paged.block_table.tolist() == [0, 1, 2, 3]
     # bf16 prefill attention (a bf16 cache on AMX) stays with SDPA, as does the torch path.
-    runner.prefill_dtype = torch.bfloat16
+    runner.plan = replace(runner.plan, prefill_attention="sdpa",
+                          prefill_attention_dtype=torch.bfloat16)
     gathered = runner._prefill_metadata(ScheduledChunk(seq, 100, 40, completes_sequence=False), 0)
     assert gathered.paged is None and gathered.context_blocks is not None
     torch_runner = make_engine(ops_backend="torch").runner

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.config import EngineConfig
-from runtime.engine.model import Linear, onednn_packs, padded_rows
+from runtime.engine.model import Linear, padded_rows
+from runtime.engine.plan import linear_backend, onednn_packs
 
 ONEDNN = torch.backends.mkldnn.is_available()
 BACKENDS = [
@@ -16,8 +17,8 @@ BACKENDS = [
 ]
 
 
-# oneDNN packs bf16 weights only on CPUs with AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only
-# Zen 3 cannot); `auto` must then fall back to torch, which the "auto" case checks there.
+# oneDNN packs bf16 weights only on CPUs with AVX512BW/VL/DQ or AVX-NE-CONVERT; `auto` must
+# then fall back to torch, which the "auto" case checks there.
 BF16_BACKENDS = [
     pytest.param("onednn", marks=pytest.mark.skipif(
         not onednn_packs(torch.bfloat16), reason="oneDNN cannot pack bf16 weights on this CPU")),
@@ -57,8 +58,8 @@ def test_auto_falls_back_where_onednn_cannot_run_the_dtype():
     # must fall back to F.linear rather than fail to load the model.
     weight = torch.randn(16, 8).half()
     x = torch.randn(3, 8).half()
-    linear = Linear(weight, backend="auto")
-    assert linear.backend in ("onednn", "torch")
+    linear = Linear(weight, backend=linear_backend("auto", torch.float16, onednn_packs))
+    assert linear.backend == ("onednn" if onednn_packs(torch.float16) else "torch")
     torch.testing.assert_close(linear(x), F.linear(x, weight), rtol=1e-2, atol=1e-2)
 
 
@@ -69,7 +70,7 @@ def test_bf16_weights_take_float32_input_and_return_float32(backend):
     weight = torch.randn(64, 48, generator=generator).bfloat16()
     bias = torch.randn(64, generator=generator).bfloat16()
     x = torch.randn(9, 48, generator=generator)
-    linear = Linear(weight, bias, backend=backend)
+    linear = Linear(weight, bias, backend=linear_backend(backend, torch.bfloat16, onednn_packs))
     if backend == "auto":
         assert linear.backend == ("onednn" if onednn_packs(torch.bfloat16) else "torch")
     out = linear(x)
@@ -79,8 +80,8 @@ def test_bf16_weights_take_float32_input_and_return_float32(backend):
 
 
 def test_unknown_backend_is_refused():
-    with pytest.raises(ValueError, match="linear backend must be one of"):
-        Linear(torch.randn(4, 4), backend="mkl")
+    with pytest.raises(ValueError, match="linear backend must be onednn or torch"):
+        Linear(torch.randn(4, 4), backend="auto")  # resolved by the plan, never by a layer
     with pytest.raises(ValueError, match="linear_backend must be auto, onednn or torch"):
         EngineConfig(model="unused", linear_backend="cuda")
 

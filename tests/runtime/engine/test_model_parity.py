@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from runtime.engine.config import ModelConfig
-from runtime.engine.kernels import available as kernels_available
-from runtime.engine.loader import load_state_dict, resolve_dtype, safetensors_files
-from runtime.engine.model import onednn_packs
+from runtime.engine.kernels import unavailable_reason
+from runtime.engine.loader import load_state_dict, safetensors_files
+from runtime.engine.plan import onednn_packs
 from runtime.engine.sampling import SamplingParams
 
 MAX_NEW_TOKENS = 10
@@ -56,7 +56,9 @@ CASES = {
 
 
 ONEDNN = torch.backends.mkldnn.is_available()
-KERNELS = kernels_available()
+# Why the compiled kernels cannot run here (None where they can), shown by pytest -ra.
+NO_KERNELS = unavailable_reason()
+NEEDS_KERNELS = pytest.mark.skipif(NO_KERNELS is not None, reason=str(NO_KERNELS))
 _hf_outputs: dict[str, list[list[int]]] = {}
 
 
@@ -86,7 +88,7 @@ def hf_greedy(model_dir, prompts, max_new_tokens=MAX_NEW_TOKENS):
     [
         pytest.param("onednn", "kernels", marks=[
             pytest.mark.skipif(not ONEDNN, reason="no oneDNN"),
-            pytest.mark.skipif(not KERNELS, reason="CPU kernels cannot be built here"),
+            NEEDS_KERNELS,
         ]),
         ("torch", "torch"),
     ],
@@ -105,7 +107,7 @@ def test_greedy_matches_transformers(
         linear_backend=linear_backend, ops_backend=ops_backend,
     )
     assert {layer.qkv_proj.backend for layer in engine.runner.model.layers} == {linear_backend}
-    assert (engine.runner.kernels is not None) == (ops_backend == "kernels")
+    assert engine.plan.ops_backend == ops_backend
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     assert engine.generate(PROMPTS, params) == expected
     # The fifth prompt reused the second one's computed blocks.
@@ -157,19 +159,19 @@ def test_sharded_checkpoint_loads_every_shard(tmp_path, tiny_llama_dir):
 
 
 @pytest.mark.parametrize("ops_backend", [
-    "torch", pytest.param("kernels", marks=pytest.mark.skipif(not KERNELS, reason="no C compiler"))])
+    "torch", pytest.param("kernels", marks=NEEDS_KERNELS)])
 def test_bfloat16_weights_run_in_bf16(checkpoint_factory, make_engine, ops_backend):
     from transformers import AutoModelForCausalLM
 
     model_dir = checkpoint_factory("bf16-llama", "llama", seed=3, dtype=torch.bfloat16)
     engine = make_engine(model_dir, dtype="bfloat16", ops_backend=ops_backend)
     model = engine.runner.model
-    assert engine.dtype == torch.bfloat16
+    assert engine.plan.weight_dtype == torch.bfloat16
     assert model.layers[0].gate_up_proj.dtype == model.lm_head.dtype == torch.bfloat16
     # With the (float32) kernels, activations stay float32 between bf16 matmuls; the KV cache
     # is bf16 either way (kv_cache_dtype "auto": the weights').
     activations = torch.float32 if ops_backend == "kernels" else torch.bfloat16
-    assert engine.activation_dtype == model.embed_tokens.dtype == activations
+    assert engine.plan.activation_dtype == model.embed_tokens.dtype == activations
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     fp32_engine = make_engine(model_dir, dtype="float32", ops_backend=ops_backend)
     assert fp32_engine.runner.kv_caches[0][0].dtype == torch.float32
@@ -192,22 +194,8 @@ def test_auto_dtype_follows_a_bf16_checkpoint_only_where_the_cpu_multiplies_bf16
     model_dir = checkpoint_factory("bf16-llama", "llama", seed=3, dtype=torch.bfloat16)
     engine = make_engine(model_dir)  # dtype="auto"
     native = onednn_packs(torch.bfloat16)  # this CPU: AVX-512 or AVX-NE-CONVERT
-    assert engine.dtype == (torch.bfloat16 if native else torch.float32)
-    assert engine.runner.model.lm_head.dtype == engine.dtype
-
-
-@pytest.mark.parametrize(("requested", "checkpoint", "native", "expected", "warned"), [
-    ("auto", "bfloat16", True, torch.bfloat16, False),
-    ("auto", "bfloat16", False, torch.float32, True),  # emulated bf16 matmuls are ~8x slower
-    ("auto", "torch.float16", False, torch.float32, True),
-    ("auto", "float32", False, torch.float32, False),
-    ("auto", "int8", True, torch.float32, False),  # a dtype the loader does not know
-    ("bfloat16", "float32", False, torch.bfloat16, False),  # an explicit choice is kept
-    ("float32", "bfloat16", True, torch.float32, False),
-])
-def test_resolve_dtype(requested, checkpoint, native, expected, warned, caplog):
-    assert resolve_dtype(requested, checkpoint, lambda dtype: native) == expected
-    assert ("loading it in float32" in caplog.text) == warned
+    assert engine.plan.weight_dtype == (torch.bfloat16 if native else torch.float32)
+    assert engine.runner.model.lm_head.dtype == engine.plan.weight_dtype
 
 
 def run_with_logprobs(engine, prompts, params_list):

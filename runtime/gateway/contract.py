@@ -1,0 +1,58 @@
+"""The Redis contract between the control plane and the gateways, defined once.
+
+The control plane publishes two tables, each a hash with a generation counter and a channel that
+announces changes; gateways keep their last copy in memory. Gateways append one usage event per
+request to a stream that the control plane ingests. Both sides import these names from here.
+
+- ROUTING_KEY: route name -> JSON {deployment, model, task, backend, versions: [{version, track,
+  weight, replicas: [{id, url}]}], published_at, degradation}. A `<deployment>--preview` route is
+  a rollout's candidate alone. `degradation` is null at level 0, else the actions the gateway
+  applies: {level, name, shed_below_priority, max_tokens_cap, fallback: {deployment, weight,
+  priorities}, retry_after_s} (each action null when the level has none).
+- KEYS_KEY: sha256 hex of an API key -> JSON {prefix, name, tenant, deployments, priority,
+  expires_at, limits: {key, tenant}}; replaced whole on every publish.
+- USAGE_STREAM: entries {"e": JSON event}, one per request (tenants/ingest.py says which fields).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+ROUTING_KEY = "inferops:routing"
+ROUTING_GENERATION_KEY = "inferops:routing:generation"
+ROUTING_CHANNEL = "inferops:routing:changed"
+KEYS_KEY = "inferops:keys"
+KEYS_GENERATION_KEY = "inferops:keys:generation"
+KEYS_CHANNEL = "inferops:keys:changed"
+USAGE_STREAM = "inferops:usage"
+# Live gateways: instance -> JSON {instance, address (host:port), metrics_path, seen_at (Unix s)},
+# refreshed every GATEWAY_HEARTBEAT_S; an entry older than GATEWAY_STALE_S is a dead gateway.
+GATEWAYS_KEY = "inferops:gateways"
+GATEWAY_HEARTBEAT_S = 10.0
+GATEWAY_STALE_S = 35.0
+# Gateways' rate-limit counters: `<prefix>:<key|tenant>:<name>:<rpm|tpm|conc>...`, shared by every gateway.
+RATE_LIMIT_PREFIX = "inferops:rl"
+
+# Error kinds of a usage event that are the platform's fault, whatever status the client saw.
+SHED = "shed"  # refused before any replica: none ready, all saturated, or limits fail closed
+UPSTREAM_CONNECT = "upstream_connect"
+UPSTREAM_TIMEOUT = "upstream_timeout"
+UPSTREAM_ERROR = "upstream_error"
+INTERNAL = "internal"
+SERVER_ERROR_KINDS = (SHED, UPSTREAM_TIMEOUT, UPSTREAM_ERROR, UPSTREAM_CONNECT, INTERNAL)
+# Refused on purpose by the deployment's degradation policy (a 503 with code `degraded`): neither
+# good nor bad for an SLO, or shedding would keep the burn up that caused it.
+DEGRADED = "degraded"
+
+
+def is_server_failure(status: int, error_kind: str | None) -> bool:
+    """The platform's fault (slo/sli.py says the same in SQL)."""
+    return (status >= 500 and error_kind != DEGRADED) or error_kind in SERVER_ERROR_KINDS
+
+# `<deployment>--preview`: a rollout's candidate alone, for smoke tests before it takes traffic.
+PREVIEW_SUFFIX = "--preview"
+
+
+def hash_api_key(secret: str) -> str:
+    """How a key is found in KEYS_KEY: the full key is never stored or published."""
+    return hashlib.sha256(secret.encode()).hexdigest()
