@@ -31,6 +31,7 @@ class RolloutStatus(models.TextChoices):
     PAUSED = "paused", "Paused"        # a pause step, an inconclusive analysis, or waiting for promote
     SUCCEEDED = "succeeded", "Succeeded"
     ABORTED = "aborted", "Aborted"
+    ROLLED_BACK = "rolled_back", "Rolled back"  # succeeded, then the platform undid it during its watch
 
 
 ACTIVE_ROLLOUT = (RolloutStatus.PROGRESSING, RolloutStatus.PAUSED)
@@ -41,3 +42,15 @@ class Verdict(models.TextChoices):
     PASS = "pass", "Pass"
     FAIL = "fail", "Fail"
     INCONCLUSIVE = "inconclusive", "Inconclusive"
+
+class ReplicaState(models.TextChoices):
+    PENDING = "pending", "Pending"      # row exists, process not started yet (or backing off)
+    STARTING = "starting", "Starting"   # process started, /health not yet 200
+    READY = "ready", "Ready"            # /health 200: routable
+    DRAINING = "draining", "Draining"   # SIGTERM sent; finishing in-flight requests
+    STOPPED = "stopped", "Stopped"
+    FAILED = "failed", "Failed"         # died or never became ready; will be replaced
+
+    @classmethod
+    def live(cls) -> list[str]:
+        return [cls.PENDING, cls.STARTING, cls.READY]

@@ -1,11 +1,11 @@
 """Stable vs candidate over a rollout's time span, in fixed buckets, for the rollout page's charts.
 
 One SQL statement over the usage ledger: each event counts for the track of the replica that
-served it (candidate: a replica the rollout started, `runtime_replica.rollout_id`; stable:
-any other replica of the deployment), and an attempt a replica failed before the gateway
+served it (candidate: a replica of the candidate's spec, `CANDIDATE_REPLICA_SQL`; stable: any
+other replica of the deployment), and an attempt a replica failed before the gateway
 retried the request elsewhere (`failed_replica`) counts as a failed attempt of that replica's
 track, so a candidate's errors show even when the retry hid them from the client. Figures
-match the rollout's analysis (deployments/rollouts.py): latency percentiles over the attempts
+match the rollout's analysis (slo/rollout_gate.py): latency percentiles over the attempts
 that were not server failures, error rate = failed attempts / attempts. Requests to the
 deployment's preview route (`<name>--preview`, served by the candidate alone) count too, so a
 blue-green's smoke tests show before the switch; the analysis judges the main route only.
@@ -18,8 +18,8 @@ from datetime import datetime, timedelta
 
 from django.db import connection
 
-from runtime.gateway.state import PREVIEW_SUFFIX
-from slo.sli import SERVER_FAILURE_SQL
+from deployments.rollout_gate import CANDIDATE_REPLICA_SQL, candidate_params, gate
+from runtime.gateway.contract import PREVIEW_SUFFIX
 
 TRACKS = ("stable", "candidate")
 DEFAULT_BUCKET_S = 10
@@ -28,9 +28,10 @@ MAX_BUCKETS = 1440
 
 # Each event gives one attempt by the replica that served it and, when an earlier replica failed
 # it, one failed attempt by that replica (no latency: the client never saw it).
-_SERIES_SQL = f"""
+def series_sql() -> str:
+    return f"""
     SELECT date_bin(make_interval(secs => %(bucket)s), e.time, %(start)s) AS bucket,
-           CASE WHEN r.rollout_id = %(rollout)s THEN 'candidate' ELSE 'stable' END AS track,
+           CASE WHEN {CANDIDATE_REPLICA_SQL} THEN 'candidate' ELSE 'stable' END AS track,
            count(*) FILTER (WHERE NOT a.retried) AS requests,
            count(*) AS attempts,
            count(*) FILTER (WHERE a.failed) AS errors,
@@ -38,7 +39,7 @@ _SERIES_SQL = f"""
            percentile_cont(0.95) WITHIN GROUP (ORDER BY a.tpot_ms) FILTER (WHERE NOT a.failed) AS tpot_p95
     FROM tenants_usageevent e
     CROSS JOIN LATERAL (VALUES
-        (e.replica, false, {SERVER_FAILURE_SQL}, e.ttft_ms, e.tpot_ms),
+        (e.replica, false, {gate().server_failure_sql}, e.ttft_ms, e.tpot_ms),
         (e.failed_replica, true, true, NULL::double precision, NULL::double precision)
     ) AS a(replica, retried, failed, ttft_ms, tpot_ms)
     JOIN runtime_replica r ON r.id = a.replica AND r.deployment_id = %(deployment_id)s
@@ -69,11 +70,11 @@ def rollout_series(rollout, start: datetime, end: datetime, bucket_s: int | None
     n = max(1, math.ceil((end - start).total_seconds() / bucket_s))
     times = [start + timedelta(seconds=i * bucket_s) for i in range(n)]
     out = {"bucket_s": bucket_s, "time": times, **{track: _empty(n) for track in TRACKS}}
-    params = {"bucket": bucket_s, "start": start, "end": end, "rollout": rollout.pk,
+    params = {"bucket": bucket_s, "start": start, "end": end, **candidate_params(rollout),
               "deployment": rollout.deployment.name, "preview": rollout.deployment.name + PREVIEW_SUFFIX,
               "deployment_id": rollout.deployment_id}
     with connection.cursor() as cursor:
-        cursor.execute(_SERIES_SQL, params)
+        cursor.execute(series_sql(), params)
         rows = cursor.fetchall()
     for bucket, track, requests, attempts, errors, ttft, tpot in rows:
         i = round((bucket - start).total_seconds() / bucket_s)

@@ -2,8 +2,8 @@
 
 Durations are "90s", "2m", "1h30m" or a number of seconds. A canary is a list of steps:
 `{"set_weight": 20}`, `{"pause": "60s"}` (or `{"pause": {}}`: until an operator promotes) and
-`{"analysis": "2m"}` (or an object with `duration`, `min_requests`, `max_burn_rate` and
-`thresholds`). After the last step the candidate takes all traffic. A blue-green rollout is
+`{"analysis": "2m"}` (or an object with `duration`, `min_requests`, `min_events`, `max_burn_rate`
+and `thresholds`). After the last step the candidate takes all traffic. A blue-green rollout is
 the same machinery with the candidate at full size from the start: an optional preview pause,
 then all traffic at once, then an optional analysis while the old set stays warm for
 `scale_down_delay`.
@@ -11,11 +11,10 @@ then all traffic at once, then an optional analysis while the old set stays warm
 
 from __future__ import annotations
 
-import re
-
 from django.core.exceptions import ValidationError
 
 from deployments.choices import Strategy
+from inferops import timeparse
 
 DEFAULT_CANARY_STEPS = [{"set_weight": 10}, {"analysis": "2m"}, {"set_weight": 50}, {"analysis": "2m"}]
 DEFAULT_MIN_REQUESTS = 20
@@ -23,24 +22,17 @@ DEFAULT_MIN_REQUESTS = 20
 DEFAULT_MAX_BURN_RATE = 2.0
 # Candidate p95 / stable p95 limits an analysis may set; `error_rate_max` is absolute.
 THRESHOLDS = ("ttft_p95_ratio", "tpot_p95_ratio", "e2e_p95_ratio", "error_rate_max")
-ANALYSIS_KEYS = {"duration", "min_requests", "max_burn_rate", "thresholds"}
+ANALYSIS_KEYS = {"duration", "min_requests", "min_events", "max_burn_rate", "thresholds"}
+# After success: how long the platform watches the new version for an automatic rollback.
+DEFAULT_WATCH_S = 600.0
 MAX_STEPS = 50
 MAX_MIN_REQUESTS = 1_000_000
 MAX_DURATION_S = 7 * 24 * 3600
-_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
 
 def parse_duration(value, field: str) -> float:
-    """Seconds from "90s" / "2m" / "1h30m" / a number; ValueError with a message naming `field`."""
-    if isinstance(value, bool):
-        raise ValueError(f"{field}: expected a duration like \"90s\", \"2m\" or \"1h\", got {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str) and value.strip() and (match := _DURATION.match(value.strip())):
-        hours, minutes, secs = match.groups()
-        seconds = int(hours or 0) * 3600 + int(minutes or 0) * 60 + float(secs or 0)
-    else:
-        raise ValueError(f"{field}: expected a duration like \"90s\", \"2m\" or \"1h\", got {value!r}")
+    """Seconds from "90s" / "2m" / "1h30m" / a number, at most 7 days; ValueError naming `field`."""
+    seconds = timeparse.parse_duration(value, field)
     if not 0 <= seconds <= MAX_DURATION_S:
         raise ValueError(f"{field}: must lie between 0 and 7 days")
     return seconds
@@ -61,6 +53,11 @@ def _analysis(value, field: str) -> dict:
     min_requests = value.get("min_requests", DEFAULT_MIN_REQUESTS)
     if type(min_requests) is not int or not 1 <= min_requests <= MAX_MIN_REQUESTS:
         raise ValueError(f"{field}.min_requests: expected an integer from 1 to {MAX_MIN_REQUESTS:,}")
+    # Events a burn rate or threshold needs before it may fail the step; absent, each check derives
+    # its own from its objective and limit (deployments.rollout_gate.min_events).
+    min_events = value.get("min_events")
+    if min_events is not None and (type(min_events) is not int or not 1 <= min_events <= MAX_MIN_REQUESTS):
+        raise ValueError(f"{field}.min_events: expected an integer from 1 to {MAX_MIN_REQUESTS:,}")
     max_burn = value.get("max_burn_rate", DEFAULT_MAX_BURN_RATE)
     if isinstance(max_burn, bool) or not isinstance(max_burn, int | float) or max_burn <= 0:
         raise ValueError(f"{field}.max_burn_rate: expected a number > 0")
@@ -73,7 +70,8 @@ def _analysis(value, field: str) -> dict:
         if isinstance(limit, bool) or not isinstance(limit, int | float) or limit <= 0:
             raise ValueError(f"{field}.thresholds.{name}: expected a number > 0")
     return {"duration": duration, "min_requests": min_requests, "max_burn_rate": float(max_burn),
-            "thresholds": {name: float(limit) for name, limit in thresholds.items()}}
+            "thresholds": {name: float(limit) for name, limit in thresholds.items()},
+            **({"min_events": min_events} if min_events is not None else {})}
 
 
 def _step(step, field: str) -> dict:
@@ -141,3 +139,22 @@ def normalise(strategy: str, *, steps=None, scale_down_delay=None, preview=None,
     if errors:
         raise ValidationError(errors)
     return out, delay
+
+
+def watch_seconds(value) -> float:
+    """The watch after success in seconds (default 10 minutes, 0 for none); ValidationError on `watch`."""
+    if value is None:
+        return DEFAULT_WATCH_S
+    try:
+        return parse_duration(value, "watch")
+    except ValueError as exc:
+        raise ValidationError({"watch": [str(exc)]}) from None
+
+
+def watch_limits(steps: list) -> dict:
+    """What the watch judges by: the rollout's last analysis (its max_burn_rate and min_requests), or
+    the analysis defaults."""
+    analyses = [step["analysis"] for step in steps if "analysis" in step]
+    last = analyses[-1] if analyses else {}
+    return {"max_burn_rate": last.get("max_burn_rate", DEFAULT_MAX_BURN_RATE),
+            "min_requests": last.get("min_requests", DEFAULT_MIN_REQUESTS)}

@@ -10,14 +10,17 @@ from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from deployments import engine_args as engine_args_mod
 from deployments.choices import ACTIVE_ROLLOUT, Backend, DeploymentStatus, DriverName
 from deployments.models import Deployment
 from inferops.api import Conflict
+from inferops.audit import audit_record, snapshot
+from inferops.celery import enqueue
 from registry.models import Alias, ModelVersion, RegisteredModel
-from registry.services import audit_record, snapshot
-from runtime import engine_args as engine_args_mod
-from runtime.gateway.state import PREVIEW_SUFFIX
+from runtime.gateway.contract import PREVIEW_SUFFIX
 
+# A reconcile request older than this is dropped: beat starts a pass every couple of seconds anyway.
+RECONCILE_TASK_EXPIRES_S = 30
 RESOURCE_KEYS = {"gpu_type": str, "gpu_count": int, "cpu": (int, float, str), "memory": str}
 
 
@@ -71,10 +74,33 @@ def validate_engine_args(backend: str, engine_args) -> dict:
         raise ValidationError({"engine_args": [f"{k}: {v}" for k, v in exc.errors.items()]}) from None
 
 
-def request_reconcile(deployment: Deployment) -> None:
-    from runtime.tasks import reconcile_deployment
+def frozen_by(deployment: Deployment) -> dict | None:
+    """The deployment's degradation level in force when it freezes rollouts, else None."""
+    degradation = deployment.degradation or {}
+    return degradation if degradation.get("freeze_rollouts") else None
 
-    transaction.on_commit(lambda: reconcile_deployment.delay(deployment.pk))
+
+def level_text(degradation: dict) -> str:
+    name = degradation.get("name")
+    return f"degradation level {degradation.get('level')}" + (f" ({name})" if name else "")
+
+
+def check_frozen(deployment: Deployment, *, rollback: bool, refused: str = "new rollouts are refused") -> None:
+    level = None if rollback else frozen_by(deployment)
+    if level is not None:
+        raise Conflict(
+            f"Deployment {deployment.name!r} is at {level_text(level)}, which freezes rollouts: {refused} "
+            "until it leaves that level. A rollback (\"rollback\": true, or the undo action) is allowed; to go "
+            f"ahead anyway, force a lower level first (POST /api/v1/deployments/{deployment.name}/degradation/"
+            "override/, audited)."
+        )
+
+
+def request_reconcile(deployment: Deployment) -> None:
+    """A reconcile pass soon after the transaction commits (by name: deployments.tasks imports the
+    reconcile loop, which imports the rollout machine and through it these services' models)."""
+    transaction.on_commit(lambda: enqueue("deployments.reconcile_deployment", deployment.pk,
+                                          expires=RECONCILE_TASK_EXPIRES_S))
 
 
 def deployment_create(*, name: str, model: RegisteredModel, actor, version: int | None = None,
@@ -119,6 +145,8 @@ def deployment_update(*, deployment: Deployment, actor, version: int | None = No
         if active is not None:
             raise Conflict(f"Rollout {active.pk} of {locked.name!r} is {active.status}: the version and engine "
                            "args change through it (promote or abort it first).")
+        if changes_spec:  # a direct change of version is a rollout without the analysis
+            check_frozen(locked, rollback=False, refused="version and engine-args changes are refused")
         if version is not None or alias:
             locked.version = resolve_version(locked.model, version=version, alias=alias)
             locked.alias = alias or ""
@@ -154,3 +182,11 @@ def deployment_delete(*, deployment: Deployment, actor) -> Deployment:
             audit_record(actor=actor, action="deployment.delete", obj=locked, before=before)
             request_reconcile(locked)
     return locked
+
+
+def deployment_set_degradation(*, deployment: Deployment, actions: dict | None) -> None:
+    """Put a degradation level's actions in force (None: level 0). The next reconcile pass
+    publishes them in the routing table; the caller records why (degradation.services)."""
+    Deployment.objects.filter(pk=deployment.pk).update(degradation=actions, updated_at=timezone.now())
+    deployment.degradation = actions
+    request_reconcile(deployment)

@@ -1,26 +1,37 @@
+import hashlib
 import json
+import re
 from datetime import datetime, timedelta
 
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import ValidationError
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from deployments import rollouts, services
-from deployments.api import SERIES_UNITS, DeploymentSerializer, deployment_queryset
-from deployments.choices import ACTIVE_ROLLOUT, Backend, RolloutStatus, Strategy
+from deployments.api import (
+    SERIES_UNITS,
+    DeploymentCreateSerializer,
+    DeploymentSerializer,
+    DeploymentUpdateSerializer,
+    deployment_queryset,
+)
+from deployments.choices import ACTIVE_ROLLOUT, Backend, DriverName, ReplicaState, RolloutStatus, Strategy
+from deployments.drivers import driver_for
 from deployments.models import Rollout
+from deployments.panels import render_panels
+from deployments.rollout_gate import gate
 from deployments.rollout_series import rollout_series
 from deployments.rollout_spec import DEFAULT_CANARY_STEPS
 from inferops.api import Conflict
-from inferops.roles import OPERATOR, has_role
+from inferops.panels import safe_next
+from inferops.roles import require_operator
 from registry.models import RegisteredModel
-from runtime.choices import ReplicaState
-from runtime.drivers import driver_for
-from runtime.gateway.state import PREVIEW_SUFFIX
+from runtime.gateway.contract import PREVIEW_SUFFIX
 
 CHARTS = [
     ("requests_per_s", "Requests/s"), ("output_tokens_per_s", "Output tokens/s"),
@@ -48,80 +59,253 @@ class JSONObjectField(forms.CharField):
         return json.dumps(value) if isinstance(value, dict) else value
 
 
-class DeploymentForm(forms.Form):
-    name = forms.SlugField(max_length=63)
-    model = forms.ModelChoiceField(RegisteredModel.objects.all(), to_field_name="name")
-    version = forms.IntegerField(min_value=1, required=False, help_text="or an alias")
-    alias = forms.SlugField(required=False)
-    backend = forms.ChoiceField(choices=Backend.choices)
+# The API's field names in service messages, as the form's labels say them.
+FIELD_WORDS = {"min_replicas": "minimum replicas", "max_replicas": "maximum replicas", "gpu_count": "GPU count",
+               "gpu_type": "GPU type", "engine_args": "engine arguments", "replicas": "replicas"}
+RESOURCE_FIELDS = ("cpu", "memory", "gpu_type", "gpu_count")
+# Errors on API fields the form asks for through another field.
+FORM_FIELD = {"model": "version", "alias": "version", "engine_args": "engine_args"}
+
+
+def readable(text: str) -> str:
+    for field, words in FIELD_WORDS.items():
+        text = re.sub(rf"\b{field}\b", words, text)
+    return text[:1].upper() + text[1:]
+
+
+def version_choices(models) -> list:
+    """Per model, its versions (with the aliases on each), then its aliases: "<model>:<number>" pins a
+    number, "<model>@<alias>" the version the alias names now."""
+    groups = []
+    for model in models:
+        on_version: dict[int, list[str]] = {}
+        for alias in model.aliases.all():
+            on_version.setdefault(alias.version_id, []).append(alias.name)
+        options = []
+        for version in sorted(model.versions.all(), key=lambda v: -v.number):
+            label = f"{model.name} v{version.number}"
+            if version.pk in on_version:
+                label += f" ({', '.join(sorted(on_version[version.pk]))})"
+            if version.status != "ready":
+                label += f" · {version.status}"
+            options.append((f"{model.name}:{version.number}", label))
+        options += [(f"{model.name}@{alias.name}", f"{model.name} @{alias.name} (now v{alias.version.number})")
+                    for alias in sorted(model.aliases.all(), key=lambda a: a.name)]
+        if options:
+            groups.append((model.name, options))
+    return groups
+
+
+def parse_version_choice(value: str) -> tuple[str, int | None, str | None]:
+    """(model name, version number or None, alias or None) of a version_choices value."""
+    if "@" in value:
+        model, alias = value.split("@", 1)
+        return model, None, alias
+    model, number = value.rsplit(":", 1)
+    return model, int(number), None
+
+
+def cpu_value(text: str):
+    """Cores as a number when typed as one (2, 0.5), else the quantity as typed ("500m")."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+class DeploymentFields(forms.Form):
+    """The fields a deployment's create and edit forms share, in the API's names."""
+
     replicas = forms.IntegerField(min_value=0, max_value=256, initial=1)
-    engine_args = JSONObjectField(required=False, help_text='e.g. {"max_num_seqs": 64}')
+    autoscale = forms.BooleanField(required=False, help_text="let the autoscaler move replicas between the bounds")
+    min_replicas = forms.IntegerField(min_value=0, max_value=256, required=False, label="Minimum replicas",
+                                      help_text="empty: the replicas")
+    max_replicas = forms.IntegerField(min_value=0, max_value=256, required=False, label="Maximum replicas",
+                                      help_text="empty: the replicas")
+    cpu = forms.CharField(required=False, max_length=32, label="CPU", help_text='cores per replica: 2, 0.5 or "500m"')
+    memory = forms.CharField(required=False, max_length=32, help_text='per replica, e.g. "16Gi"')
+    gpu_type = forms.CharField(required=False, max_length=64, label="GPU type", help_text="e.g. nvidia-h100")
+    gpu_count = forms.IntegerField(required=False, min_value=0, max_value=64, label="GPU count",
+                                   help_text="GPUs per replica")
+    engine_args = JSONObjectField(required=False, label="Engine arguments", help_text='e.g. {"max_num_seqs": 64}')
+    SECTIONS = [("Model", ("name", "version", "backend", "driver")),
+                ("Replicas", ("replicas", "autoscale", "min_replicas", "max_replicas", "paused")),
+                ("Resources (per replica)", RESOURCE_FIELDS), ("Engine", ("engine_args",))]
+
+    def sections(self) -> list[tuple[str, list]]:
+        return [(title, [self[name] for name in names if name in self.fields]) for title, names in self.SECTIONS]
+
+    def resources(self) -> dict:
+        data = self.cleaned_data
+        found = {key: data[key].strip() if isinstance(data[key], str) else data[key] for key in RESOURCE_FIELDS}
+        if found["cpu"]:
+            found["cpu"] = cpu_value(found["cpu"])
+        return {key: value for key, value in found.items() if value not in ("", None)}
+
+    def add_api_errors(self, errors: dict) -> None:
+        """Errors keyed by API field (the serializer's or the service's) beside the form's field, in words."""
+        for key, texts in errors.items():
+            for text in texts:
+                text, field = str(text), FORM_FIELD.get(key, key)
+                if key == "resources" and (match := re.match(r"(\w+): (.*)", text)) and match[1] in self.fields:
+                    field, text = match[1], match[2]
+                self.add_error(field if field in self.fields else None, readable(text))
+
+    def write(self, call):
+        """Run a service; its refusal goes beside the fields. Its result, or None when it refused."""
+        try:
+            return call()
+        except ValidationError as exc:
+            self.add_api_errors(exc.message_dict)
+        except Conflict as exc:
+            self.add_error("name" if "name" in self.fields else None, str(exc.detail))
+        return None
 
 
-class DeploymentEditForm(forms.Form):
-    version = forms.IntegerField(min_value=1, required=False)
-    replicas = forms.IntegerField(min_value=0, max_value=256)
+class DeploymentForm(DeploymentFields):
+    name = forms.CharField(max_length=63, help_text="the route clients call: lowercase letters, digits and dashes")
+    version = forms.ChoiceField(label="Model version", help_text="an alias pins the version it names now")
+    backend = forms.ChoiceField(choices=Backend.choices)
+    driver = forms.ChoiceField(choices=DriverName.choices)
+    field_order = ["name", "version", "backend", "driver"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["version"].choices = [("", "choose a version")] + version_choices(
+            RegisteredModel.objects.prefetch_related("versions", "aliases__version").order_by("name"))
+
+    def api_body(self) -> dict:
+        data = self.cleaned_data
+        model, number, alias = parse_version_choice(data["version"])
+        body = {"name": data["name"].strip(), "model": model, "backend": data["backend"], "driver": data["driver"],
+                "replicas": data["replicas"], "autoscale": data["autoscale"], "engine_args": data["engine_args"],
+                "resources": self.resources()}
+        body.update({"version": number} if number is not None else {"alias": alias})
+        body.update({key: data[key] for key in ("min_replicas", "max_replicas") if data[key] is not None})
+        return body
+
+
+class DeploymentEditForm(DeploymentFields):
+    version = forms.ChoiceField(label="Model version")
     paused = forms.BooleanField(required=False, help_text="Pause reconciliation")
-    engine_args = JSONObjectField(required=False)
+    field_order = ["version"]
+
+    def __init__(self, deployment, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deployment = deployment
+        self.fields["version"].choices = version_choices([deployment.model])
+
+    def changes(self) -> dict:
+        """What differs from the deployment, in the API's names (a PATCH body)."""
+        data, deployment = self.cleaned_data, self.deployment
+        _, number, alias = parse_version_choice(data["version"])
+        changes = {"alias": alias} if alias else {"version": number} if number != deployment.version.number else {}
+        for key in ("replicas", "autoscale", "paused", "engine_args", "min_replicas", "max_replicas"):
+            if data[key] is not None and data[key] != getattr(deployment, key):
+                changes[key] = data[key]
+        if self.resources() != deployment.resources:
+            changes["resources"] = self.resources()
+        return changes
 
 
-def apply_service(form, call):
-    """Run a service; put its validation errors on the form's fields. True when it succeeded."""
-    try:
-        return call()
-    except ValidationError as exc:
-        for field, messages in exc.message_dict.items():
-            form.add_error(field if field in form.fields else None, messages)
-    except Conflict as exc:
-        form.add_error("name" if "name" in form.fields else None, str(exc.detail))
-    return None
+def edit_initial(deployment) -> dict:
+    return {"version": f"{deployment.model.name}:{deployment.version.number}", "replicas": deployment.replicas,
+            "autoscale": deployment.autoscale, "min_replicas": deployment.min_replicas,
+            "max_replicas": deployment.max_replicas, "paused": deployment.paused,
+            "engine_args": deployment.engine_args,
+            **{key: deployment.resources.get(key, "") for key in RESOURCE_FIELDS}}
 
 
-def require_operator(request):
-    if not has_role(request.user, OPERATOR):
-        raise PermissionDenied("Changing deployments needs the operator role.")
+def value_text(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, dict):
+        return ", ".join(f"{key}={item}" for key, item in value.items()) or "none"
+    return str(value)
+
+
+def change_rows(deployment, changes: dict) -> list[dict]:
+    """The diff a person confirms: each field that changes, before → after."""
+    rows = []
+    if "version" in changes or "alias" in changes:
+        target = (deployment.model.aliases.select_related("version").get(name=changes["alias"]).version.number
+                  if "alias" in changes else changes["version"])
+        rows.append({"field": "Model version", "before": f"v{deployment.version.number}",
+                     "after": f"v{target}" + (f" (alias {changes['alias']})" if "alias" in changes else "")})
+    labels = {"replicas": "Replicas", "autoscale": "Autoscaling", "paused": "Reconciliation paused",
+              "min_replicas": "Minimum replicas", "max_replicas": "Maximum replicas",
+              "engine_args": "Engine arguments", "resources": "Resources"}
+    rows += [{"field": label, "before": value_text(getattr(deployment, key)), "after": value_text(changes[key])}
+             for key, label in labels.items() if key in changes]
+    return rows
+
+
+def changes_token(deployment, changes: dict) -> str:
+    """Names one diff of one state: a confirmation applies only the diff it was shown, and a
+    deployment changed meanwhile (or a form edited after review) is shown its new diff."""
+    state = {"changes": changes, "updated_at": deployment.updated_at.isoformat()}
+    return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 @login_required
 def deployment_list(request):
-    deployments = deployment_queryset().order_by("name")
-    rows = DeploymentSerializer(deployments, many=True).data
+    from deployments.overview import deployment_health
+
+    rows = deployment_health()  # every deployment, by name
     return render(request, "deployments/list.html", {"rows": rows})
 
 
 @login_required
 def deployment_create(request):
-    require_operator(request)
+    require_operator(request, "Changing deployments")
     form = DeploymentForm(request.POST or None)
-    if request.method == "POST" and form.is_valid():
-        data = form.cleaned_data
-        created = apply_service(form, lambda: services.deployment_create(
-            actor=request.user, name=data["name"], model=data["model"], version=data["version"],
-            alias=data["alias"] or None, backend=data["backend"], replicas=data["replicas"],
-            engine_args=data["engine_args"],
-        ))
-        if created:
-            return redirect("deployments:detail", name=created.name)
+    if request.method == "POST":
+        if form.is_valid():
+            serializer = DeploymentCreateSerializer(data=form.api_body())
+            if not serializer.is_valid():
+                form.add_api_errors(serializer.errors)
+            elif created := form.write(lambda: services.deployment_create(
+                    actor=request.user, **serializer.validated_data)):
+                messages.success(request, f"Deployment {created.name} created: v{created.version.number} "
+                                          f"on {created.replicas} replica(s).")
+                return redirect("deployments:detail", name=created.name)
+        return render(request, "deployments/form.html", {"form": form, "title": "New deployment"}, status=400)
     return render(request, "deployments/form.html", {"form": form, "title": "New deployment"})
 
 
 @login_required
 def deployment_edit(request, name: str):
-    require_operator(request)
+    """Scale, change version, autoscaling, resources or engine arguments: the change is shown as a
+    diff and applied once the person confirms that diff."""
+    require_operator(request, "Changing deployments")
     deployment = get_object_or_404(deployment_queryset(), name=name)
-    initial = {"version": deployment.version.number, "replicas": deployment.replicas,
-               "paused": deployment.paused, "engine_args": deployment.engine_args}
-    form = DeploymentEditForm(request.POST or None, initial=initial)
-    if request.method == "POST" and form.is_valid():
-        data = form.cleaned_data
-        changes = {key: data[key] for key in ("replicas", "paused", "engine_args") if data[key] != initial[key]}
-        version = data["version"] if data["version"] != initial["version"] else None
-        updated = apply_service(form, lambda: services.deployment_update(
-            deployment=deployment, actor=request.user, version=version, **changes))
-        if updated:
-            return redirect("deployments:detail", name=name)
-    return render(request, "deployments/form.html", {"form": form, "title": f"Change {name}",
-                                                     "deployment": deployment})
+    form = DeploymentEditForm(deployment, request.POST or None, initial=edit_initial(deployment))
+    context = {"form": form, "title": f"Change {name}", "deployment": deployment}
+    if request.method != "POST":
+        return render(request, "deployments/form.html", context)
+    if not form.is_valid():
+        return render(request, "deployments/form.html", context, status=400)
+    changes = form.changes()
+    if not changes:
+        form.add_error(None, f"Nothing to change: every value is what {name} has now.")
+        return render(request, "deployments/form.html", context, status=400)
+    serializer = DeploymentUpdateSerializer(data=changes)
+    if not serializer.is_valid():
+        form.add_api_errors(serializer.errors)
+        return render(request, "deployments/form.html", context, status=400)
+    token = changes_token(deployment, changes)
+    if request.POST.get("confirm") != token:
+        return render(request, "deployments/form.html", {**context, "diff": change_rows(deployment, changes),
+                                                         "diff_token": token})
+    updated = form.write(lambda: services.deployment_update(deployment=deployment, actor=request.user,
+                                                            **serializer.validated_data))
+    if updated is None:
+        return render(request, "deployments/form.html", context, status=400)
+    messages.success(request, f"{name} changed: " + "; ".join(
+        f"{row['field'].lower()} {row['before']} → {row['after']}" for row in change_rows(deployment, changes)) + ".")
+    return redirect("deployments:detail", name=name)
 
 
 @login_required
@@ -146,6 +330,7 @@ def render_detail(request, deployment, *, rollout_form=None, status=200):
         "range": request.GET.get("range", "1h"),
         "rollouts": history, "active_rollout": active, "undo": undo_text(deployment, active),
         "rollout_form": rollout_form or RolloutForm(deployment, prefix="rollout"),
+        "panels": render_panels(request, deployment),
     }, status=status)
 
 
@@ -310,13 +495,14 @@ def rollout_detail(request, name: str, pk: int):
     start = max(rollout.created_at, end - CHART_SPAN_MAX)
     series = rollout_series(rollout, start, end)
     steps = []
+    completed = rollout.status in (RolloutStatus.SUCCEEDED, RolloutStatus.ROLLED_BACK)  # rolled back after success
     for index, step in enumerate(rollout.steps):
         kind, text = step_text(step)
-        state = ("done" if index < rollout.step_index or rollout.status == RolloutStatus.SUCCEEDED
+        state = ("done" if index < rollout.step_index or completed
                  else "current" if index == rollout.step_index and rollout.active
                  else "stopped" if index == rollout.step_index and rollout.status == RolloutStatus.ABORTED else "")
         steps.append({"number": index + 1, "kind": kind, "text": text, "state": state})
-    final_state = ("done" if rollout.status == RolloutStatus.SUCCEEDED
+    final_state = ("done" if completed
                    else "current" if rollout.active and rollout.step_index >= len(rollout.steps) else "")
     measurements = [measurement_row(m, rollout.steps) for m in rollout.measurements.order_by("-taken_at", "-id")[:200]]
     return render(request, "deployments/rollout.html", {
@@ -331,56 +517,84 @@ def rollout_detail(request, name: str, pk: int):
 @login_required
 @require_POST
 def rollout_start(request, name: str):
-    require_operator(request)
+    require_operator(request, "Changing deployments")
     deployment = get_object_or_404(deployment_queryset(), name=name)
     form = RolloutForm(deployment, request.POST, prefix="rollout")
     if form.is_valid():
-        created = apply_service(form, lambda: rollouts.rollout_create(
-            deployment=deployment, actor=request.user, **form.service_kwargs()))
-        if created:
+        kwargs = form.service_kwargs()
+        try:
+            created = rollouts.rollout_create(deployment=deployment, actor=request.user, **kwargs)
+        except ValidationError as exc:
+            for field, texts in exc.message_dict.items():
+                form.add_error(field if field in form.fields else None, texts)
+        except Conflict as exc:
+            exhausted = gate().exhausted_slos(deployment) if not kwargs["override_reason"] else []
+            if exhausted and str(exc.detail).startswith("Error budget exhausted"):
+                offer_budget_override(form, deployment, exhausted)
+            else:
+                form.add_error(None, str(exc.detail))
+        else:
             messages.success(request, f"Rollout {created.pk} started: v{created.stable_version.number} → "
                                       f"v{created.candidate_version.number} ({created.strategy}).")
             return redirect("deployments:rollout", name=name, pk=created.pk)
     return render_detail(request, deployment, rollout_form=form, status=400)
 
 
+def offer_budget_override(form: RolloutForm, deployment, exhausted: list[tuple[str, float]]) -> None:
+    """A refusal by the error-budget policy, in words, with the override it allows: the same form
+    again, with a reason that is recorded on the rollout and in the audit log."""
+    form.budget_refusal = {
+        "slos": [{"name": slo, "over": f"{-remaining:.0%}"} for slo, remaining in exhausted],
+        "deployment": deployment.name,
+    }
+    form.add_error("override_reason", "Say why this rollout should go ahead while the budget is spent, "
+                                      "or wait until it recovers.")
+
+
 ACTION_DONE = {
     "promote": "promoted to its next step", "promote-full": "promoted through every step",
     "abort": "aborted: traffic is back on the stable version", "retry": "started again from its first step",
+    "auto-rollback-on": "will be rolled back by the platform if it burns an SLO during its watch",
+    "auto-rollback-off": "will not be rolled back by the platform during its watch",
 }
 
 
 @login_required
 @require_POST
 def rollout_action(request, name: str, pk: int, action: str):
-    require_operator(request)
+    require_operator(request, "Changing deployments")
     rollout = get_rollout(name, pk)
+    back = safe_next(request) or reverse("deployments:rollout", args=[name, pk])  # e.g. an alert's page
     text = request.POST.get("reason" if action == "abort" else "override_reason", "").strip()
     if len(text) > 500:
         messages.error(request, "The reason is too long (at most 500 characters).")
-        return redirect("deployments:rollout", name=name, pk=pk)
+        return redirect(back)
     user = request.user
     calls = {
         "promote": lambda: rollouts.rollout_promote(rollout=rollout, actor=user),
         "promote-full": lambda: rollouts.rollout_promote(rollout=rollout, actor=user, full=True),
         "abort": lambda: rollouts.rollout_abort(rollout=rollout, actor=user, reason=text),
         "retry": lambda: rollouts.rollout_retry(rollout=rollout, actor=user, override_reason=text),
+        "auto-rollback-on": lambda: rollouts.rollout_set_auto_rollback(rollout=rollout, actor=user, auto_rollback=True),
+        "auto-rollback-off": lambda: rollouts.rollout_set_auto_rollback(rollout=rollout, actor=user,
+                                                                        auto_rollback=False),
     }
     if flash_errors(request, calls[action]):
         messages.success(request, f"Rollout {pk} {ACTION_DONE[action]}.")
-    return redirect("deployments:rollout", name=name, pk=pk)
+    return redirect(back)
 
 
 @login_required
 @require_POST
 def rollout_undo(request, name: str):
-    require_operator(request)
+    require_operator(request, "Changing deployments")
     deployment = get_object_or_404(deployment_queryset(), name=name)
+    back = safe_next(request)  # the page the form sat on (an alert's), else the deployment's or the rollout's
     result = flash_errors(request, lambda: rollouts.rollout_undo(deployment=deployment, actor=request.user))
     if result is None:
-        return redirect("deployments:detail", name=name)
+        return redirect(back or reverse("deployments:detail", args=[name]))
     if result.status == RolloutStatus.ABORTED:
         messages.success(request, f"Rollout {result.pk} aborted: traffic is back on v{result.stable_version.number}.")
     else:
         messages.success(request, f"Rolling back to v{result.candidate_version.number} (rollout {result.pk}).")
-    return redirect("deployments:rollout", name=name, pk=result.pk)
+    return redirect(back or reverse("deployments:rollout", args=[name, result.pk]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deployments.models import Deployment
+from inferops.models import AuditEvent
 from registry import services as registry_services
-from registry.models import AuditEvent
 
 pytestmark = pytest.mark.django_db
 

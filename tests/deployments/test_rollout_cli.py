@@ -11,7 +11,7 @@ from django.db import connection
 from django.utils import timezone
 from rest_framework.authtoken.models import Token
 
-from deployments import rollouts
+from deployments import rollout_machine, rollout_watch, rollouts
 from deployments.models import Deployment, Rollout
 from inferops import cli
 from registry.models import RegisteredModel
@@ -109,14 +109,55 @@ def test_wait_follows_the_rollout_to_its_outcome(ci, capsys):
 
     def finish(r):
         rollouts.rollout_promote(rollout=r, actor=None, full=True)
-        rollouts.advance(Deployment.objects.get(name="chat"), rollouts.CandidateState(ready=1), timezone.now())
+        rollout_machine.advance(Deployment.objects.get(name="chat"), rollout_machine.CandidateState(ready=1),
+                                timezone.now())
 
     finisher = in_thread(finish)
-    code = rollout("--version", "2", "--steps", '[{"set_weight": 20}]', *wait)
+    code = rollout("--version", "2", "--steps", '[{"set_weight": 20}]', "--no-wait-watch", *wait)
     finisher.join()
     out, err = capsys.readouterr()
     assert code == 0, out + err
-    assert "succeeded: v2 serves all traffic on chat." in out
+    assert "succeeded: v2 serves all traffic on chat; the platform watches it until" in out
 
     assert rollout("--version", "3", *wait, "--timeout", "0.3") == 3
     assert "timed out after 0.3s waiting for rollout" in capsys.readouterr().err
+
+
+def finish(active: Rollout) -> Rollout:
+    rollouts.rollout_promote(rollout=active, actor=None, full=True)
+    rollout_machine.advance(Deployment.objects.get(name="chat"), rollout_machine.CandidateState(ready=1),
+                            timezone.now())
+    return Rollout.objects.get(pk=active.pk)
+
+
+def test_wait_follows_the_watch_after_success_and_fails_when_the_platform_rolls_back(ci, capsys):
+    wait = ("--wait", "--poll-interval", "0.1")
+    finisher = in_thread(finish)
+    code = rollout("--version", "2", "--watch", "2s", *wait)
+    finisher.join()
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "succeeded, watching v2 until" in out and "v2 serves all traffic on chat and passed its watch." in out
+    assert Rollout.objects.get(candidate_version__number=2).watch_s == 2
+
+    def finish_then_roll_back(active):
+        done = finish(active)
+        time.sleep(1)  # the CLI sees the watch first
+        rollout_watch.roll_back(done, done.deployment, timezone.now(), "chat-ttft burn rate: new 20.0, limit 2.0")
+
+    roller = in_thread(finish_then_roll_back)
+    code = rollout("--version", "3", *wait)
+    roller.join()
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    assert "succeeded, watching v3 until" in out
+    rolled = Rollout.objects.get(candidate_version__number=3)
+    assert (f"rollout {rolled.pk}: Rolled back by the platform during its watch: chat-ttft burn rate: new 20.0, "
+            f"limit 2.0. Rollout {rolled.rolled_back_by_id} puts v2 back on chat.") in err
+
+    rollouts.rollout_abort(rollout=rolled.rolled_back_by, actor=None)
+    finisher = in_thread(finish)
+    assert rollout("--version", "2", "--no-auto-rollback", *wait) == 0  # nothing to wait for after success
+    finisher.join()
+    assert "v2 serves all traffic on chat." in capsys.readouterr().out
+    assert Rollout.objects.filter(candidate_version__number=2).latest("id").auto_rollback is False

@@ -14,12 +14,11 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from deployments import rollouts
+from deployments import rollout_watch, rollouts
 from deployments.choices import RolloutStatus
-from deployments.models import Deployment, Rollout, RolloutMeasurement
+from deployments.models import Deployment, Replica, Rollout, RolloutMeasurement
 from deployments.rollout_series import bucket_seconds, rollout_series
 from registry.models import RegisteredModel
-from runtime.models import Replica
 from slo.models import Slo, SloStatus
 from tenants.models import UsageEvent
 from tests.deployments.conftest import make_version
@@ -241,6 +240,48 @@ def test_undo_aborts_or_rolls_back(client, operator, deployment):
     client.post("/deployments/chat/rollouts/undo/")
     rollback = Rollout.objects.order_by("-id").first()
     assert (rollback.rollback, rollback.strategy, rollback.candidate_version.number) == (True, "blue-green", 1)
+
+
+def test_page_shows_the_watch_and_why_the_platform_rolled_back(client, viewer, deployment):
+    rollout = start(deployment, steps=[{"set_weight": 50}], watch="10m")
+    assert "600 s once it succeeds, auto-rollback on" in client.get(url(rollout)).content.decode()
+
+    # As if the reconcile pass had finished it: v2 serves and is watched.
+    finished = timezone.now()
+    until = finished + timedelta(minutes=10)
+    Rollout.objects.filter(pk=rollout.pk).update(status=RolloutStatus.SUCCEEDED, finished_at=finished, weight=100,
+                                                 step_index=1, watch_until=until)
+    Deployment.objects.filter(pk=deployment.pk).update(version=rollout.candidate_version)
+    RolloutMeasurement.objects.create(
+        rollout=rollout, step_index=1, taken_at=finished, window_start=finished, window_end=finished,
+        verdict="running", reason="3 requests on the new version since it took all traffic; judging needs 20.")
+    page = client.get(url(rollout)).content.decode()
+    assert f"Watching until {timezone.localtime(until):%H:%M}, auto-rollback on" in page
+    assert "refreshes every 5 s" in page and '">watch</td>' in page
+
+    rollback = rollout_watch.roll_back(Rollout.objects.get(pk=rollout.pk), deployment, timezone.now(),
+                                       "the new version burns an SLO the previous one did not: chat-ttft")
+    page = client.get(url(rollout)).content.decode()
+    assert 'id="status">rolled_back<' in page and "refreshes every 5 s" not in page
+    assert "Rolled back by the platform during its watch: the new version burns an SLO" in page
+    assert f'href="/deployments/chat/rollouts/{rollback.pk}/" id="rolled-back-by">rollout {rollback.pk}</a>' in page
+    assert "Watch after success" not in client.get(url(rollback)).content.decode()  # rollbacks are not watched
+
+
+def test_an_operator_turns_auto_rollback_off_and_on_from_the_page(client, operator, deployment):
+    rollout = start(deployment, steps=[{"set_weight": 50}], watch="10m")
+    page = client.get(url(rollout)).content.decode()
+    assert 'id="auto-rollback">Turn auto-rollback off<' in page
+    response = client.post(url(rollout, "auto-rollback/off"))
+    assert response.status_code == 302
+    assert "will not be rolled back by the platform during its watch" in flashed(client.get(url(rollout)))[0]
+    rollout.refresh_from_db()
+    assert rollout.auto_rollback is False and rollout.timeline[-1]["event"] == "auto-rollback off"
+    client.post(url(rollout, "auto-rollback/on"))
+    rollout.refresh_from_db()
+    assert rollout.auto_rollback is True
+    rollouts.rollout_abort(rollout=rollout, actor=None)
+    assert 'id="auto-rollback"' not in client.get(url(rollout)).content.decode()  # nothing left to watch
 
 
 # ---------------------------------------------------------------------------- the series

@@ -15,17 +15,16 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from alerts.models import Alert
-from deployments import rollouts
+from deployments import reconcile, rollout_machine, rollouts, routing
 from deployments import services as deployment_services
-from deployments.models import Deployment, Rollout, RolloutMeasurement
+from deployments.choices import ReplicaState
+from deployments.drivers.base import Started
+from deployments.models import Deployment, Replica, Rollout, RolloutMeasurement
 from deployments.rollout_spec import normalise, parse_duration
 from inferops.api import Conflict
+from inferops.models import AuditEvent
 from registry import services as registry_services
-from registry.models import Alias, AuditEvent
-from runtime import reconcile, routing
-from runtime.choices import ReplicaState
-from runtime.drivers.base import Started
-from runtime.models import Replica
+from registry.models import Alias
 from slo.models import SloStatus
 from slo.services import slo_create
 from tenants.models import UsageEvent
@@ -54,11 +53,14 @@ class MemoryDriver:
     def is_alive(self, replica):
         return replica.pk not in self.dead
 
-    def stop(self, replica, grace_s):
+    def stop(self, replica, grace_s, why=""):
         self.dead.add(replica.pk)
 
-    def kill(self, replica):
+    def kill(self, replica, why=""):
         self.dead.add(replica.pk)
+
+    def exit_status(self, replica):
+        return "exited with code 1"
 
     def log_tail(self, replica, lines=20):
         return ""
@@ -268,7 +270,7 @@ def test_worker_killed_mid_transition_leaves_a_consistent_state(world, monkeypat
         raise KeyboardInterrupt("worker killed")
 
     world.tick()
-    monkeypatch.setattr(rollouts, "alias_set", killed)
+    monkeypatch.setattr(rollout_machine, "alias_set", killed)
     with pytest.raises(KeyboardInterrupt):
         world.tick()  # dies inside the finalize transaction (after the deployment row was updated)
     assert world.rollout().status == "progressing"

@@ -12,9 +12,10 @@ import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
 
-from deployments import rollouts
+from deployments import rollout_machine, rollout_watch, rollouts
 from deployments.models import Deployment, Rollout, RolloutMeasurement
-from registry.models import Alias, AuditEvent, RegisteredModel
+from inferops.models import AuditEvent
+from registry.models import Alias, RegisteredModel
 from slo.models import SloStatus
 from slo.services import slo_create
 from tests.deployments.conftest import make_version
@@ -65,11 +66,14 @@ def test_create_and_the_shape_ci_polls(api, deployment):
     assert set(body) == {
         "id", "deployment", "strategy", "status", "rollback", "stable", "candidate", "steps", "current_step",
         "weight", "message", "timeline", "scale_down_delay_s", "scale_down_at", "promote_alias",
-        "override_reason", "created_by", "created_at", "updated_at", "finished_at", "measurements"}
+        "override_reason", "created_by", "created_at", "updated_at", "finished_at", "measurements", "frozen_since",
+        "watch_s", "auto_rollback", "watch_until", "watching", "rolled_back_by"}
     assert {k: body[k] for k in ("deployment", "strategy", "status", "rollback", "weight", "promote_alias",
-                                 "created_by", "finished_at", "measurements")} == {
+                                 "created_by", "finished_at", "measurements", "watch_s", "auto_rollback",
+                                 "watch_until", "watching", "rolled_back_by")} == {
         "deployment": "chat", "strategy": "canary", "status": "progressing", "rollback": False, "weight": 0,
-        "promote_alias": "champion", "created_by": "operator-api", "finished_at": None, "measurements": []}
+        "promote_alias": "champion", "created_by": "operator-api", "finished_at": None, "measurements": [],
+        "watch_s": 600.0, "auto_rollback": True, "watch_until": None, "watching": False, "rolled_back_by": None}
     assert body["stable"] == {"version": 1, "engine_args": {"max_num_seqs": 8}}
     assert body["candidate"] == {"version": 2, "engine_args": {"max_num_seqs": 8}, "alias": ""}
     assert body["steps"] == [{"set_weight": 20}, {"pause": 60.0}, {"analysis": {
@@ -138,6 +142,9 @@ def test_candidate_by_alias_engine_args_and_defaults(api, deployment):
     ({"strategy": "blue-green", "preview": True}, "preview", "expected a duration"),
     ({"strategy": "blue-green", "steps": [{"set_weight": 50}]}, "steps", "no steps"),
     ({"stpes": []}, "stpes", "Unknown field"),
+    ({"watch": "soon"}, "watch", "expected a duration"),
+    ({"watch": -5}, "watch", "between 0 and 7 days"),
+    ({"auto_rollback": "maybe"}, "auto_rollback", "valid boolean"),
 ])
 def test_bad_input_is_400_and_writes_nothing(api, deployment, body, field, fragment):
     response = start(api("operator"), **body)
@@ -291,7 +298,8 @@ def test_undo_aborts_the_active_rollout_or_rolls_back_the_last_success(api, depl
     # A rollout that goes all the way, as the reconcile pass takes it once the candidate is ready.
     body = start(client, steps=[{"set_weight": 50}]).json()
     client.post(f"{URL}{body['id']}/promote/", {"full": True}, format="json")
-    rollouts.advance(Deployment.objects.get(pk=deployment.pk), rollouts.CandidateState(ready=2), timezone.now())
+    rollout_machine.advance(Deployment.objects.get(pk=deployment.pk), rollout_machine.CandidateState(ready=2),
+                            timezone.now())
     done = client.get(f"{URL}{body['id']}/").json()
     assert (done["status"], done["weight"]) == ("succeeded", 100)
     assert client.get("/api/v1/deployments/chat/").json()["version"] == 2
@@ -326,3 +334,74 @@ def test_measurements_latest_first_and_capped(api, deployment):
         "running", [check], {"requests": 59})
     Rollout.objects.filter(pk=rollout.pk).update(created_by=None)  # started by the system (or a deleted user)
     assert client.get(f"{URL}{body['id']}/").json()["created_by"] is None
+
+
+def finish(deployment: Deployment, rollout_id: int, client, now=None) -> dict:
+    """Promote all the way and let the reconcile pass finalize it, as it does once the candidate is ready."""
+    client.post(f"{URL}{rollout_id}/promote/", {"full": True}, format="json")
+    rollout_machine.advance(Deployment.objects.get(pk=deployment.pk), rollout_machine.CandidateState(ready=2),
+                            now or timezone.now())
+    return client.get(f"{URL}{rollout_id}/").json()
+
+
+def test_the_watch_is_set_on_create_shown_and_turned_off_or_on(api, deployment):
+    client = api("operator")
+    body = start(client, watch="2m", auto_rollback=False).json()
+    assert (body["watch_s"], body["auto_rollback"], body["watching"]) == (120.0, False, False)
+    url = f"{URL}{body['id']}/"
+    assert api("viewer").patch(url, {"auto_rollback": True}, format="json").status_code == 403
+    for bad, fields in (({"auto_rollback": "maybe"}, {"auto_rollback"}), ({}, {"auto_rollback"}),
+                        ({"auto_rollbak": True}, {"auto_rollbak", "auto_rollback"})):
+        response = client.patch(url, bad, format="json")
+        assert response.status_code == 400 and set(response.json()) == fields, response.json()
+    response = client.patch(url, {"auto_rollback": True}, format="json")
+    assert response.status_code == 200 and response.json()["auto_rollback"] is True
+    assert response.json()["timeline"][-1]["event"] == "auto-rollback on"
+
+    done = finish(deployment, body["id"], client)
+    assert (done["status"], done["watching"]) == ("succeeded", True)
+    assert done["watch_until"] is not None
+    response = client.patch(url, {"auto_rollback": False}, format="json")
+    assert response.status_code == 200 and response.json()["watching"] is False
+    assert [e.action for e in AuditEvent.objects.filter(action="rollout.update")] == ["rollout.update"] * 2
+
+    # The platform rolls it back (as its watch does on a failing look): the shape CI sees.
+    rollout = Rollout.objects.get(pk=body["id"])
+    rollback = rollout_watch.roll_back(rollout, rollout.deployment, timezone.now(), "chat-ttft burn rate: new 9.0")
+    rolled = client.get(url).json()
+    assert (rolled["status"], rolled["rolled_back_by"], rolled["watching"]) == ("rolled_back", rollback.pk, False)
+    assert rolled["message"] == "Rolled back by the platform during its watch: chat-ttft burn rate: new 9.0"
+    response = client.patch(url, {"auto_rollback": True}, format="json")
+    assert response.status_code == 409 and "watch is over" in response.json()["detail"]
+    response = client.patch(f"{URL}{rollback.pk}/", {"auto_rollback": False}, format="json")
+    assert response.status_code == 409 and "is a rollback" in response.json()["detail"]
+    assert client.get(f"{URL}?status=rolled_back").json()["count"] == 1
+
+
+def test_a_watch_that_is_over_cannot_be_changed(api, deployment):
+    client = api("operator")
+    body = start(client, watch="1m").json()
+    done = finish(deployment, body["id"], client, now=timezone.now() - timedelta(minutes=5))
+    assert (done["status"], done["watching"]) == ("succeeded", False)
+    response = client.patch(f"{URL}{body['id']}/", {"auto_rollback": False}, format="json")
+    assert response.status_code == 409 and "its watch is over" in response.json()["detail"]
+
+
+def test_a_degradation_level_that_freezes_rollouts_refuses_all_but_rollbacks(api, deployment):
+    Deployment.objects.filter(pk=deployment.pk).update(degradation={"level": 2, "name": "shed",
+                                                                    "freeze_rollouts": True})
+    client = api("operator")
+    response = start(client)
+    assert response.status_code == 409, response.content
+    detail = response.json()["detail"]
+    assert "'chat' is at degradation level 2 (shed), which freezes rollouts" in detail
+    assert '"rollback": true' in detail and "/api/v1/deployments/chat/degradation/override/" in detail
+    assert written() == (0, 0)
+    assert start(client, rollback=True).status_code == 201
+    assert client.post(f"{URL}undo/", format="json").json()["status"] == "aborted"
+    # A direct change of version would be a rollout without analysis: refused too; scaling is not.
+    changed = client.patch("/api/v1/deployments/chat/", {"version": 2}, format="json")
+    assert changed.status_code == 409 and "version and engine-args changes are refused" in changed.json()["detail"]
+    assert client.patch("/api/v1/deployments/chat/", {"replicas": 2}, format="json").status_code == 200
+    Deployment.objects.filter(pk=deployment.pk).update(degradation={"level": 1, "name": "cap", "max_tokens_cap": 64})
+    assert start(client).status_code == 201  # a level without the action does not freeze
