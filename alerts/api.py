@@ -2,41 +2,112 @@
 
 from __future__ import annotations
 
-from django.db import IntegrityError, transaction
 from django.shortcuts import get_object_or_404
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import generics, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from alerts.choices import AlertStatus, Severity
-from alerts.models import Alert, Delivery, Receiver
-from inferops.api import Conflict
+from alerts import services
+from alerts.choices import AlertStatus, ReceiverKind, Severity
+from alerts.models import Alert, AlertEvent, Delivery, Receiver
+from alerts.receivers import PAGERDUTY_EVENTS_URL
+from inferops.api import CONFLICT, ERRORS, Conflict, ErrorSerializer, RejectUnknownFields
 from inferops.roles import ADMIN
-from registry.api import CONFLICT, ERRORS
-from registry.models import slug_validator
-from registry.services import audit_record, snapshot
+from inferops.validators import slug_validator
+
+ALERT_CONFLICT = {409: OpenApiResponse(ErrorSerializer, description="The alert is already resolved.")}
 
 
 class AlertSerializer(serializers.ModelSerializer):
     slo = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
+    integration = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True,
+                                               help_text="The integration that posted it; null: the platform.")
+    acknowledged_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
+    resolved_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
 
     class Meta:
         model = Alert
-        fields = ["id", "fingerprint", "slo", "severity", "status", "starts_at", "ends_at", "updated_at", "labels",
-                  "annotations"]
+        fields = ["id", "fingerprint", "slo", "integration", "severity", "status", "starts_at", "ends_at", "updated_at",
+                  "acknowledged_at", "acknowledged_by", "snoozed_until", "resolved_by", "labels", "annotations",
+                  "generator_url"]
         read_only_fields = fields
 
 
-class ReceiverSerializer(serializers.ModelSerializer):
+class AlertEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AlertEvent
+        fields = ["id", "at", "kind", "actor_name", "text", "data"]
+        read_only_fields = fields
+
+
+class StrictSerializer(RejectUnknownFields, serializers.Serializer):
+    pass
+
+
+class SnoozeSerializer(StrictSerializer):
+    minutes = serializers.IntegerField(min_value=1, max_value=7 * 24 * 60, help_text="1 minute to 7 days.")
+
+
+class CommentSerializer(StrictSerializer):
+    text = serializers.CharField(max_length=5000)
+
+
+class EmptySerializer(StrictSerializer):
+    pass
+
+
+# The kind-specific fields each kind may have, the one it needs, and their empty values.
+RECEIVER_FIELDS = {ReceiverKind.WEBHOOK: {"url"}, ReceiverKind.SLACK: {"url"},
+                   ReceiverKind.PAGERDUTY: {"url", "routing_key"}, ReceiverKind.EMAIL: {"to"}}
+RECEIVER_NEEDS = {ReceiverKind.WEBHOOK: ("url", "the URL to POST to"),
+                  ReceiverKind.SLACK: ("url", "its incoming webhook URL"),
+                  ReceiverKind.PAGERDUTY: ("routing_key", "its integration key"),
+                  ReceiverKind.EMAIL: ("to", "at least one address")}
+RECEIVER_BLANK = {"url": "", "routing_key": "", "to": []}
+
+
+class ReceiverSerializer(RejectUnknownFields, serializers.ModelSerializer):
     name = serializers.CharField(max_length=63, validators=[slug_validator])
-    url = serializers.URLField(max_length=500)
+    kind = serializers.ChoiceField(choices=ReceiverKind.choices, default=ReceiverKind.WEBHOOK)
+    url = serializers.URLField(max_length=500, required=False, allow_blank=True,
+                               help_text="webhook and slack: where to POST; pagerduty: the Events API v2 URL "
+                                         f"(default {PAGERDUTY_EVENTS_URL}).")
+    routing_key = serializers.CharField(max_length=200, required=False, allow_blank=True, write_only=True,
+                                        help_text="pagerduty: the integration key. Write-only.")
+    routing_key_set = serializers.SerializerMethodField(help_text="Whether a routing_key is stored.")
+    to = serializers.ListField(child=serializers.EmailField(max_length=254), required=False, max_length=50,
+                               help_text="email: the addresses to send to.")
 
     class Meta:
         model = Receiver
-        fields = ["id", "name", "url", "send_resolved", "active", "created_at", "updated_at"]
-        read_only_fields = ["id", "created_at", "updated_at"]
+        fields = ["id", "name", "kind", "url", "routing_key", "routing_key_set", "to", "send_resolved", "active",
+                  "failing_since", "last_error", "created_at", "updated_at"]
+        read_only_fields = ["id", "failing_since", "last_error", "created_at", "updated_at"]
+
+    @extend_schema_field(OpenApiTypes.BOOL)
+    def get_routing_key_set(self, receiver: Receiver) -> bool:
+        return bool(receiver.routing_key)
+
+    def validate_to(self, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
+
+    def validate(self, attrs):
+        instance = self.instance
+        kind = attrs.get("kind", instance.kind if instance else ReceiverKind.WEBHOOK)
+        if instance is not None and kind != instance.kind:
+            # A new kind drops what only the old one used, unless given again.
+            attrs = {**{f: v for f, v in RECEIVER_BLANK.items() if f not in RECEIVER_FIELDS[kind]}, **attrs}
+        errors = {name: [f"{kind} receivers have no {name}."]
+                  for name in sorted(set(RECEIVER_BLANK) - RECEIVER_FIELDS[kind]) if attrs.get(name)}
+        name, what = RECEIVER_NEEDS[kind]
+        if not (attrs[name] if name in attrs else getattr(instance, name, None)):
+            errors[name] = [f"{kind} receivers need {name}: {what}."]
+        if errors:
+            raise serializers.ValidationError(errors)
+        return attrs
 
 
 class DeliverySerializer(serializers.ModelSerializer):
@@ -80,19 +151,64 @@ class AlertList(generics.ListAPIView):
 class AlertDetail(APIView):
     @extend_schema(responses={200: AlertSerializer, **ERRORS})
     def get(self, request, pk: int):
-        return Response(AlertSerializer(get_object_or_404(Alert.objects.select_related("slo"), pk=pk)).data)
+        return Response(AlertSerializer(get_object_or_404(Alert.objects.select_related("slo", "integration"),
+                                                          pk=pk)).data)
 
 
-def receiver_save(*, serializer: ReceiverSerializer, actor) -> Receiver:
-    before = snapshot(serializer.instance) if serializer.instance else None
-    try:
-        with transaction.atomic():
-            receiver = serializer.save()
-            audit_record(actor=actor, action="receiver.update" if before else "receiver.create", obj=receiver,
-                         before=before, after=snapshot(receiver))
-    except IntegrityError:
-        raise Conflict(f"A receiver named {serializer.validated_data.get('name')!r} already exists.") from None
-    return receiver
+def _open_alert_action(request, pk: int, serializer_class, act):
+    alert = get_object_or_404(Alert, pk=pk)
+    serializer = serializer_class(data=request.data or {})
+    serializer.is_valid(raise_exception=True)
+    act(alert, **serializer.validated_data)
+    return Response(AlertSerializer(Alert.objects.select_related("slo", "integration").get(pk=pk)).data)
+
+
+@extend_schema(tags=["alerts"])
+class AlertAcknowledge(APIView):
+    @extend_schema(request=EmptySerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
+                   summary="Acknowledge: someone has it (escalation stops; PagerDuty and Slack hear so)")
+    def post(self, request, pk: int):
+        return _open_alert_action(request, pk, EmptySerializer,
+                                  lambda alert: services.alert_acknowledge(alert=alert, actor=request.user))
+
+
+@extend_schema(tags=["alerts"])
+class AlertResolve(APIView):
+    @extend_schema(request=EmptySerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
+                   summary="Resolve by hand (receivers that heard of it hear the resolution)")
+    def post(self, request, pk: int):
+        def resolve(alert):
+            if not alert.is_open:
+                raise Conflict(f"Alert {alert.pk} is already resolved.")
+            services.alert_resolve(alert=alert, now=timezone.now(), actor=request.user)
+        return _open_alert_action(request, pk, EmptySerializer, resolve)
+
+
+@extend_schema(tags=["alerts"])
+class AlertSnooze(APIView):
+    @extend_schema(request=SnoozeSerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
+                   summary="Notify no one about it for some minutes")
+    def post(self, request, pk: int):
+        return _open_alert_action(request, pk, SnoozeSerializer, lambda alert, minutes: services.alert_snooze(
+            alert=alert, actor=request.user, minutes=minutes))
+
+
+@extend_schema(tags=["alerts"])
+class AlertComments(APIView):
+    @extend_schema(responses={200: AlertEventSerializer(many=True), **ERRORS},
+                   summary="The alert's timeline: state changes, notifications and comments, oldest first")
+    def get(self, request, pk: int):
+        alert = get_object_or_404(Alert, pk=pk)
+        return Response(AlertEventSerializer(alert.events.all(), many=True).data)
+
+    @extend_schema(request=CommentSerializer, responses={201: AlertEventSerializer, **ERRORS},
+                   summary="Add a comment to the alert's timeline")
+    def post(self, request, pk: int):
+        alert = get_object_or_404(Alert, pk=pk)
+        serializer = CommentSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        event = services.alert_comment(alert=alert, actor=request.user, text=serializer.validated_data["text"])
+        return Response(AlertEventSerializer(event).data, status=status.HTTP_201_CREATED)
 
 
 @extend_schema(tags=["alerts"])
@@ -106,7 +222,7 @@ class ReceiverListCreate(generics.ListAPIView):
     def post(self, request):
         serializer = ReceiverSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        receiver = receiver_save(serializer=serializer, actor=request.user)
+        receiver = services.receiver_save(instance=None, fields=serializer.validated_data, actor=request.user)
         return Response(ReceiverSerializer(receiver).data, status=status.HTTP_201_CREATED)
 
 
@@ -121,16 +237,15 @@ class ReceiverDetail(APIView):
 
     @extend_schema(request=ReceiverSerializer, responses={200: ReceiverSerializer, **ERRORS, **CONFLICT})
     def patch(self, request, pk: int):
-        serializer = ReceiverSerializer(get_object_or_404(Receiver, pk=pk), data=request.data, partial=True)
+        receiver = get_object_or_404(Receiver, pk=pk)
+        serializer = ReceiverSerializer(receiver, data=request.data, partial=True)
         serializer.is_valid(raise_exception=True)
-        return Response(ReceiverSerializer(receiver_save(serializer=serializer, actor=request.user)).data)
+        saved = services.receiver_save(instance=receiver, fields=serializer.validated_data, actor=request.user)
+        return Response(ReceiverSerializer(saved).data)
 
     @extend_schema(responses={204: None, **ERRORS})
     def delete(self, request, pk: int):
-        receiver = get_object_or_404(Receiver, pk=pk)
-        with transaction.atomic():
-            audit_record(actor=request.user, action="receiver.delete", obj=receiver, before=snapshot(receiver))
-            receiver.delete()
+        services.receiver_delete(receiver=get_object_or_404(Receiver, pk=pk), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

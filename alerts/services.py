@@ -1,4 +1,5 @@
-"""Alert lifecycle from SLO evaluations, and notification delivery.
+"""Alert lifecycle from SLO evaluations, people acting on alerts, and receivers (delivery lives in
+alerts/delivery.py).
 
 An SLO has at most one firing alert per severity. It opens when any rule of that severity holds
 (burn rate at or above the factor over both its long and its short window, with enough traffic
@@ -14,20 +15,30 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.core import signing
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from alerts import webhook
-from alerts.choices import AlertStatus, DeliveryOutcome, NotificationStatus, Severity
-from alerts.models import Alert, Delivery, Notification, Receiver, fingerprint_of
-from registry.services import audit_record, snapshot
+from alerts import routing
+from alerts.choices import (
+    OPEN_STATUSES,
+    AlertStatus,
+    EventKind,
+    ReceiverKind,
+    Severity,
+)
+from alerts.models import Alert, AlertEvent, Notification, Receiver, fingerprint_of
+from alerts.silences import muting_reason
+from alerts.timeline import record_event
+from inferops.api import Conflict
+from inferops.audit import audit_record, snapshot
+from inferops.celery import enqueue
 
 log = logging.getLogger(__name__)
 
 ALERT_NAME = "SloErrorBudgetBurn"
-# A notification left "sending" this long belongs to a worker that died mid-send: reclaim it.
-STALE_CLAIM = timedelta(minutes=5)
+ACK_SALT = "inferops.alerts.ack"
 
 
 @dataclass
@@ -79,20 +90,39 @@ def alert_annotations(slo, evaluation, severity: str) -> dict[str, str]:
     }
 
 
-def _enqueue_notifications(alert: Alert, status: str) -> None:
-    receivers = Receiver.objects.filter(active=True)
+# Receiver kinds told of an acknowledgement, so the people paged know someone has it (an
+# Alertmanager webhook payload has no such event).
+ACK_KINDS = (ReceiverKind.PAGERDUTY, ReceiverKind.SLACK, ReceiverKind.EMAIL)
+
+
+def _enqueue_notifications(alert: Alert, status: str, now: datetime | None = None) -> None:
+    """An opening joins the alert to its routes' groups, which notify their targets (at once or
+    after group_wait, see alerts/routing.py); a muted alert joins them too, and notifies no one
+    until the mute ends. An acknowledgement or a resolution goes at once to every target the
+    firing reached (people paged by email included), so each hears the end of what it was told."""
+    now = now or timezone.now()
+    if status == AlertStatus.FIRING:
+        if reason := muting_reason(alert, now):
+            record_event(alert, EventKind.MUTED, text=reason, at=now)
+        routing.alert_route(alert, now)
+        return
     if status == AlertStatus.RESOLVED:
-        receivers = receivers.filter(send_resolved=True)
-    for receiver in receivers:
-        notification, created = Notification.objects.get_or_create(alert=alert, receiver=receiver, alert_status=status)
+        routing.alert_closed(alert)
+    told = (Notification.objects.filter(alert=alert, alert_status=AlertStatus.FIRING)
+            .filter(Q(receiver__isnull=True) | Q(receiver__active=True)).order_by("round", "pk"))
+    if status == AlertStatus.RESOLVED:
+        told = told.exclude(receiver__send_resolved=False)
+    else:
+        told = told.filter(Q(receiver__isnull=True) | Q(receiver__kind__in=ACK_KINDS))
+    targets = {}
+    for firing in told:
+        targets.setdefault((firing.receiver_id, firing.user_id), firing.group_id)
+    for (receiver_id, user_id), group_id in targets.items():
+        notification, created = Notification.objects.get_or_create(
+            alert=alert, receiver_id=receiver_id, user_id=user_id, alert_status=status, round=0,
+            defaults={"group_id": group_id})
         if created:
-            transaction.on_commit(lambda pk=notification.pk: _send_later(pk))
-
-
-def _send_later(notification_id: int) -> None:
-    from alerts.tasks import deliver_notification
-
-    deliver_notification.delay(notification_id)
+            transaction.on_commit(lambda pk=notification.pk: enqueue("alerts.deliver_notification", pk))
 
 
 def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:
@@ -100,7 +130,7 @@ def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:
     changes = AlertChanges()
     still_firing: list[Alert] = []
     firing = {(a.slo_id, a.severity): a for a in Alert.objects.filter(
-        status=AlertStatus.FIRING, slo_id__in=[slo.pk for slo, _ in pairs])}
+        status__in=OPEN_STATUSES, slo_id__in=[slo.pk for slo, _ in pairs])}
     for slo, evaluation in pairs:
         for severity in Severity.values:
             current = firing.get((slo.pk, severity))
@@ -118,8 +148,8 @@ def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:
                 alert_resolve(alert=current, now=now, annotations=alert_annotations(slo, evaluation, severity))
                 changes.resolved += 1
     changes.updated = Alert.objects.bulk_update(still_firing, ["annotations", "updated_at"], batch_size=500)
-    # An SLO deleted along with its deployment leaves its firing alerts without a source: end them.
-    for orphan in Alert.objects.filter(status=AlertStatus.FIRING, slo__isnull=True, labels__alertname=ALERT_NAME):
+    # An SLO deleted along with its deployment leaves its open alerts without a source: end them.
+    for orphan in Alert.objects.filter(status__in=OPEN_STATUSES, slo__isnull=True, labels__alertname=ALERT_NAME):
         alert_resolve(alert=orphan, now=now)
         changes.resolved += 1
     return changes
@@ -131,95 +161,181 @@ def alert_open(*, slo, severity: str, evaluation, now: datetime) -> Alert:
         alert = Alert.objects.create(
             fingerprint=fingerprint_of(labels), labels=labels, severity=severity, status=AlertStatus.FIRING,
             annotations=alert_annotations(slo, evaluation, severity), starts_at=now, slo=slo,
+            generator_url=f"{settings.INFEROPS_EXTERNAL_URL}/slos/{slo.name}/",
         )
-        audit_record(actor=None, action="alert.open", obj=alert, after=snapshot(alert))
-        _enqueue_notifications(alert, AlertStatus.FIRING)
+        _opened(alert, now)
     log.warning("alert opened: %s", alert)
     return alert
 
 
-def alert_raise(*, labels: dict[str, str], annotations: dict[str, str], severity: str, now: datetime) -> Alert:
-    """An alert not tied to an SLO (e.g. an aborted rollout); one firing row per label set."""
+def alert_raise(*, labels: dict[str, str], annotations: dict[str, str], severity: str, now: datetime,
+                integration=None, generator_url: str = "") -> Alert:
+    """An alert not tied to an SLO (an aborted rollout, a degraded deployment, one posted by an
+    integration); one open row per label set, updated while it stays open."""
     fingerprint = fingerprint_of(labels)
     with transaction.atomic():
-        alert = Alert.objects.select_for_update().filter(fingerprint=fingerprint, status=AlertStatus.FIRING).first()
+        alert = Alert.objects.select_for_update().filter(fingerprint=fingerprint, status__in=OPEN_STATUSES).first()
         if alert is not None:
-            alert.annotations = annotations
-            alert.save(update_fields=["annotations", "updated_at"])
+            if alert.annotations != annotations:  # re-sent unchanged (Alertmanager repeats): no write
+                alert.annotations = annotations
+                alert.save(update_fields=["annotations", "updated_at"])
             return alert
         alert = Alert.objects.create(fingerprint=fingerprint, labels=labels, severity=severity,
-                                     status=AlertStatus.FIRING, annotations=annotations, starts_at=now)
-        audit_record(actor=None, action="alert.open", obj=alert, after=snapshot(alert))
-        _enqueue_notifications(alert, AlertStatus.FIRING)
+                                     status=AlertStatus.FIRING, annotations=annotations, starts_at=now,
+                                     integration=integration, generator_url=generator_url)
+        _opened(alert, now)
     log.warning("alert opened: %s", alert)
     return alert
 
 
-def alert_resolve(*, alert: Alert, now: datetime, annotations: dict | None = None) -> Alert:
+def _opened(alert: Alert, now: datetime) -> None:
+    audit_record(actor=None, action="alert.open", obj=alert, after=snapshot(alert))
+    source = f"integration {alert.integration.name}" if alert.integration_id else "the platform"
+    record_event(alert, EventKind.OPENED, text=f"{alert.annotations.get('summary', '')} (from {source})", at=now)
+    _enqueue_notifications(alert, AlertStatus.FIRING, now)
+
+
+def alert_resolve(*, alert: Alert, now: datetime, annotations: dict | None = None, actor=None,
+                  actor_name: str = "") -> Alert:
+    """Resolve an open alert: by its source when the condition clears, or by a person (`actor`)."""
     with transaction.atomic():
-        changed = Alert.objects.filter(pk=alert.pk, status=AlertStatus.FIRING).update(
+        changed = Alert.objects.filter(pk=alert.pk, status__in=OPEN_STATUSES).update(
             status=AlertStatus.RESOLVED, ends_at=now, annotations=annotations or alert.annotations,
-            updated_at=timezone.now(),
+            updated_at=timezone.now(), resolved_by=actor if getattr(actor, "pk", None) else None,
         )
         if changed:
             alert.refresh_from_db()
-            audit_record(actor=None, action="alert.resolve", obj=alert, after=snapshot(alert))
-            _enqueue_notifications(alert, AlertStatus.RESOLVED)
+            audit_record(actor=actor, action="alert.resolve", obj=alert, after=snapshot(alert))
+            record_event(alert, EventKind.RESOLVED, actor=actor, actor_name=actor_name, at=now,
+                         text="resolved by hand" if actor or actor_name else "the condition cleared")
+            _enqueue_notifications(alert, AlertStatus.RESOLVED, now)
     return alert
 
 
-# ---------------------------------------------------------------------------- delivery
+def alerts_resolve_open(*, now: datetime, alertnames: tuple[str, ...], **labels: str) -> int:
+    """Resolve the open alerts of these names whose labels have these values (e.g. a deployment's
+    aborted-rollout or degradation alerts once it is healthy again); returns how many."""
+    matching = Alert.objects.filter(status__in=OPEN_STATUSES, labels__alertname__in=alertnames,
+                                    **{f"labels__{key}": value for key, value in labels.items()})
+    for alert in matching:
+        alert_resolve(alert=alert, now=now)
+    return len(matching)
 
 
-@dataclass(frozen=True)
-class DeliveryResult:
-    outcome: str  # "sent", "retry", "failed", or "skipped" when another worker holds the row
-    attempt: int = 0
+# ---------------------------------------------------------------------------- people acting on alerts
 
 
-def _claim(notification_id: int) -> Notification | None:
-    """Conditional UPDATE: only one worker proceeds, so a redelivered task never sends twice."""
+def _locked_open(alert: Alert, doing: str) -> Alert:
+    locked = Alert.objects.select_for_update().get(pk=alert.pk)
+    if not locked.is_open:
+        raise Conflict(f"Alert {alert.pk} is already resolved: nothing to {doing}.")
+    return locked
+
+
+def alert_acknowledge(*, alert: Alert, actor=None, actor_name: str = "") -> Alert:
+    """Someone has it: receivers that support it (PagerDuty, Slack) hear so, and escalation stops.
+    Acknowledging an acknowledged alert changes nothing."""
     now = timezone.now()
-    claimable = Q(status=NotificationStatus.PENDING) | Q(status=NotificationStatus.SENDING,
-                                                          claimed_at__lt=now - STALE_CLAIM)
-    if Notification.objects.filter(claimable, pk=notification_id).update(
-            status=NotificationStatus.SENDING, claimed_at=now) != 1:
-        return None
-    return Notification.objects.select_related("alert", "alert__slo", "receiver").get(pk=notification_id)
-
-
-def notification_deliver(*, notification_id: int, max_attempts: int | None = None) -> DeliveryResult:
-    """Send one notification once (one HTTP attempt), recording the attempt."""
-    max_attempts = max_attempts or settings.INFEROPS_WEBHOOK_MAX_ATTEMPTS
-    notification = _claim(notification_id)
-    if notification is None:
-        return DeliveryResult("skipped")
-    attempt = notification.attempts + 1
-    payload = webhook.alertmanager_payload(
-        alerts=[notification.alert], receiver=notification.receiver.name, status=notification.alert_status,
-        external_url=settings.INFEROPS_EXTERNAL_URL,
-    )
-    outcome, http_status, error, duration_ms = DeliveryOutcome.OK, None, "", 0.0
-    try:
-        http_status, duration_ms = webhook.notify(notification.receiver.url, payload,
-                                                  timeout_s=settings.INFEROPS_WEBHOOK_TIMEOUT_S)
-    except webhook.WebhookError as exc:
-        http_status, error, duration_ms = exc.http_status, str(exc), exc.duration_ms
-        outcome = DeliveryOutcome.PERMANENT_ERROR if exc.permanent else DeliveryOutcome.TEMPORARY_ERROR
-    if outcome == DeliveryOutcome.OK:
-        status, result = NotificationStatus.SENT, "sent"
-    elif outcome == DeliveryOutcome.TEMPORARY_ERROR and attempt < max_attempts:
-        status, result = NotificationStatus.PENDING, "retry"
-    else:
-        status, result = NotificationStatus.FAILED, "failed"
     with transaction.atomic():
-        Delivery.objects.create(notification=notification, attempt=attempt, outcome=outcome, http_status=http_status,
-                                error=error[:2000], duration_ms=duration_ms)
-        Notification.objects.filter(pk=notification.pk).update(
-            status=status, attempts=attempt,
-            finished_at=timezone.now() if status in (NotificationStatus.SENT, NotificationStatus.FAILED) else None,
-        )
-    if result == "failed":
-        log.warning("notification %s to %s failed after %d attempts: %s", notification.pk,
-                    notification.receiver.name, attempt, error)
-    return DeliveryResult(result, attempt)
+        locked = _locked_open(alert, "acknowledge")
+        if locked.status == AlertStatus.ACKNOWLEDGED:
+            return locked
+        locked.status, locked.acknowledged_at = AlertStatus.ACKNOWLEDGED, now
+        locked.acknowledged_by = actor if getattr(actor, "pk", None) else None
+        locked.save(update_fields=["status", "acknowledged_at", "acknowledged_by", "updated_at"])
+        audit_record(actor=actor, action="alert.acknowledge", obj=locked, after={"via": actor_name or "console"})
+        record_event(locked, EventKind.ACKNOWLEDGED, actor=actor, actor_name=actor_name, at=now)
+        _enqueue_notifications(locked, AlertStatus.ACKNOWLEDGED, now)
+    return locked
+
+
+def alert_snooze(*, alert: Alert, actor, minutes: int) -> Alert:
+    """Notify no one about it for `minutes` (it still shows, and still resolves)."""
+    now = timezone.now()
+    with transaction.atomic():
+        locked = _locked_open(alert, "snooze")
+        locked.snoozed_until = now + timedelta(minutes=minutes)
+        locked.save(update_fields=["snoozed_until", "updated_at"])
+        audit_record(actor=actor, action="alert.snooze", obj=locked, after={"minutes": minutes})
+        record_event(locked, EventKind.SNOOZED, actor=actor, at=now,
+                     text=f"for {minutes} min, until {locked.snoozed_until:%Y-%m-%d %H:%M} UTC")
+    return locked
+
+
+def alert_comment(*, alert: Alert, actor, text: str) -> AlertEvent:
+    with transaction.atomic():
+        event = record_event(alert, EventKind.COMMENT, actor=actor, text=text)
+        audit_record(actor=actor, action="alert.comment", obj=alert, after={"text": text})
+    return event
+
+
+def ack_token(alert: Alert) -> str:
+    """The token of an alert's acknowledgement link: signed, for this alert only, and expiring
+    (INFEROPS_ACK_LINK_MAX_AGE_S), so a phone is enough and nothing else is reachable with it."""
+    return signing.TimestampSigner(salt=ACK_SALT).sign(str(alert.pk))
+
+
+def ack_url(alert: Alert) -> str:
+    return f"{settings.INFEROPS_EXTERNAL_URL}/alerts/ack/{ack_token(alert)}/"
+
+
+def alert_for_ack_token(token: str) -> Alert:
+    """The alert a link acknowledges; raises signing.BadSignature (or SignatureExpired) otherwise."""
+    pk = signing.TimestampSigner(salt=ACK_SALT).unsign(token, max_age=settings.INFEROPS_ACK_LINK_MAX_AGE_S)
+    return Alert.objects.get(pk=int(pk))
+
+
+def notify_unmuted(now: datetime | None = None) -> int:
+    """Beat: open, unacknowledged alerts that notified no one because they were muted (a silence
+    that has ended, a snooze that is over, a page that resolved) notify now. Returns how many."""
+    now = now or timezone.now()
+    waiting = (Alert.objects.filter(status=AlertStatus.FIRING, events__kind=EventKind.MUTED)
+               .exclude(notifications__alert_status=AlertStatus.FIRING)
+               .exclude(events__data__unmuted=True).distinct())
+    count = 0
+    for alert in waiting:
+        if not muting_reason(alert, now):
+            with transaction.atomic():
+                record_event(alert, EventKind.OPENED, text="no longer muted: notifying", at=now,
+                             data={"unmuted": True})
+                routing.alert_unmuted(alert, now)
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------- receivers
+
+
+def receiver_snapshot(receiver: Receiver) -> dict:
+    """What the audit log keeps of a receiver: never the secret, only its last characters, so a
+    changed key still shows as a change."""
+    data = snapshot(receiver)
+    if key := data.get("routing_key"):
+        data["routing_key"] = f"****{key[-4:]}" if len(key) >= 16 else "****"
+    return data
+
+
+def receiver_save(*, instance: Receiver | None, fields: dict, actor) -> Receiver:
+    """Create a receiver (instance None) or change one; a duplicate name is a Conflict."""
+    receiver = instance or Receiver()
+    before = receiver_snapshot(instance) if instance else None
+    for name, value in fields.items():
+        setattr(receiver, name, value)
+    try:
+        with transaction.atomic():
+            receiver.save()
+            audit_record(actor=actor, action="receiver.update" if before else "receiver.create", obj=receiver,
+                         before=before, after=receiver_snapshot(receiver))
+    except IntegrityError:
+        raise Conflict(f"A receiver named {receiver.name!r} already exists.") from None
+    return receiver
+
+
+def receiver_delete(*, receiver: Receiver, actor) -> None:
+    """A receiver a route sends to cannot go (the route would notify no one): a Conflict."""
+    if routes := list(receiver.routes.values_list("pk", flat=True)):
+        raise Conflict(f"Receiver {receiver.name!r} is the receiver of route{'s' if len(routes) > 1 else ''} "
+                       f"{', '.join(map(str, routes))}: point them elsewhere first.")
+    with transaction.atomic():
+        audit_record(actor=actor, action="receiver.delete", obj=receiver, before=receiver_snapshot(receiver))
+        receiver.delete()

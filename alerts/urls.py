@@ -1,17 +1,58 @@
 from django.urls import path
 
-from alerts import api, views
+from alerts import (
+    api,
+    inbound_api,
+    integration_views,
+    receiver_urls,
+    routing_api,
+    routing_urls,
+    schedule_urls,
+    silence_api,
+    silence_views,
+    views,
+)
 
 app_name = "alerts"
 
 urlpatterns = [
     path("", views.alert_list, name="list"),
+    path("ack/<str:token>/", views.acknowledge_by_link, name="ack-link"),
+    path("integrations/", integration_views.integration_list, name="integrations"),
+    path("integrations/<int:pk>/deactivate/", integration_views.integration_deactivate,
+         name="integration-deactivate"),
+    path("silences/", silence_views.silence_list, name="silence-list"),
+    path("silences/new/", silence_views.silence_new, name="silence-new"),
+    path("silences/<int:pk>/edit/", silence_views.silence_edit, name="silence-edit"),
+    path("silences/<int:pk>/expire/", silence_views.silence_expire, name="silence-expire"),
+    path("<int:pk>/", views.alert_detail, name="detail"),
+    path("<int:pk>/acknowledge/", views.alert_action, {"action": "ack"}, name="acknowledge"),
+    path("<int:pk>/resolve/", views.alert_action, {"action": "resolve"}, name="resolve"),
+    path("<int:pk>/snooze/", views.alert_action, {"action": "snooze"}, name="snooze"),
+    path("<int:pk>/comment/", views.alert_action, {"action": "comment"}, name="comment"),
+    *schedule_urls.urlpatterns,
+    *routing_urls.urlpatterns,
+    *receiver_urls.urlpatterns,
 ]
 
 api_urlpatterns = [
     path("alerts/", api.AlertList.as_view(), name="api-alert-list"),
+    path("alerts/alertmanager/", inbound_api.AlertmanagerReceiver.as_view(), name="api-alertmanager-receiver"),
     path("alerts/<int:pk>/", api.AlertDetail.as_view(), name="api-alert-detail"),
+    path("alerts/<int:pk>/ack/", api.AlertAcknowledge.as_view(), name="api-alert-ack"),
+    path("alerts/<int:pk>/resolve/", api.AlertResolve.as_view(), name="api-alert-resolve"),
+    path("alerts/<int:pk>/snooze/", api.AlertSnooze.as_view(), name="api-alert-snooze"),
+    path("alerts/<int:pk>/comments/", api.AlertComments.as_view(), name="api-alert-comments"),
     path("receivers/", api.ReceiverListCreate.as_view(), name="api-receiver-list"),
     path("receivers/<int:pk>/", api.ReceiverDetail.as_view(), name="api-receiver-detail"),
     path("receivers/<int:pk>/deliveries/", api.ReceiverDeliveries.as_view(), name="api-receiver-deliveries"),
+    path("integrations/", inbound_api.IntegrationListCreate.as_view(), name="api-integration-list"),
+    path("integrations/<int:pk>/", inbound_api.IntegrationDetail.as_view(), name="api-integration-detail"),
+    path("silences/", silence_api.SilenceListCreate.as_view(), name="api-silence-list"),
+    path("silences/<int:pk>/", silence_api.SilenceDetail.as_view(), name="api-silence-detail"),
+    path("routes/", routing_api.RouteListCreate.as_view(), name="api-route-list"),
+    path("routes/<int:pk>/", routing_api.RouteDetail.as_view(), name="api-route-detail"),
+    path("escalation-policies/", routing_api.EscalationPolicyListCreate.as_view(), name="api-policy-list"),
+    path("escalation-policies/<str:name>/", routing_api.EscalationPolicyDetail.as_view(), name="api-policy-detail"),
+    *schedule_urls.api_urlpatterns,
 ]

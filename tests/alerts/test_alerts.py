@@ -8,8 +8,10 @@ from datetime import timedelta
 import pytest
 from django.test import override_settings
 
+from alerts.delivery import notification_deliver
 from alerts.models import Alert, Delivery, Notification, Receiver
-from alerts.services import notification_deliver
+from alerts.routing import groups_advance
+from alerts.services import notify_unmuted
 from alerts.tasks import deliver_notification
 from slo.budget import MINUTE
 from slo.evaluation import evaluate_slos
@@ -63,10 +65,21 @@ def test_fast_burn_pages_then_resolves_when_the_short_window_recovers(ttft_slo, 
     page.refresh_from_db()
     assert page.status == "resolved" and page.ends_at == NOW + 2 * MINUTE
     assert Alert.objects.get(severity="ticket").status == "firing"
-    # One notification per transition and receiver, enqueued after the commit.
+    # One notification per transition and receiver, enqueued after the commit. The ticket opened
+    # beside the page, which inhibits it (one problem pages once): it notified no one, and says why.
     assert sorted(Notification.objects.values_list("alert__severity", "alert_status")) == [
-        ("page", "firing"), ("page", "resolved"), ("ticket", "firing")]
+        ("page", "firing"), ("page", "resolved")]
     assert len(callbacks) == 1
+    ticket = Alert.objects.get(severity="ticket")
+    assert ticket.events.get(kind="muted").text == f"inhibited by page alert {page.pk}"
+    # With the page resolved, the ticket still holding notifies: it is in the page's group, which
+    # was notified at NOW, so it goes with the group's next news, group_interval (5 min) later.
+    assert notify_unmuted(NOW + 2 * MINUTE) == 1
+    assert notify_unmuted(NOW + 2 * MINUTE) == 0
+    assert groups_advance(NOW + 4 * MINUTE) == {"flushed": 0, "rounds": 0}
+    assert not Notification.objects.filter(alert=ticket).exists()
+    assert groups_advance(NOW + 5 * MINUTE)["flushed"] == 1
+    assert Notification.objects.filter(alert=ticket, alert_status="firing").count() == 1
 
     # Later the ticket's windows drain too; a new burn opens a new page row (new episode, same fingerprint).
     evaluate_slos(now=NOW + timedelta(hours=1))
@@ -118,14 +131,15 @@ def test_webhook_delivers_an_alertmanager_v4_payload(ttft_slo, webhook_receiver)
     body = request["body"]
     alert = notification.alert
     assert body["version"] == "4" and body["status"] == "firing" and body["receiver"] == "hook"
-    assert body["groupLabels"] == {"alertname": "SloErrorBudgetBurn", "slo": "chat-ttft"}
-    assert body["groupKey"] == '{}:{alertname="SloErrorBudgetBurn", slo="chat-ttft"}'
+    # Grouped by the default route's group_by (alertname, slo, deployment), as Alertmanager writes it.
+    assert body["groupLabels"] == {"alertname": "SloErrorBudgetBurn", "slo": "chat-ttft", "deployment": "chat"}
+    assert body["groupKey"] == '{}:{alertname="SloErrorBudgetBurn", deployment="chat", slo="chat-ttft"}'
     assert body["commonLabels"] == alert.labels and body["commonAnnotations"] == alert.annotations
     assert body["externalURL"] == "https://inferops.example"
     assert body["alerts"] == [{
         "status": "firing", "labels": alert.labels, "annotations": alert.annotations,
         "startsAt": "2026-03-10T12:00:30Z", "endsAt": "0001-01-01T00:00:00Z",
-        "generatorURL": "https://inferops.example/slos/chat-ttft/", "fingerprint": alert.fingerprint,
+        "generatorURL": alert.generator_url, "fingerprint": alert.fingerprint,
     }]
     delivery = Delivery.objects.get()
     assert (delivery.attempt, delivery.outcome, delivery.http_status) == (1, "ok", 200)
@@ -174,8 +188,9 @@ def test_resolved_notifications_only_for_receivers_that_want_them(ttft_slo):
     slow_minute(NOW)
     evaluate_slos(now=NOW)
     evaluate_slos(now=NOW + timedelta(hours=3))
+    # The ticket opened under the page is inhibited by it; the page's resolution skips "quiet".
     assert sorted(Notification.objects.values_list("receiver__name", "alert_status", "alert__severity")) == [
-        ("quiet", "firing", "page"), ("quiet", "firing", "ticket")]
+        ("quiet", "firing", "page")]
 
 
 def test_deleting_the_deployment_takes_its_slos_and_ends_their_alerts(ttft_slo):
