@@ -24,17 +24,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from runtime.gateway.server import Gateway, GatewaySettings
-from runtime.gateway.state import (
+from runtime.gateway.contract import (
     KEYS_CHANNEL,
     KEYS_GENERATION_KEY,
     KEYS_KEY,
     ROUTING_CHANNEL,
     ROUTING_GENERATION_KEY,
     ROUTING_KEY,
+    USAGE_STREAM,
     hash_api_key,
 )
-from runtime.gateway.usage import USAGE_STREAM
+from runtime.gateway.server import Gateway, GatewaySettings
 from tests.conftest import free_port
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/13")
@@ -177,12 +177,12 @@ class Control:
             self.redis.delete(name)
 
     def publish_route(self, deployment: str, versions: list[tuple[int, int, list[tuple[int, str]]]],
-                      task: str = "generate") -> None:
-        entry = {"deployment": deployment, "model": deployment, "task": task, "backend": "builtin",
+                      task: str = "generate", backend: str = "builtin", degradation: dict | None = None) -> None:
+        entry = {"deployment": deployment, "model": deployment, "task": task, "backend": backend,
                  "versions": [{"version": number, "weight": weight,
                                "replicas": [{"id": rid, "url": url} for rid, url in replicas]}
                               for number, weight, replicas in versions],
-                 "published_at": time.time()}
+                 "published_at": time.time(), "degradation": degradation}
         self.redis.hset(ROUTING_KEY, deployment, json.dumps(entry))
         self.redis.incr(ROUTING_GENERATION_KEY)
         self.redis.publish(ROUTING_CHANNEL, deployment)

@@ -93,9 +93,10 @@ def test_openai_client_through_the_gateway_to_a_real_replica(tiny_llama_dir, con
                 for e in events] == [("chat", False, 200, 5, 7, prefix), ("chat", True, 200, 6, 7, prefix),
                                      ("chat", True, 200, 6, 7, prefix)]
         assert events[0]["prompt_tokens"] == answer.usage.prompt_tokens == events[1]["prompt_tokens"] > 0
-        assert events[1]["ttft_ms"] > 0 and events[1]["tpot_ms"] > 0
-        # Non-streamed: a TTFT cannot be seen through the proxy.
-        assert events[0]["ttft_ms"] is None and events[0]["finish_reason"] == "length"
+        assert events[1]["ttft_ms"] > 0 and events[1]["tpot_ms"] > 0 and events[1]["ttft_source"] == "gateway"
+        # Non-streamed: the proxy cannot see the first token; the replica's Server-Timing header says when it was.
+        assert events[0]["ttft_source"] == "server" and 0 < events[0]["ttft_ms"] <= events[0]["e2e_ms"]
+        assert events[0]["tpot_ms"] > 0 and events[0]["finish_reason"] == "length"
     finally:
         gateway.stop()
         replica.stop()

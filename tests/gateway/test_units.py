@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +13,8 @@ from runtime.gateway.proxy import StreamObserver, read_usage
 from runtime.gateway.router import NoReplica, Router, Saturated, _rendezvous_score, affinity_key
 from runtime.gateway.state import ApiKey, Replica, Route, Version
 
-FIXTURES = "/work/shared/fixtures/vllm-0.32-cpu"
+# Responses recorded from a real vLLM server; see the README next to them.
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm-0.32-cpu"
 
 
 def _route(*versions: tuple[int, int, int]) -> Route:
@@ -23,7 +25,7 @@ def _route(*versions: tuple[int, int, int]) -> Route:
 
 
 def test_observer_reads_a_recorded_vllm_stream_split_anywhere_and_strips_the_usage_chunk():
-    raw = open(f"{FIXTURES}/chat-stream.sse", "rb").read()
+    raw = (FIXTURES / "chat-stream.sse").read_bytes()
     for split_every in (1, 7, 64, len(raw)):
         observer = StreamObserver(strip_usage=True)
         out = b"".join(observer.feed(raw[i:i + split_every], float(i)) for i in range(0, len(raw), split_every))
@@ -40,7 +42,7 @@ def test_observer_reads_a_recorded_vllm_stream_split_anywhere_and_strips_the_usa
 
 
 def test_observer_keeps_the_usage_chunk_when_the_client_asked_for_it():
-    raw = open(f"{FIXTURES}/chat-stream.sse", "rb").read()
+    raw = (FIXTURES / "chat-stream.sse").read_bytes()
     observer = StreamObserver(strip_usage=False)
     assert observer.feed(raw, 1.0) + observer.leftover() == raw
     assert observer.content_chunks == 7  # role chunk + 6 tokens, not the usage chunk
@@ -53,7 +55,7 @@ def test_observer_notes_a_mid_stream_error_event():
 
 
 def test_read_usage_of_a_recorded_completion():
-    usage, finish = read_usage(open(f"{FIXTURES}/completion.json", "rb").read())
+    usage, finish = read_usage((FIXTURES / "completion.json").read_bytes())
     assert usage["prompt_tokens"] == 4 and usage["completion_tokens"] == 5 and finish == "length"
     assert read_usage(b"not json") == (None, None)
 
@@ -148,6 +150,6 @@ def test_repeated_failures_eject_a_replica_for_a_cool_off(monkeypatch):
 def test_error_fixture_shape_matches_ours():
     from runtime.gateway.server import GatewayError
 
-    recorded = json.load(open(f"{FIXTURES}/error-unknown-model.json"))
+    recorded = json.loads((FIXTURES / "error-unknown-model.json").read_text())
     ours = json.loads(GatewayError(404, "x", "NotFoundError", "not_found", "model").body)
     assert set(ours["error"]) == set(recorded["error"]) and ours["error"]["code"] == recorded["error"]["code"]

@@ -1,0 +1,331 @@
+"""REST API for finance tools and operators: the price book, list prices, budgets, the report."""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404
+from django.utils import timezone
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import generics, renderers, serializers, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from costing import services
+from costing.choices import Tier
+from costing.ledger import floor_hour, ledger_sync, ledger_through
+from costing.models import Budget, ListPrice, Price
+from costing.report import month_range, report_csv, report_for
+from inferops.api import CONFLICT, ERRORS, TOO_LARGE, RejectUnknownFields, query_time
+from inferops.validators import slug_validator
+from tenants.models import Tenant
+
+MONTH_RE = re.compile(r"^(\d{4})-(\d{2})$")
+MAX_REPORT_SPAN = timedelta(days=400)
+
+
+class MoneyField(serializers.DecimalField):
+    """A decimal string ("0.05") or an integer; a JSON float is refused, so no amount is ever a
+    binary fraction on its way in."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("max_digits", 18)
+        kwargs.setdefault("decimal_places", 6)
+        kwargs.setdefault("min_value", Decimal(0))
+        super().__init__(**kwargs)
+        self.error_messages["min_value"] = "Must not be negative."
+
+    def to_internal_value(self, data):
+        if isinstance(data, float):
+            raise serializers.ValidationError(f'Send money as a decimal string, e.g. "{data}", not a JSON number.')
+        if isinstance(data, bool):
+            raise serializers.ValidationError("A valid number is required.")
+        return super().to_internal_value(data)
+
+
+class PriceSerializer(serializers.ModelSerializer):
+    created_by = serializers.CharField(source="created_by.username", read_only=True, default=None)
+
+    class Meta:
+        model = Price
+        fields = ["id", "resource", "tier", "usd_per_hour", "effective_from", "effective_to", "note", "created_by",
+                  "created_at"]
+        read_only_fields = fields
+
+
+class PriceCreateSerializer(RejectUnknownFields, serializers.Serializer):
+    resource = serializers.CharField(max_length=100, help_text="cpu, memory, gpu:<gpu_type> or node:<node name>")
+    usd_per_hour = MoneyField(help_text="Per core-hour (cpu), GiB-hour (memory), GPU-hour or node-hour.")
+    effective_from = serializers.DateTimeField()
+    effective_to = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    tier = serializers.ChoiceField(choices=Tier.choices, default=Tier.ON_DEMAND)
+    note = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+
+    def validate_resource(self, value):
+        services.validate_resource(value)
+        return value
+
+
+class ListPriceSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = ListPrice
+        fields = ["id", "deployment", "tenant", "usd_per_mtok_prompt", "usd_per_mtok_completion", "effective_from",
+                  "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+
+class ListPriceCreateSerializer(RejectUnknownFields, serializers.Serializer):
+    deployment = serializers.CharField(max_length=63, validators=[slug_validator])
+    tenant = serializers.CharField(max_length=63, validators=[slug_validator], required=False, allow_blank=True,
+                                   default="", help_text="Empty: the deployment's list price for every tenant.")
+    usd_per_mtok_prompt = MoneyField()
+    usd_per_mtok_completion = MoneyField()
+    effective_from = serializers.DateTimeField()
+
+
+class BudgetSerializer(serializers.ModelSerializer):
+    tenant = serializers.CharField(source="tenant.name", read_only=True)
+
+    class Meta:
+        model = Budget
+        fields = ["id", "tenant", "deployment", "monthly_usd", "thresholds", "created_at", "updated_at"]
+        read_only_fields = fields
+
+
+class BudgetCreateSerializer(RejectUnknownFields, serializers.Serializer):
+    tenant = serializers.CharField(max_length=63, validators=[slug_validator])
+    deployment = serializers.CharField(max_length=63, validators=[slug_validator], required=False, allow_blank=True,
+                                       default="", help_text="Empty: all the tenant's deployments.")
+    monthly_usd = MoneyField(max_digits=14, decimal_places=2)
+    thresholds = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=1000), min_length=1,
+                                       max_length=10, default=[50, 80, 100],
+                                       help_text="Percentages of the budget that open a ticket, e.g. [50, 80, 100].")
+
+    def validate_tenant(self, value):
+        if not Tenant.objects.filter(name=value).exists():
+            raise serializers.ValidationError(f"No tenant named {value!r}.")
+        return value
+
+
+class BudgetUpdateSerializer(RejectUnknownFields, serializers.Serializer):
+    monthly_usd = MoneyField(max_digits=14, decimal_places=2, required=False)
+    thresholds = serializers.ListField(child=serializers.IntegerField(min_value=1, max_value=1000), min_length=1,
+                                       max_length=10, required=False)
+
+
+@extend_schema(tags=["costing"])
+class PriceListCreate(generics.ListAPIView):
+    serializer_class = PriceSerializer
+
+    def get_queryset(self):
+        prices = Price.objects.select_related("created_by")
+        for param in ("resource", "tier"):
+            if value := self.request.query_params.get(param):
+                prices = prices.filter(**{param: value})
+        return prices
+
+    @extend_schema(parameters=[OpenApiParameter("resource", OpenApiTypes.STR),
+                               OpenApiParameter("tier", OpenApiTypes.STR)],
+                   responses={200: PriceSerializer(many=True), **ERRORS})
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
+    @extend_schema(request=PriceCreateSerializer, responses={201: PriceSerializer, **ERRORS, **TOO_LARGE},
+                   description="Add a price. An open-ended price of the same resource and tier that started "
+                               "earlier ends where this one starts; other overlaps, and starts inside a closed "
+                               "month, are refused (400 on effective_from).")
+    def post(self, request):
+        serializer = PriceCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        price = services.price_create(actor=request.user, **serializer.validated_data)
+        return Response(PriceSerializer(price).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(tags=["costing"])
+class PriceDetail(APIView):
+    @extend_schema(responses={200: PriceSerializer, **ERRORS})
+    def get(self, request, pk: int):
+        return Response(PriceSerializer(get_object_or_404(Price, pk=pk)).data)
+
+    @extend_schema(responses={204: None, **ERRORS, **CONFLICT},
+                   description="Only a price that has not started yet; change a charged one by adding a new price.")
+    def delete(self, request, pk: int):
+        services.price_delete(price=get_object_or_404(Price, pk=pk), actor=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+@extend_schema(tags=["costing"])
+class ListPriceListCreate(generics.ListAPIView):
+    serializer_class = ListPriceSerializer
+    queryset = ListPrice.objects.all()
+
+    @extend_schema(responses={200: ListPriceSerializer(many=True), **ERRORS})
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
+    @extend_schema(request=ListPriceCreateSerializer,
+                   responses={201: ListPriceSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
+    def post(self, request):
+        serializer = ListPriceCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        price = services.list_price_create(actor=request.user, **serializer.validated_data)
+        return Response(ListPriceSerializer(price).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(tags=["costing"])
+class BudgetListCreate(generics.ListAPIView):
+    serializer_class = BudgetSerializer
+    queryset = Budget.objects.select_related("tenant")
+
+    @extend_schema(responses={200: BudgetSerializer(many=True), **ERRORS})
+    def get(self, request, *args, **kwargs):
+        return super().get(request, *args, **kwargs)
+
+    @extend_schema(request=BudgetCreateSerializer,
+                   responses={201: BudgetSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
+    def post(self, request):
+        serializer = BudgetCreateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        budget = services.budget_create(
+            tenant=Tenant.objects.get(name=data["tenant"]), deployment=data["deployment"],
+            monthly_usd=data["monthly_usd"], thresholds=data["thresholds"], actor=request.user)
+        return Response(BudgetSerializer(budget).data, status=status.HTTP_201_CREATED)
+
+
+@extend_schema(tags=["costing"])
+class BudgetDetail(APIView):
+    @extend_schema(responses={200: BudgetSerializer, **ERRORS})
+    def get(self, request, pk: int):
+        return Response(BudgetSerializer(get_object_or_404(Budget.objects.select_related("tenant"), pk=pk)).data)
+
+    @extend_schema(request=BudgetUpdateSerializer, responses={200: BudgetSerializer, **ERRORS},
+                   description="Raising a budget above its spend resolves its alerts at once.")
+    def patch(self, request, pk: int):
+        budget = get_object_or_404(Budget, pk=pk)
+        serializer = BudgetUpdateSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        budget = services.budget_update(budget=budget, actor=request.user, **serializer.validated_data)
+        return Response(BudgetSerializer(budget).data)
+
+    @extend_schema(responses={204: None, **ERRORS})
+    def delete(self, request, pk: int):
+        services.budget_delete(budget=get_object_or_404(Budget, pk=pk), actor=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+def parse_month(value: str, now: datetime) -> tuple[datetime, datetime]:
+    match = MONTH_RE.match(value or "")
+    if not match or not 1 <= int(match.group(2)) <= 12 or int(match.group(1)) < 2000:
+        raise serializers.ValidationError({"month": [f"{value!r} is not a month: use YYYY-MM, e.g. 2026-03."]})
+    start, end = month_range(datetime(int(match.group(1)), int(match.group(2)), 1, tzinfo=UTC).date())
+    if start > now:
+        raise serializers.ValidationError({"month": [f"{value} is in the future."]})
+    return start, end
+
+
+def report_period(params, now: datetime) -> tuple[datetime, datetime]:
+    """?month=YYYY-MM, or ?start=&end= (whole hours; start floored, end rounded up), or this month."""
+    if params.get("month") and (params.get("start") or params.get("end")):
+        raise serializers.ValidationError({"month": ["Give month, or start and end, not both."]})
+    if params.get("month") or not (params.get("start") or params.get("end")):
+        return parse_month(params.get("month") or now.strftime("%Y-%m"), now)
+    if not params.get("start"):
+        raise serializers.ValidationError({"start": ["start is required with end."]})
+    start = floor_hour(query_time(params.get("start"), "start", now))
+    raw_end = query_time(params.get("end"), "end", now)
+    end = floor_hour(raw_end) + (timedelta(hours=1) if raw_end != floor_hour(raw_end) else timedelta(0))
+    if start > now:
+        raise serializers.ValidationError({"start": ["start is in the future."]})
+    if end <= start:
+        raise serializers.ValidationError({"end": ["end must come after start."]})
+    if end - start > MAX_REPORT_SPAN:
+        raise serializers.ValidationError({"end": [f"A report covers at most {MAX_REPORT_SPAN.days} days."]})
+    return start, end
+
+
+def current_report(params) -> tuple[dict, datetime, datetime]:
+    now = timezone.now()
+    start, end = report_period(params, now)
+    through = ledger_through()
+    if end > now and (through is None or through < now - timedelta(minutes=1)):
+        ledger_sync(now)  # an open period includes cost up to the last full minute
+    return report_for(start, min(end, now), now=now), start, end
+
+
+class CSVRenderer(renderers.BaseRenderer):
+    media_type = "text/csv"
+    format = "csv"
+    charset = "utf-8"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        return data
+
+
+class PDFRenderer(renderers.BaseRenderer):
+    media_type = "application/pdf"
+    format = "pdf"
+    charset = None
+    render_style = "binary"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        return data
+
+
+def export_response(report: dict, kind: str) -> HttpResponse:
+    name = f"inferops-costs-{report['start'][:10]}-{report['end'][:10]}"
+    if kind == "csv":
+        response = HttpResponse(report_csv(report), content_type="text/csv; charset=utf-8")
+    else:
+        from costing.pdf import report_pdf
+
+        response = HttpResponse(report_pdf(report), content_type="application/pdf")
+    response["Content-Disposition"] = f'attachment; filename="{name}.{kind}"'
+    return response
+
+
+class ReportSerializer(serializers.Serializer):
+    """The report's headline fields (the response has more: by_model, by_version, daily, rows)."""
+
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    currency = serializers.CharField()
+    closed = serializers.BooleanField()
+    total_usd = serializers.CharField(help_text="Decimal string.")
+    idle_usd = serializers.CharField()
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+    usd_per_mtok = serializers.CharField(allow_null=True)
+    usd_per_mtok_slo_compliant = serializers.CharField(allow_null=True)
+    by_tenant = serializers.ListField(child=serializers.DictField())
+    by_deployment = serializers.ListField(child=serializers.DictField())
+
+
+@extend_schema(tags=["costing"])
+class Report(APIView):
+    renderer_classes = [renderers.JSONRenderer, renderers.BrowsableAPIRenderer, CSVRenderer, PDFRenderer]
+
+    @extend_schema(parameters=[
+        OpenApiParameter("month", OpenApiTypes.STR, description="YYYY-MM (default: this month)"),
+        OpenApiParameter("start", OpenApiTypes.STR, description="ISO 8601 or Unix seconds; floored to the hour"),
+        OpenApiParameter("end", OpenApiTypes.STR, description="ISO 8601 or Unix seconds; rounded up to the hour"),
+        OpenApiParameter("format", OpenApiTypes.STR, enum=["json", "csv", "pdf"]),
+    ], responses={200: ReportSerializer, **ERRORS,
+                  (200, "text/csv"): OpenApiResponse(OpenApiTypes.STR,
+                                                     description="One row per tenant x deployment x version."),
+                  (200, "application/pdf"): OpenApiResponse(OpenApiTypes.BINARY, description="The report on paper.")},
+        description="Cost, idle cost, tokens and $/MTok (also per SLO-compliant token) by tenant, deployment, "
+                    "model and version. A closed month answers its frozen report.")
+    def get(self, request):
+        report, _, _ = current_report(request.query_params)
+        kind = request.query_params.get("format") or "json"
+        if kind in ("csv", "pdf"):
+            return export_response(report, kind)
+        return Response(report)

@@ -1,0 +1,436 @@
+"""The replica-hour ledger: replica runs observed, priced minute by minute, rolled up hourly; and
+the usage ledger rolled up hourly beside it, with the tokens of SLO-compliant requests.
+
+`ledger_sync(now)` is the whole beat job (every minute, so the ledger is at most two minutes
+behind). Each step is a recomputation, never an increment:
+1. `lives_sync` records each run of each replica (`ReplicaLife`): a replica row is reused across
+   restarts, so its runs are only known to someone who looks while they happen.
+2. `costs_compute(start, end)` deletes and rewrites the `CostHour` rows of [start, end) from the
+   runs and the price book, so re-running a period changes nothing.
+3. `usage_rollup` rewrites the `UsageHour` rows of each (deployment, hour) that new usage events
+   touched (found by `ingested_at`, with an overlap, as SLO evaluation does), late ones included.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Q
+
+from costing.choices import Tier
+from costing.models import CostHour, LedgerState, Price, ReplicaLife
+from deployments.choices import DriverName, ReplicaState
+from deployments.models import Replica
+from inferops.locks import LockId, try_advisory_lock
+from slo.sli import COVERED_DEPLOYMENT_SQL, MATCHING_EVENT_SQL, REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SUCCEEDED_SQL
+
+log = logging.getLogger(__name__)
+
+MINUTE = timedelta(minutes=1)
+HOUR = timedelta(hours=1)
+# Usage events are read again from this far before the last watermark: a slow ingest
+# transaction commits rows stamped with its start (the same overlap as SLO evaluation).
+OVERLAP = timedelta(minutes=2)
+LOCK_NAMESPACE = LockId.COSTING_LEDGER
+RUNNING = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING)
+GIB = Decimal(2**30)
+SIXTY = Decimal(60)
+
+
+def floor_minute(t: datetime) -> datetime:
+    return t.replace(second=0, microsecond=0)
+
+
+def ceil_minute(t: datetime) -> datetime:
+    floor = floor_minute(t)
+    return floor if floor == t else floor + MINUTE
+
+
+def floor_hour(t: datetime) -> datetime:
+    return t.replace(minute=0, second=0, microsecond=0)
+
+
+# ---------------------------------------------------------------------------- what a replica holds
+
+
+@dataclass(frozen=True)
+class Held:
+    gpu_type: str
+    gpu_count: int
+    cpus: Decimal
+    memory_gib: Decimal
+    derived: str
+
+
+def _quantity(value) -> Decimal:
+    from kubernetes.utils import parse_quantity
+
+    return Decimal(parse_quantity(str(value)))
+
+
+def local_default_cpus() -> Decimal:
+    configured = getattr(settings, "INFEROPS_COST_LOCAL_CPUS", 0)
+    return Decimal(configured or os.cpu_count() or 1)
+
+
+def replica_resources(deployment, replica) -> Held:
+    """What a replica is charged for: the deployment's `resources` where given. A local replica
+    without a cpu figure is charged for the CPU threads it is given: the built-in engine's
+    `cpu_threads` engine argument, else every core of the host (torch's default, and vLLM's)."""
+    resources = deployment.resources or {}
+    gpu_count = int(resources.get("gpu_count") or 0)
+    gpu_type = str(resources.get("gpu_type") or "") if gpu_count else ""
+    derived = []
+    if resources.get("cpu") not in (None, ""):
+        cpus = _quantity(resources["cpu"])
+        derived.append("cpu from resources")
+    elif replica.driver == DriverName.LOCAL:
+        threads = (replica.engine_args or {}).get("cpu_threads")
+        if threads:
+            cpus = Decimal(int(threads))
+            derived.append("cpu from engine_args.cpu_threads")
+        else:
+            cpus = local_default_cpus()
+            derived.append("cpu = the host's cores (no cpu_threads)")
+    else:
+        cpus = Decimal(0)
+        derived.append("no cpu request")
+    memory = _quantity(resources["memory"]) / GIB if resources.get("memory") else Decimal(0)
+    if memory:
+        derived.append("memory from resources")
+    if gpu_count:
+        derived.append("gpus from resources")
+    return Held(gpu_type, gpu_count, cpus.quantize(Decimal("0.001")), memory.quantize(Decimal("0.0001")),
+                "; ".join(derived))
+
+
+# ---------------------------------------------------------------------------- replica runs
+
+
+def _run_end(replica: Replica, life: ReplicaLife) -> datetime | None:
+    """When this run ended, or None while it goes on."""
+    if replica.started_at != life.started_at:
+        # The row was restarted before we saw this run end: it ran at least until last seen.
+        return life.seen_until
+    if replica.state in RUNNING:
+        return None
+    if replica.state == ReplicaState.STOPPED and replica.stopped_at:
+        return max(replica.stopped_at, life.started_at)
+    # FAILED: marked so (its process gone) at its last save.
+    return max(replica.updated_at, life.started_at)
+
+
+def lives_sync(now: datetime, since: datetime | None) -> datetime | None:
+    """Record replica runs as of `now`; return the earliest time whose cost changed (or None)."""
+    open_lives = {life.replica_ref: life for life in ReplicaLife.objects.filter(ended_at__isnull=True)}
+    # The first run takes every replica's last run (the history a row still tells); later runs
+    # look at running replicas, open runs, and rows changed since the last look.
+    changed = Q(state__in=RUNNING) | Q(pk__in=list(open_lives)) | Q(updated_at__gte=since - OVERLAP) if since else Q()
+    replicas = list(Replica.objects.filter(changed, started_at__isnull=False)
+                    .select_related("deployment", "deployment__model", "version"))
+    known = {(life.replica_ref, life.started_at): life for life in ReplicaLife.objects.filter(
+        replica_ref__in=[r.pk for r in replicas], started_at__in=[r.started_at for r in replicas])}
+    earliest: datetime | None = None
+
+    def touch(t: datetime) -> None:
+        nonlocal earliest
+        earliest = t if earliest is None else min(earliest, t)
+
+    with transaction.atomic():
+        seen_refs = set()
+        for replica in replicas:
+            seen_refs.add(replica.pk)
+            previous = open_lives.get(replica.pk)
+            if previous is not None and previous.started_at != replica.started_at:
+                previous.ended_at = previous.seen_until
+                previous.save(update_fields=["ended_at"])
+                touch(previous.seen_until)
+            life = known.get((replica.pk, replica.started_at))
+            if life is None:
+                held = replica_resources(replica.deployment, replica)
+                life = ReplicaLife(
+                    replica=replica, replica_ref=replica.pk, deployment=replica.deployment.name,
+                    version=replica.version.number, model=replica.deployment.model.name, driver=replica.driver,
+                    node=replica.node, started_at=replica.started_at, seen_until=max(now, replica.started_at),
+                    gpu_type=held.gpu_type, gpu_count=held.gpu_count, cpus=held.cpus, memory_gib=held.memory_gib,
+                    resources_from=held.derived,
+                )
+                life.ended_at = _run_end(replica, life)
+                life.save()
+                touch(life.started_at)
+                continue
+            if life.ended_at is not None:
+                continue
+            ended = _run_end(replica, life)
+            if ended is None:
+                life.seen_until = max(now, life.seen_until)
+                life.save(update_fields=["seen_until"])
+            else:
+                life.ended_at = ended
+                life.save(update_fields=["ended_at"])
+                touch(min(ended, life.seen_until))
+        # Open runs whose replica row is gone (its deployment was deleted): they ran until last seen.
+        for ref, life in open_lives.items():
+            if ref not in seen_refs and not Replica.objects.filter(pk=ref).exists():
+                life.ended_at = life.seen_until
+                life.save(update_fields=["ended_at"])
+                touch(life.seen_until)
+    return earliest
+
+
+# ---------------------------------------------------------------------------- pricing
+
+
+class PriceBook:
+    """Prices by resource, each resolved at a minute: the preferred tier's, else the next tier's."""
+
+    def __init__(self, prices: list[Price], preferred_tier: str):
+        order = [preferred_tier, *[t for t in Tier.values if t != preferred_tier]]
+        self.rank = {tier: i for i, tier in enumerate(order)}
+        self.by_resource: dict[str, list[tuple[datetime, datetime | None, int, Decimal]]] = defaultdict(list)
+        for price in prices:
+            end = ceil_minute(price.effective_to) if price.effective_to else None
+            self.by_resource[price.resource].append(
+                (ceil_minute(price.effective_from), end, self.rank.get(price.tier, 99), price.usd_per_hour))
+
+    @classmethod
+    def load(cls) -> PriceBook:
+        return cls(list(Price.objects.all()), getattr(settings, "INFEROPS_COST_TIER", Tier.ON_DEMAND))
+
+    def has(self, resource: str) -> bool:
+        return resource in self.by_resource
+
+    def at(self, resource: str, t: datetime) -> Decimal:
+        best = None
+        for start, end, rank, usd in self.by_resource.get(resource, ()):
+            if start <= t and (end is None or t < end) and (best is None or rank < best[0]):
+                best = (rank, usd)
+        return best[1] if best else Decimal(0)
+
+    def changes(self, resource: str) -> list[datetime]:
+        points = []
+        for start, end, _, _ in self.by_resource.get(resource, ()):
+            points.append(start)
+            if end is not None:
+                points.append(end)
+        return points
+
+
+def billed_span(life: ReplicaLife, until: datetime) -> tuple[datetime, datetime]:
+    """Whole minutes: a minute the process held its resources in at all is charged."""
+    end = life.ended_at if life.ended_at is not None else life.seen_until
+    return floor_minute(life.started_at), min(ceil_minute(end), until)
+
+
+@dataclass
+class HourCost:
+    minutes: int = 0
+    gpu: Decimal = Decimal(0)
+    cpu: Decimal = Decimal(0)
+    memory: Decimal = Decimal(0)
+    node: Decimal = Decimal(0)
+
+
+def _node_counts(spans: list[tuple[datetime, datetime]]):
+    """(times, counts): how many runs hold the node from each time on."""
+    deltas: dict[datetime, int] = defaultdict(int)
+    for start, end in spans:
+        if end > start:
+            deltas[start] += 1
+            deltas[end] -= 1
+    times, counts, running = [], [], 0
+    for t in sorted(deltas):
+        running += deltas[t]
+        times.append(t)
+        counts.append(running)
+    return times, counts
+
+
+def life_costs(life: ReplicaLife, start: datetime, end: datetime, book: PriceBook,
+               node_share=None) -> dict[datetime, HourCost]:
+    """The cost of one run in [start, end), per hour, from constant-price pieces."""
+    first, last = billed_span(life, end)
+    first = max(first, start)
+    if last <= first:
+        return {}
+    gpu_resource = f"gpu:{life.gpu_type}" if life.gpu_count else None
+    node_resource = f"node:{life.node}"
+    points = {first, last}
+    hour = floor_hour(first) + HOUR
+    while hour < last:
+        points.add(hour)
+        hour += HOUR
+    for resource in (gpu_resource, "cpu", "memory", node_resource):
+        if resource:
+            points.update(t for t in book.changes(resource) if first < t < last)
+    if node_share is not None:
+        points.update(t for t in node_share[0] if first < t < last)
+    cuts = sorted(points)
+    hours: dict[datetime, HourCost] = {}
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        minutes = int((b - a) / MINUTE)
+        cost = hours.setdefault(floor_hour(a), HourCost())
+        cost.minutes += minutes
+        share = Decimal(minutes) / SIXTY  # hours
+        if gpu_resource:
+            cost.gpu += book.at(gpu_resource, a) * life.gpu_count * share
+        cost.cpu += book.at("cpu", a) * life.cpus * share
+        cost.memory += book.at("memory", a) * life.memory_gib * share
+        if node_share is not None:
+            times, counts = node_share
+            sharing = counts[bisect_right(times, a) - 1]
+            cost.node += book.at(node_resource, a) * share / max(sharing, 1)
+    return hours
+
+
+def costs_compute(start: datetime, end: datetime, book: PriceBook | None = None) -> int:
+    """Rewrite every CostHour row of [start, end) (start on an hour) from the runs and prices."""
+    book = book or PriceBook.load()
+    lives = list(ReplicaLife.objects.filter(started_at__lt=end).filter(
+        Q(ended_at__isnull=True, seen_until__gte=start) | Q(ended_at__gte=start)))
+    by_node: dict[str, list[ReplicaLife]] = defaultdict(list)
+    for life in lives:
+        by_node[life.node].append(life)
+    shares = {node: _node_counts([billed_span(life, end) for life in group])
+              for node, group in by_node.items() if book.has(f"node:{node}")}
+    rows = []
+    for life in lives:
+        for hour, cost in life_costs(life, start, end, book, shares.get(life.node)).items():
+            if not cost.minutes:
+                continue
+            rows.append(CostHour(
+                life=life, hour=hour, deployment=life.deployment, version=life.version, model=life.model,
+                minutes=cost.minutes, gpu_usd=cost.gpu, cpu_usd=cost.cpu, memory_usd=cost.memory,
+                node_usd=cost.node, usd=cost.gpu + cost.cpu + cost.memory + cost.node,
+            ))
+    with transaction.atomic():
+        CostHour.objects.filter(hour__gte=start, hour__lt=end).delete()
+        CostHour.objects.bulk_create(rows, batch_size=2000)
+    return len(rows)
+
+
+# ---------------------------------------------------------------------------- usage roll-up
+
+# A request is SLO-compliant when it succeeded and no latency or goodput SLO covering it judges
+# it bad (counted in the SLO's total and not good): the verdict SLO evaluation gives it.
+SLO_COMPLIANT_SQL = f"""({SUCCEEDED_SQL} AND NOT EXISTS (
+    SELECT 1 FROM slo_slo s JOIN deployments_deployment d ON {COVERED_DEPLOYMENT_SQL}
+    WHERE s.sli_kind IN ('latency', 'goodput') AND {MATCHING_EVENT_SQL}
+      AND ({REQUEST_TOTAL_SQL}) AND NOT ({REQUEST_GOOD_SQL})))"""
+
+_TOUCHED = """
+    SELECT DISTINCT deployment, date_trunc('hour', time) FROM tenants_usageevent
+    WHERE ingested_at >= %s AND deployment IS NOT NULL
+"""
+_ALL_HOURS = """
+    SELECT DISTINCT deployment, date_trunc('hour', minute) FROM tenants_usageminute
+    WHERE deployment IS NOT NULL
+"""
+_ROLLUP = f"""
+    WITH k AS (SELECT * FROM unnest(%(deployments)s::text[], %(hours)s::timestamptz[]) AS k(deployment, hour)),
+    minutes AS (
+        SELECT k.hour, m.deployment, m.version, m.tenant, sum(m.requests) AS requests,
+               sum(m.prompt_tokens) AS prompt_tokens, sum(m.completion_tokens) AS completion_tokens
+        FROM k JOIN tenants_usageminute m ON m.deployment = k.deployment
+             AND m.minute >= k.hour AND m.minute < k.hour + interval '1 hour'
+        WHERE m.tenant IS NOT NULL AND m.version IS NOT NULL
+        GROUP BY 1, 2, 3, 4
+    ),
+    compliant AS (
+        SELECT k.hour, e.deployment, e.version, e.tenant, sum(e.prompt_tokens) AS prompt_tokens,
+               sum(e.completion_tokens) AS completion_tokens
+        FROM k JOIN tenants_usageevent e ON e.deployment = k.deployment
+             AND e.time >= k.hour AND e.time < k.hour + interval '1 hour'
+        WHERE e.tenant IS NOT NULL AND e.version IS NOT NULL AND {SLO_COMPLIANT_SQL}
+        GROUP BY 1, 2, 3, 4
+    )
+    INSERT INTO costing_usagehour (hour, deployment, version, tenant, requests, prompt_tokens, completion_tokens,
+                                   compliant_prompt_tokens, compliant_completion_tokens)
+    SELECT m.hour, m.deployment, m.version, m.tenant, m.requests, m.prompt_tokens, m.completion_tokens,
+           coalesce(c.prompt_tokens, 0), coalesce(c.completion_tokens, 0)
+    FROM minutes m LEFT JOIN compliant c USING (hour, deployment, version, tenant)
+"""
+_CLEAR = """
+    DELETE FROM costing_usagehour u
+    USING unnest(%(deployments)s::text[], %(hours)s::timestamptz[]) AS k(deployment, hour)
+    WHERE u.deployment = k.deployment AND u.hour = k.hour
+"""
+
+
+def usage_rollup_keys(keys: list[tuple[str, datetime]]) -> int:
+    """Rewrite the UsageHour rows of these (deployment, hour) keys from the usage ledger."""
+    if not keys:
+        return 0
+    params = {"deployments": [k[0] for k in keys], "hours": [k[1] for k in keys]}
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(_CLEAR, params)
+        cursor.execute(_ROLLUP, params)
+        return cursor.rowcount
+
+
+def usage_rollup(watermark: datetime | None) -> tuple[list, datetime]:
+    """Roll up what usage events ingested since `watermark` touched; returns (keys, new watermark)."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT now()")
+        read_at = cursor.fetchone()[0]
+        if watermark is None:
+            cursor.execute(_ALL_HOURS)
+        else:
+            cursor.execute(_TOUCHED, [watermark - OVERLAP])
+        keys = cursor.fetchall()
+    usage_rollup_keys(keys)
+    return keys, read_at
+
+
+# ---------------------------------------------------------------------------- the beat job
+
+
+@dataclass
+class SyncReport:
+    skipped: bool = False
+    cost_from: str | None = None
+    cost_rows: int = 0
+    usage_keys: int = 0
+    earliest_change: datetime | None = None
+
+    def as_dict(self) -> dict:
+        data = dict(self.__dict__)
+        data["earliest_change"] = self.earliest_change.isoformat() if self.earliest_change else None
+        return data
+
+
+def ledger_sync(now: datetime) -> SyncReport:
+    """Bring the ledger up to `now` (to its last full minute); safe to run twice, or at once."""
+    report = SyncReport()
+    with try_advisory_lock(LOCK_NAMESPACE) as acquired:
+        if not acquired:
+            report.skipped = True
+            return report
+        state, _ = LedgerState.objects.get_or_create(pk=1)
+        until = floor_minute(now)
+        earliest = lives_sync(now, state.cost_through)
+        start_points = [t for t in (state.cost_through, earliest) if t is not None]
+        if not start_points:
+            first = ReplicaLife.objects.order_by("started_at").values_list("started_at", flat=True).first()
+            start_points = [first or until]
+        start = floor_hour(min(start_points))
+        report.cost_from = start.isoformat()
+        report.cost_rows = costs_compute(start, until)
+        keys, watermark = usage_rollup(state.usage_watermark)
+        report.usage_keys = len(keys)
+        report.earliest_change = min([start, *(hour for _, hour in keys)])
+        LedgerState.objects.filter(pk=1).update(cost_through=until, usage_watermark=watermark)
+    return report
+
+
+def ledger_through() -> datetime | None:
+    state = LedgerState.objects.filter(pk=1).first()
+    return state.cost_through if state else None

@@ -1,0 +1,410 @@
+"""Monthly (or any hourly) cost reports, from the ledger: allocation, unit economics, exports.
+
+Allocation: each deployment version's cost in each hour is split between the tenants by their
+share of weighted tokens in that hour (`prompt × INFEROPS_COST_PROMPT_WEIGHT + completion ×
+INFEROPS_COST_COMPLETION_WEIGHT`). An hour with no tokens is idle: its cost is its own line.
+
+Rounding happens once, on the finest cells (tenant × deployment × version, and idle ×
+deployment × version), by the largest-remainder method, so every grouping built from the
+rounded cells (by tenant, by deployment, the CSV, the total) adds up to the cent and beyond.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from decimal import ROUND_FLOOR, ROUND_HALF_EVEN, Decimal
+
+from django.conf import settings
+from django.db import connection, transaction
+
+from costing.models import Adjustment, ClosedMonth, ListPrice
+
+PLACES = Decimal("0.0001")  # amounts in reports: hundredths of a cent
+RATE_PLACES = Decimal("0.0001")  # $ per million tokens
+MILLION = Decimal(1_000_000)
+CURRENCY = "USD"
+REPORT_WORK_MEM = "64MB"
+
+
+def weights() -> tuple[Decimal, Decimal]:
+    return (Decimal(str(settings.INFEROPS_COST_PROMPT_WEIGHT)), Decimal(str(settings.INFEROPS_COST_COMPLETION_WEIGHT)))
+
+
+def month_start(day: date) -> datetime:
+    return datetime(day.year, day.month, 1, tzinfo=UTC)
+
+
+def next_month(start: datetime) -> datetime:
+    return datetime(start.year + (start.month == 12), start.month % 12 + 1, 1, tzinfo=UTC)
+
+
+def money(value: Decimal | None) -> str | None:
+    return None if value is None else str(value.quantize(PLACES, rounding=ROUND_HALF_EVEN))
+
+
+def per_mtok(usd: Decimal, tokens: Decimal | int) -> str | None:
+    if not tokens:
+        return None
+    return str((usd * MILLION / Decimal(tokens)).quantize(RATE_PLACES, rounding=ROUND_HALF_EVEN))
+
+
+# ---------------------------------------------------------------------------- cells
+
+
+@dataclass
+class Cell:
+    """One tenant's (or the idle line's, tenant None) figures on one deployment version."""
+
+    tenant: str | None
+    deployment: str
+    version: int
+    model: str
+    usd: Decimal = Decimal(0)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    compliant_tokens: int = 0
+    replica_minutes: int = 0
+    revenue: Decimal | None = None
+    adjustment_from: str | None = None  # "YYYY-MM" of the closed month it corrects
+
+    def key(self) -> tuple:
+        return (self.tenant or "", self.deployment, self.version)
+
+    def as_json(self) -> dict:
+        return {"tenant": self.tenant, "deployment": self.deployment, "version": self.version, "model": self.model,
+                "usd": str(self.usd), "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens, "compliant_tokens": self.compliant_tokens,
+                "replica_minutes": self.replica_minutes,
+                "revenue": None if self.revenue is None else str(self.revenue),
+                "adjustment_from": self.adjustment_from}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Cell:
+        return cls(tenant=data["tenant"], deployment=data["deployment"], version=data["version"], model=data["model"],
+                   usd=Decimal(data["usd"]), prompt_tokens=data["prompt_tokens"],
+                   completion_tokens=data["completion_tokens"], compliant_tokens=data["compliant_tokens"],
+                   replica_minutes=data["replica_minutes"],
+                   revenue=None if data.get("revenue") is None else Decimal(data["revenue"]))
+
+
+# Per (deployment, version, hour), a slot: its cost, replica minutes and weighted tokens. A slot
+# without tokens is idle. Reports aggregate the slots in Postgres: a month is ~10^4-10^5 of them.
+_SLOTS = """
+    CREATE TEMPORARY TABLE report_slots ON COMMIT DROP AS
+    WITH cost AS (
+        SELECT deployment, version, hour, max(model) AS model, sum(usd) AS usd, sum(minutes) AS minutes
+        FROM costing_costhour WHERE hour >= %(start)s AND hour < %(end)s
+        GROUP BY 1, 2, 3
+    ), busy AS (
+        SELECT deployment, version, hour, sum(prompt_tokens) AS prompt, sum(completion_tokens) AS completion
+        FROM costing_usagehour WHERE hour >= %(start)s AND hour < %(end)s
+        GROUP BY 1, 2, 3
+    )
+    SELECT deployment, version, hour, model, coalesce(usd, 0) AS usd, coalesce(minutes, 0) AS minutes,
+           coalesce(prompt, 0) + coalesce(completion, 0) AS tokens,
+           %(wp)s * coalesce(prompt, 0) + %(wc)s * coalesce(completion, 0) AS weight
+    FROM cost FULL JOIN busy USING (deployment, version, hour)
+"""
+# Per deployment version: its model, replica minutes and idle cost.
+_VERSION_SLOTS = """
+    SELECT deployment, version, coalesce(max(model), ''), sum(minutes), coalesce(sum(usd) FILTER (WHERE weight <= 0), 0)
+    FROM report_slots GROUP BY 1, 2
+"""
+# Per UTC day and deployment: cost, idle cost, tokens.
+_DAILY_SLOTS = """
+    SELECT (hour AT TIME ZONE 'UTC')::date, deployment, sum(usd), coalesce(sum(usd) FILTER (WHERE weight <= 0), 0),
+           sum(tokens)
+    FROM report_slots GROUP BY 1, 2 ORDER BY 1, 2
+"""
+# Each tenant's share: the slot's cost per weighted token times the tenant's weighted tokens in it.
+# The rate keeps 30 decimal places, so no cell moves by 10^-20 dollars before rounding.
+_TENANT_CELLS = """
+    SELECT u.tenant, u.deployment, u.version,
+           coalesce(sum(r.rate * (%(wp)s * u.prompt_tokens + %(wc)s * u.completion_tokens)), 0),
+           sum(u.prompt_tokens), sum(u.completion_tokens),
+           sum(u.compliant_prompt_tokens + u.compliant_completion_tokens)
+    FROM costing_usagehour u
+    LEFT JOIN (SELECT deployment, version, hour, usd::numeric(60, 30) / weight AS rate
+               FROM report_slots WHERE weight > 0) r USING (deployment, version, hour)
+    WHERE u.hour >= %(start)s AND u.hour < %(end)s
+    GROUP BY 1, 2, 3
+"""
+# Revenue at list prices: each usage hour at the tenant's own list price of the deployment, else
+# the deployment's, whichever started last before the hour.
+_REVENUE = """
+    SELECT u.tenant, u.deployment, u.version,
+           sum((u.prompt_tokens * p.usd_per_mtok_prompt + u.completion_tokens * p.usd_per_mtok_completion) / 1000000)
+    FROM costing_usagehour u
+    CROSS JOIN LATERAL (
+        SELECT usd_per_mtok_prompt, usd_per_mtok_completion FROM costing_listprice l
+        WHERE l.deployment = u.deployment AND (l.tenant = u.tenant OR l.tenant = '') AND l.effective_from <= u.hour
+        ORDER BY (l.tenant = u.tenant) DESC, l.effective_from DESC LIMIT 1
+    ) p
+    WHERE u.hour >= %(start)s AND u.hour < %(end)s
+    GROUP BY 1, 2, 3
+"""
+
+
+def _roomy(cursor) -> None:
+    """A month is ~10^5-10^6 usage rows: with Postgres' default 4 MB per sort or hash, they spill
+    to disk and the report takes twice as long. Only for this transaction."""
+    cursor.execute(f"SET LOCAL work_mem = '{REPORT_WORK_MEM}'")
+
+
+def report_data(start: datetime, end: datetime) -> tuple[list[Cell], list[dict]]:
+    """Exact (unrounded) cells of [start, end), hours, and its daily series, from one pass over the
+    period's slots."""
+    wp, wc = weights()
+    models = _model_names()
+    params = {"start": start, "end": end, "wp": wp, "wc": wc}
+    with transaction.atomic(), connection.cursor() as cursor:
+        _roomy(cursor)
+        # A report inside a longer transaction (a month close) may come twice before the commit.
+        cursor.execute("DROP TABLE IF EXISTS pg_temp.report_slots")
+        cursor.execute(_SLOTS, params)
+        cursor.execute(_VERSION_SLOTS)
+        idle = {(deployment, version): Cell(tenant=None, deployment=deployment, version=version,
+                                            model=model or models.get(deployment, ""), usd=Decimal(idle_usd),
+                                            replica_minutes=int(minutes))
+                for deployment, version, model, minutes, idle_usd in cursor.fetchall()}
+        cursor.execute(_DAILY_SLOTS)
+        daily = _daily_series(cursor.fetchall())
+        cursor.execute(_TENANT_CELLS, params)
+        rows = cursor.fetchall()
+        revenue = {}
+        if ListPrice.objects.exists():
+            cursor.execute(_REVENUE, params)
+            revenue = {(t, d, v): usd for t, d, v, usd in cursor.fetchall()}
+        cursor.execute("DROP TABLE report_slots")
+    cells = []
+    for tenant, deployment, version, usd, prompt, completion, compliant in rows:
+        version_cell = idle.get((deployment, version))
+        cell = Cell(tenant=tenant, deployment=deployment, version=version,
+                    model=(version_cell and version_cell.model) or models.get(deployment, ""),
+                    usd=Decimal(usd), prompt_tokens=int(prompt), completion_tokens=int(completion),
+                    compliant_tokens=int(compliant))
+        if revenue:
+            cell.revenue = Decimal(revenue.get((tenant, deployment, version), 0))
+        cells.append(cell)
+    cells += [cell for cell in idle.values() if cell.usd or cell.replica_minutes]
+    return [c for c in cells if c.usd or c.prompt_tokens or c.completion_tokens or c.replica_minutes], daily
+
+
+def compute_cells(start: datetime, end: datetime) -> list[Cell]:
+    return report_data(start, end)[0]
+
+
+def daily_series(start: datetime, end: datetime) -> list[dict]:
+    return report_data(start, end)[1]
+
+
+def _model_names() -> dict[str, str]:
+    from deployments.models import Deployment
+
+    return dict(Deployment.objects.values_list("name", "model__name"))
+
+
+def apportion(exact: list[Decimal], places: Decimal = PLACES) -> list[Decimal]:
+    """Round each amount down to `places`, then give the units still missing from the rounded
+    total to the largest remainders: the parts always add up to the rounded total."""
+    if not exact:
+        return []
+    total = sum(exact, Decimal(0)).quantize(places, rounding=ROUND_HALF_EVEN)
+    floors = [value.quantize(places, rounding=ROUND_FLOOR) for value in exact]
+    missing = int(((total - sum(floors, Decimal(0))) / places).to_integral_value())
+    order = sorted(range(len(exact)), key=lambda i: (exact[i] - floors[i], -i), reverse=True)
+    for i in order[:max(missing, 0)]:
+        floors[i] += places
+    return floors
+
+
+# ---------------------------------------------------------------------------- the report
+
+
+@dataclass
+class Totals:
+    usd: Decimal = Decimal(0)
+    idle: Decimal = Decimal(0)
+    prompt: int = 0
+    completion: int = 0
+    compliant: int = 0
+    minutes: int = 0
+    revenue: Decimal | None = None
+    children: dict = field(default_factory=dict)
+
+    def add(self, cell: Cell) -> None:
+        self.usd += cell.usd
+        if cell.tenant is None:
+            self.idle += cell.usd
+        self.prompt += cell.prompt_tokens
+        self.completion += cell.completion_tokens
+        self.compliant += cell.compliant_tokens
+        self.minutes += cell.replica_minutes
+        if cell.revenue is not None:
+            self.revenue = (self.revenue or Decimal(0)) + cell.revenue
+
+    def figures(self) -> dict:
+        wp, wc = weights()
+        weighted = wp * self.prompt + wc * self.completion
+        data = {
+            "usd": money(self.usd), "idle_usd": money(self.idle), "busy_usd": money(self.usd - self.idle),
+            "prompt_tokens": self.prompt, "completion_tokens": self.completion,
+            "total_tokens": self.prompt + self.completion, "slo_compliant_tokens": self.compliant,
+            "replica_hours": str((Decimal(self.minutes) / 60).quantize(Decimal("0.01"))),
+            "usd_per_mtok": per_mtok(self.usd, self.prompt + self.completion),
+            "usd_per_mtok_prompt": per_mtok(self.usd * wp, weighted) if self.prompt else None,
+            "usd_per_mtok_completion": per_mtok(self.usd * wc, weighted) if self.completion else None,
+            "usd_per_mtok_slo_compliant": per_mtok(self.usd, self.compliant),
+            "revenue_usd": money(self.revenue),
+            "margin_usd": money(self.revenue - self.usd) if self.revenue is not None else None,
+        }
+        return data
+
+
+def _group(cells: list[Cell], key) -> dict:
+    groups: dict = defaultdict(Totals)
+    for cell in cells:
+        groups[key(cell)].add(cell)
+    return groups
+
+
+def build_report(start: datetime, end: datetime, cells: list[Cell], *, daily: list[dict],
+                 adjustments: list[Cell] = (), closed: ClosedMonth | None = None,
+                 ledger_through: datetime | None = None) -> dict:
+    """The report of rounded cells (and adjustments booked in the period)."""
+    everything = [*cells, *adjustments]
+    rounded = apportion([cell.usd for cell in everything])
+    revenue = apportion([cell.revenue or Decimal(0) for cell in everything])
+    rounded_cells = []
+    for cell, usd, rev in zip(everything, rounded, revenue, strict=True):
+        rounded_cells.append(Cell(**{**cell.__dict__, "usd": usd,
+                                     "revenue": None if cell.revenue is None else rev}))
+    total = Totals()
+    for cell in rounded_cells:
+        total.add(cell)
+    tenants = _group([c for c in rounded_cells if c.tenant is not None], lambda c: c.tenant)
+    by_tenant = []
+    for name, totals in sorted(tenants.items(), key=lambda kv: (-kv[1].usd, kv[0])):
+        deployments = _group([c for c in rounded_cells if c.tenant == name], lambda c: c.deployment)
+        by_tenant.append({"tenant": name, **totals.figures(), "deployments": [
+            {"deployment": d, **t.figures()} for d, t in sorted(deployments.items(), key=lambda kv: (-kv[1].usd, kv[0]))
+        ]})
+    by_deployment = [
+        {"deployment": name, "model": next(c.model for c in rounded_cells if c.deployment == name), **t.figures()}
+        for name, t in sorted(_group(rounded_cells, lambda c: c.deployment).items(), key=lambda kv: (-kv[1].usd, kv[0]))
+    ]
+    by_version = [
+        {"deployment": d, "version": v, **t.figures()}
+        for (d, v), t in sorted(_group(rounded_cells, lambda c: (c.deployment, c.version)).items(),
+                                key=lambda kv: (kv[0][0], kv[0][1]))
+    ]
+    by_model = [
+        {"model": name, **t.figures()}
+        for name, t in sorted(_group(rounded_cells, lambda c: c.model).items(), key=lambda kv: (-kv[1].usd, kv[0]))
+    ]
+    adjusted = [c for c in rounded_cells if c.adjustment_from]
+    notes = []
+    if adjusted:
+        months = sorted({c.adjustment_from for c in adjusted})
+        notes.append(f"Includes adjustments for closed month(s) {', '.join(months)}: usage or replica time that "
+                     "arrived after the month was closed is booked here; the closed reports stay as they were.")
+    figures = total.figures()
+    wp, wc = weights()
+    return {
+        "start": start.isoformat(), "end": end.isoformat(), "currency": CURRENCY,
+        "closed": closed is not None, "closed_at": closed.closed_at.isoformat() if closed else None,
+        "ledger_through": ledger_through.isoformat() if ledger_through else None,
+        "total_usd": figures["usd"], "idle_usd": figures["idle_usd"], "busy_usd": figures["busy_usd"],
+        **{k: v for k, v in figures.items() if k not in ("usd", "idle_usd", "busy_usd")},
+        "token_weights": {"prompt": str(wp), "completion": str(wc)},
+        "by_tenant": by_tenant, "by_deployment": by_deployment, "by_model": by_model, "by_version": by_version,
+        "daily": daily,
+        "adjustments": [{"source_month": c.adjustment_from, "tenant": c.tenant, "deployment": c.deployment,
+                         "version": c.version, "usd": money(c.usd), "prompt_tokens": c.prompt_tokens,
+                         "completion_tokens": c.completion_tokens} for c in adjusted],
+        "notes": notes,
+        "rows": [{**c.as_json(), "usd": money(c.usd), "revenue": money(c.revenue)} for c in rounded_cells],
+    }
+
+
+def _daily_series(rows) -> list[dict]:
+    """Per UTC day: cost, idle and busy cost, $/MTok and cost by deployment, from _DAILY_SLOTS rows."""
+    days: dict[date, dict] = {}
+    for day, deployment, usd, idle_usd, tokens in rows:
+        entry = days.setdefault(day, {"date": day.isoformat(), "usd": Decimal(0), "idle_usd": Decimal(0),
+                                      "tokens": 0, "by_deployment": {}})
+        entry["usd"] += usd
+        entry["idle_usd"] += idle_usd
+        entry["tokens"] += int(tokens)
+        entry["by_deployment"][deployment] = money(usd)
+    return [{**entry, "usd": money(entry["usd"]), "idle_usd": money(entry["idle_usd"]),
+             "busy_usd": money(entry["usd"] - entry["idle_usd"]),
+             "usd_per_mtok": per_mtok(entry["usd"], entry["tokens"])} for entry in days.values()]
+
+
+def adjustments_booked(start: datetime, end: datetime) -> list[Cell]:
+    rows = Adjustment.objects.filter(booked_month__gte=start.date(), booked_month__lt=end.date())
+    return [Cell(tenant=a.tenant or None, deployment=a.deployment, version=a.version, model=a.model, usd=a.usd,
+                 prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens,
+                 compliant_tokens=a.compliant_tokens, adjustment_from=a.source_month.strftime("%Y-%m"))
+            for a in rows]
+
+
+def report_for(start: datetime, end: datetime, *, now: datetime) -> dict:
+    """The report of [start, end): the frozen one for a closed month, else computed now."""
+    from costing.ledger import ledger_through
+
+    if start.day == 1 and start == month_start(start.date()) and end == next_month(start):
+        closed = ClosedMonth.objects.filter(month=start.date()).first()
+        if closed is not None:
+            return closed.report
+    through = ledger_through()
+    # Adjustments belong to the month they are booked in, however far its ledger has come.
+    adjustments = adjustments_booked(start, end)
+    end = min(end, through) if through and end > through else end
+    cells, daily = report_data(start, end)
+    return build_report(start, end, cells, daily=daily, adjustments=adjustments, ledger_through=through)
+
+
+# ---------------------------------------------------------------------------- CSV
+
+CSV_COLUMNS = ["start", "end", "tenant", "deployment", "version", "model", "usd", "prompt_tokens",
+               "completion_tokens", "slo_compliant_tokens", "replica_hours", "usd_per_mtok",
+               "usd_per_mtok_slo_compliant", "revenue_usd", "margin_usd", "adjustment_for"]
+
+
+def report_csv(report: dict) -> str:
+    """One row per tenant × deployment × version (the idle line has tenant "(idle)")."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for row in report["rows"]:
+        usd = Decimal(row["usd"])
+        tokens = row["prompt_tokens"] + row["completion_tokens"]
+        revenue = row.get("revenue")
+        writer.writerow([
+            report["start"], report["end"], row["tenant"] or "(idle)", row["deployment"], row["version"],
+            row["model"], row["usd"], row["prompt_tokens"], row["completion_tokens"], row["compliant_tokens"],
+            str((Decimal(row["replica_minutes"]) / 60).quantize(Decimal("0.01"))), per_mtok(usd, tokens) or "",
+            per_mtok(usd, row["compliant_tokens"]) or "", revenue or "",
+            money(Decimal(revenue) - usd) if revenue is not None else "", row.get("adjustment_from") or "",
+        ])
+    writer.writerow(["", "", "TOTAL", "", "", "", report["total_usd"], report["prompt_tokens"],
+                     report["completion_tokens"], report["slo_compliant_tokens"], report["replica_hours"],
+                     report["usd_per_mtok"] or "", report["usd_per_mtok_slo_compliant"] or "",
+                     report["revenue_usd"] or "", report["margin_usd"] or "", ""])
+    return out.getvalue()
+
+
+def month_range(month: date) -> tuple[datetime, datetime]:
+    start = month_start(month)
+    return start, next_month(start)
+
+
+def previous_month(now: datetime) -> date:
+    first = month_start(now.date())
+    return (first - timedelta(days=1)).date().replace(day=1)

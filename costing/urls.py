@@ -1,0 +1,22 @@
+from django.urls import path
+
+from costing import api, views
+
+app_name = "costing"
+
+urlpatterns = [
+    path("", views.report_page, name="report"),
+    path("prices/", views.price_book, name="prices"),
+    path("prices/<int:pk>/delete/", views.price_delete, name="price-delete"),
+    path("budgets/", views.budgets_page, name="budgets"),
+    path("export.<str:kind>", views.export, name="export"),
+]
+
+api_urlpatterns = [
+    path("costing/prices/", api.PriceListCreate.as_view(), name="api-costing-prices"),
+    path("costing/prices/<int:pk>/", api.PriceDetail.as_view(), name="api-costing-price"),
+    path("costing/list-prices/", api.ListPriceListCreate.as_view(), name="api-costing-list-prices"),
+    path("costing/budgets/", api.BudgetListCreate.as_view(), name="api-costing-budgets"),
+    path("costing/budgets/<int:pk>/", api.BudgetDetail.as_view(), name="api-costing-budget"),
+    path("costing/report/", api.Report.as_view(), name="api-costing-report"),
+]

@@ -1,0 +1,135 @@
+"""Console pages: the monthly cost report (charts, tables, drill-down, exports), the price book
+and budgets."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+from rest_framework.exceptions import ValidationError as ApiValidationError
+
+from costing import services
+from costing.api import current_report, export_response
+from costing.choices import RESOURCE_UNITS, Tier
+from costing.models import Budget, Price
+from inferops.forms import apply_service
+from inferops.roles import require_operator
+from tenants.models import Tenant
+
+
+def _first_error(exc: ApiValidationError) -> str:
+    detail = exc.detail
+    if isinstance(detail, dict):
+        field, errors = next(iter(detail.items()))
+        return f"{field}: {errors[0] if isinstance(errors, list) else errors}"
+    return str(detail)
+
+
+@login_required
+def report_page(request):
+    try:
+        report, start, _ = current_report(request.GET)
+    except ApiValidationError as exc:
+        return render(request, "costing/report.html",
+                      {"error": _first_error(exc), "month": request.GET.get("month", "")}, status=400)
+    tenant = request.GET.get("tenant", "")
+    drill = next((row for row in report["by_tenant"] if row["tenant"] == tenant), None) if tenant else None
+    return render(request, "costing/report.html", {
+        "report": report, "month": start.strftime("%Y-%m"), "tenant": tenant, "drill": drill,
+        "query": request.GET.urlencode(),
+        "max_month": timezone.now().strftime("%Y-%m"),
+    })
+
+
+@login_required
+def export(request, kind: str):
+    if kind not in ("csv", "pdf"):
+        return render(request, "costing/report.html", {"error": f"Unknown export {kind!r}: csv or pdf."}, status=404)
+    try:
+        report, _, _ = current_report(request.GET)
+    except ApiValidationError as exc:
+        return render(request, "costing/report.html", {"error": _first_error(exc)}, status=400)
+    return export_response(report, kind)
+
+
+class PriceForm(forms.Form):
+    resource = forms.CharField(max_length=100, help_text="cpu, memory, gpu:<gpu_type> or node:<node name>")
+    usd_per_hour = forms.DecimalField(label="USD per hour", max_digits=18, decimal_places=6, min_value=0,
+                                      help_text="per core, GiB, GPU or node")
+    tier = forms.ChoiceField(choices=Tier.choices, initial=Tier.ON_DEMAND)
+    effective_from = forms.DateTimeField(help_text="UTC, e.g. 2026-03-01 00:00",
+                                         widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    note = forms.CharField(max_length=200, required=False)
+
+    def clean_effective_from(self):
+        value = self.cleaned_data["effective_from"]
+        return value if timezone.is_aware(value) else timezone.make_aware(value, timezone.UTC)
+
+
+@login_required
+def price_book(request):
+    form = PriceForm(request.POST or None, initial={"effective_from": timezone.now().strftime("%Y-%m-%dT%H:%M")})
+    if request.method == "POST":
+        require_operator(request, "Changing prices")
+        if form.is_valid():
+            created = apply_service(form, lambda: services.price_create(actor=request.user, **form.cleaned_data))
+            if created:
+                messages.success(request, f"Price added: {created}.")
+                return redirect("costing:prices")
+    now = timezone.now()
+    prices = [(price, price.effective_from > now) for price in Price.objects.select_related("created_by")]
+    return render(request, "costing/prices.html", {"form": form, "prices": prices, "units": RESOURCE_UNITS},
+                  status=400 if request.method == "POST" else 200)
+
+
+@login_required
+@require_POST
+def price_delete(request, pk: int):
+    require_operator(request, "Changing prices")
+    price = get_object_or_404(Price, pk=pk)
+    services.price_delete(price=price, actor=request.user)
+    messages.success(request, f"Price removed: {price}.")
+    return redirect("costing:prices")
+
+
+class BudgetForm(forms.Form):
+    tenant = forms.ModelChoiceField(queryset=Tenant.objects.order_by("name"), to_field_name="name")
+    deployment = forms.SlugField(max_length=63, required=False, help_text="empty = all its deployments")
+    monthly_usd = forms.DecimalField(label="USD per month", max_digits=14, decimal_places=2, min_value=Decimal("0.01"))
+    thresholds = forms.CharField(initial="50, 80, 100", help_text="percent, comma-separated")
+
+    def clean_thresholds(self):
+        try:
+            return [int(part) for part in self.cleaned_data["thresholds"].split(",") if part.strip()]
+        except ValueError:
+            raise forms.ValidationError("Whole percentages, comma-separated, e.g. 50, 80, 100.") from None
+
+
+@login_required
+def budgets_page(request):
+    form = BudgetForm(request.POST or None)
+    if request.method == "POST":
+        require_operator(request, "Changing budgets")
+        if form.is_valid():
+            created = apply_service(form, lambda: services.budget_create(actor=request.user, **form.cleaned_data))
+            if created:
+                messages.success(request, f"Budget added: {created}.")
+                return redirect("costing:budgets")
+    report, _, _ = current_report({})
+    spend = {row["tenant"]: row for row in report["by_tenant"]}
+    budgets = []
+    for budget in Budget.objects.select_related("tenant"):
+        row = spend.get(budget.tenant.name)
+        used = Decimal(0)
+        if row:
+            used = Decimal(row["usd"]) if not budget.deployment else sum(
+                (Decimal(d["usd"]) for d in row["deployments"] if d["deployment"] == budget.deployment), Decimal(0))
+        percent = (used * 100 / budget.monthly_usd).quantize(Decimal("0.1"))
+        budgets.append({"budget": budget, "spent": used, "percent": percent})
+    return render(request, "costing/budgets.html", {"form": form, "budgets": budgets},
+                  status=400 if request.method == "POST" else 200)

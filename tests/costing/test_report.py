@@ -1,0 +1,200 @@
+"""Allocation to tenants, idle cost, $/MTok and $/MTok SLO-compliant, the REST report, CSV and PDF."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from decimal import Decimal
+
+import pytest
+from pypdf import PdfReader
+
+from costing.ledger import ledger_sync
+from costing.report import apportion, compute_cells
+from slo.models import Slo
+from tests.costing.conftest import at, make_deployment, make_replica, price, usage
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def chat():
+    """One replica of `chat` (1 core at $0.60/h: $0.01 a minute) from 10:00 to 13:00."""
+    deployment = make_deployment("chat", resources={"cpu": "1"})
+    price("cpu", "0.60", at(-24))
+    make_replica(deployment, started_at=at(0))
+    return deployment
+
+
+def test_two_tenants_at_three_to_one_tokens_get_three_to_one_of_busy_cost_and_idle_is_its_own_line(chat, api):
+    usage("chat", "acme", at(0, 5), prompt=100, completion=100, requests=3)   # hour 10: 3:1
+    usage("chat", "beta", at(0, 6), prompt=100, completion=100, requests=1)
+    usage("chat", "acme", at(1, 5), prompt=50, completion=0)                 # hour 11: acme alone
+    ledger_sync(at(3))                                                        # hour 12: no traffic, idle
+    body = api("viewer").get("/api/v1/costing/report/", {"month": "2026-03"}).json()
+    tenants = {row["tenant"]: row for row in body["by_tenant"]}
+    assert tenants["acme"]["usd"] == "1.0500"  # 3/4 of hour 10 ($0.45) + all of hour 11 ($0.60)
+    assert tenants["beta"]["usd"] == "0.1500"  # 1/4 of hour 10
+    assert body["idle_usd"] == "0.6000"       # hour 12
+    assert body["total_usd"] == "1.8000"
+    assert body["currency"] == "USD" and body["prompt_tokens"] == 450 and body["completion_tokens"] == 400
+    [deployment] = body["by_deployment"]
+    assert deployment["deployment"] == "chat" and deployment["idle_usd"] == "0.6000"
+    assert deployment["replica_hours"] == "3.00"
+    assert deployment["usd_per_mtok"] == str((Decimal("1.8") * 10**6 / 850).quantize(Decimal("0.0001")))
+    assert tenants["beta"]["usd_per_mtok"] == str((Decimal("0.15") * 10**6 / 200).quantize(Decimal("0.0001")))
+
+
+def test_the_parts_add_up_to_the_total_to_the_cent(chat):
+    for tenant in ("a", "b", "c"):  # thirds of $0.60 and $0.01 minutes that do not divide evenly
+        usage("chat", tenant, at(0, 5), prompt=7, completion=3)
+    usage("chat", "a", at(1, 2), prompt=1, completion=1)
+    usage("chat", "b", at(1, 3), prompt=1, completion=0)
+    for tenant in ("a", "b", "c"):  # thirds of the 37 minutes of hour 12: $0.12333...
+        usage("chat", tenant, at(2, 10), prompt=1, completion=1)
+    ledger_sync(at(2, 37))
+    from costing.report import build_report, daily_series
+
+    report = build_report(at(0), at(3), compute_cells(at(0), at(3)), daily=daily_series(at(0), at(3)))
+    total = Decimal(report["total_usd"])
+    assert total == Decimal("1.5700")
+    tenant_sum = sum(Decimal(row["usd"]) for row in report["by_tenant"]) + Decimal(report["idle_usd"])
+    deployment_sum = sum(Decimal(row["usd"]) for row in report["by_deployment"])
+    row_sum = sum(Decimal(row["usd"]) for row in report["rows"])
+    assert tenant_sum == deployment_sum == row_sum == total
+    third = Decimal("0.37") / 3
+    exact = {"a": Decimal("0.7") + third, "b": Decimal("0.3") + third, "c": Decimal("0.2") + third}
+    for row in report["by_tenant"]:
+        assert abs(Decimal(row["usd"]) - exact[row["tenant"]]) <= Decimal("0.0001")
+
+
+def test_apportion_keeps_the_total():
+    parts = apportion([Decimal(1) / 3] * 3)
+    assert parts == [Decimal("0.3334"), Decimal("0.3333"), Decimal("0.3333")]
+    assert sum(parts) == Decimal("1.0000")
+
+
+def test_slo_compliant_tokens_are_those_of_requests_meeting_every_latency_slo(chat, api):
+    Slo.objects.create(name="chat-ttft", deployment=chat, sli_kind="latency", ttft_ms=200, objective=0.99)
+    Slo.objects.create(name="chat-tpot", deployment=chat, sli_kind="goodput", tpot_ms=50, objective=0.99)
+    # Only acme is held to e2e <= 800 ms (a tenant-scoped SLO).
+    Slo.objects.create(name="acme-e2e", scope="tenant", tenant="acme", deployment=chat, sli_kind="latency",
+                       e2e_ms=800, objective=0.99)
+    usage("chat", "acme", at(0, 1), prompt=10, completion=10, requests=3)                   # compliant: 60
+    usage("chat", "acme", at(0, 2), prompt=10, completion=10, ttft_ms=350)                 # too slow a TTFT
+    usage("chat", "acme", at(0, 3), prompt=10, completion=10, tpot_ms=80)                  # too slow a TPOT
+    usage("chat", "acme", at(0, 4), prompt=10, completion=10, e2e_ms=900)                  # acme's e2e SLO
+    usage("chat", "beta", at(0, 4), prompt=10, completion=10, e2e_ms=900)                  # beta has none: 20
+    usage("chat", "beta", at(0, 5), prompt=10, completion=10, status=500, error_kind="internal")  # failed
+    ledger_sync(at(1))
+    body = api("viewer").get("/api/v1/costing/report/", {"month": "2026-03"}).json()
+    assert body["slo_compliant_tokens"] == 80
+    assert body["total_usd"] == "0.6000"
+    [deployment] = body["by_deployment"]
+    assert deployment["usd_per_mtok_slo_compliant"] == "7500.0000"  # $0.60 / 80 tokens
+    assert deployment["usd_per_mtok"] == str((Decimal("0.6") * 10**6 / 160).quantize(Decimal("0.0001")))
+
+
+def test_a_slower_version_costs_more_per_compliant_token(api):
+    deployment = make_deployment("chat", resources={"cpu": "1"}, versions=2)
+    price("cpu", "0.60", at(-24))
+    make_replica(deployment, started_at=at(0), version=1)
+    make_replica(deployment, started_at=at(0), version=2, node="node-b")
+    Slo.objects.create(name="chat-ttft", deployment=deployment, sli_kind="latency", ttft_ms=200, objective=0.99)
+    usage("chat", "acme", at(0, 1), prompt=10, completion=10, version=1, requests=4)
+    usage("chat", "acme", at(0, 1), prompt=10, completion=10, version=2, requests=2)
+    usage("chat", "acme", at(0, 2), prompt=10, completion=10, version=2, ttft_ms=900, requests=2)
+    ledger_sync(at(1))
+    body = api("viewer").get("/api/v1/costing/report/", {"month": "2026-03"}).json()
+    versions = {row["version"]: row for row in body["by_version"]}
+    assert versions[1]["usd_per_mtok"] == versions[2]["usd_per_mtok"] == "7500.0000"
+    assert versions[1]["usd_per_mtok_slo_compliant"] == "7500.0000"
+    assert versions[2]["usd_per_mtok_slo_compliant"] == "15000.0000"
+
+
+def test_prompt_and_completion_rates_follow_the_weights(chat, settings):
+    usage("chat", "acme", at(0, 1), prompt=400, completion=100)  # weighted 400 + 4 x 100 = 800
+    ledger_sync(at(1))
+    from costing.report import build_report
+
+    report = build_report(at(0), at(1), compute_cells(at(0), at(1)), daily=[])
+    # $0.60 per 800 weighted tokens: a prompt token $0.00075, a completion token 4x that.
+    assert report["usd_per_mtok_prompt"] == "750.0000"
+    assert report["usd_per_mtok_completion"] == "3000.0000"
+
+
+def test_revenue_and_margin_at_list_prices(chat, api):
+    usage("chat", "acme", at(0, 1), prompt=100_000, completion=50_000)
+    usage("chat", "beta", at(0, 1), prompt=100_000, completion=0)
+    ledger_sync(at(1))
+    operator = api("operator")
+    assert operator.post("/api/v1/costing/list-prices/", {
+        "deployment": "chat", "usd_per_mtok_prompt": "1.00", "usd_per_mtok_completion": "4.00",
+        "effective_from": at(-24).isoformat()}, format="json").status_code == 201
+    assert operator.post("/api/v1/costing/list-prices/", {
+        "deployment": "chat", "tenant": "beta", "usd_per_mtok_prompt": "0.50", "usd_per_mtok_completion": "2.00",
+        "effective_from": at(-24).isoformat()}, format="json").status_code == 201
+    body = api("viewer").get("/api/v1/costing/report/", {"month": "2026-03"}).json()
+    tenants = {row["tenant"]: row for row in body["by_tenant"]}
+    assert tenants["acme"]["revenue_usd"] == "0.3000"  # 0.1 x $1 + 0.05 x $4
+    assert tenants["beta"]["revenue_usd"] == "0.0500"  # its own price
+    assert body["revenue_usd"] == "0.3500" and body["margin_usd"] == "-0.2500"
+
+
+def test_csv_has_one_row_per_tenant_deployment_version_and_adds_up(chat, api):
+    usage("chat", "acme", at(0, 5), prompt=300, completion=300)
+    usage("chat", "beta", at(0, 6), prompt=100, completion=100)
+    ledger_sync(at(2))
+    response = api("viewer").get("/api/v1/costing/report/", {"month": "2026-03", "format": "csv"})
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    body = {(r["tenant"], r["deployment"], r["version"]): r for r in rows}
+    assert set(body) == {("acme", "chat", "1"), ("beta", "chat", "1"), ("(idle)", "chat", "1"), ("TOTAL", "", "")}
+    assert body[("acme", "chat", "1")]["usd"] == "0.4500" and body[("acme", "chat", "1")]["prompt_tokens"] == "300"
+    assert body[("(idle)", "chat", "1")]["usd"] == "0.6000"
+    assert body[("TOTAL", "", "")]["usd"] == "1.2000"
+    assert sum(Decimal(r["usd"]) for k, r in body.items() if k[0] != "TOTAL") == Decimal("1.2000")
+
+
+def test_pdf_report_has_the_figures_and_the_charts(chat, api):
+    usage("chat", "acme", at(0, 5), prompt=300, completion=300)
+    usage("chat", "beta", at(0, 6), prompt=100, completion=100)
+    ledger_sync(at(2))
+    response = api("viewer").get("/api/v1/costing/report/", {"month": "2026-03", "format": "pdf"})
+    assert response.status_code == 200 and response["Content-Type"] == "application/pdf"
+    reader = PdfReader(io.BytesIO(response.content))
+    text = "\n".join(page.extract_text() for page in reader.pages)
+    for expected in ("Serving costs 2026-03-01", "1.2000", "acme", "beta", "0.4500", "0.1500", "idle (no traffic)",
+                     "Daily cost by deployment (USD)", "Cost by tenant (USD)", "chat"):
+        assert expected in text, expected
+    # The charts are vector drawings: bars are rectangles filled in the palette's first colour
+    # (one day of one deployment, two tenants), besides the tables' header backgrounds.
+    content = "".join(page.get_contents().get_data().decode("latin-1") for page in reader.pages)
+    assert ".141176 .32549 .831373 rg" in content
+    assert len(re.findall(r"\bre [fB]\*", content)) >= 3 + 1 + 2
+
+
+@pytest.mark.parametrize(("params", "field"), [
+    ({"month": "2026-13"}, "month"), ({"month": "March"}, "month"), ({"month": "2099-01"}, "month"),
+    ({"start": "yesterday", "end": "2026-03-02T00:00:00Z"}, "start"),
+    ({"start": "2026-03-02T00:00:00Z", "end": "2026-03-01T00:00:00Z"}, "end"),
+    ({"month": "2026-03", "start": "2026-03-01T00:00:00Z"}, "month"),
+])
+def test_bad_report_periods_are_400_naming_the_field(api, params, field):
+    response = api("viewer").get("/api/v1/costing/report/", params)
+    assert response.status_code == 400 and field in response.json()
+
+
+def test_a_period_by_start_and_end_is_whole_hours(chat, api):
+    usage("chat", "acme", at(0, 5), prompt=10, completion=10)
+    ledger_sync(at(3))
+    body = api("viewer").get("/api/v1/costing/report/", {
+        "start": at(0, 20).isoformat(), "end": at(1, 10).isoformat()}).json()
+    assert (body["start"], body["end"]) == (at(0).isoformat(), at(2).isoformat())
+    assert body["total_usd"] == "1.2000" and body["idle_usd"] == "0.6000"
+
+
+def test_the_report_needs_a_role(api):
+    assert api(None).get("/api/v1/costing/report/").status_code == 401
+    assert api("viewer").get("/api/v1/costing/report/").status_code == 200
