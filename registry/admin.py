@@ -1,33 +1,50 @@
 from django.contrib import admin
 
-from registry.models import Alias, AuditEvent, ModelVersion, RegisteredModel
+from inferops.admin import ServiceAdmin
+from registry import services
+from registry.models import Alias, ModelVersion, RegisteredModel
 
 
 @admin.register(RegisteredModel)
-class RegisteredModelAdmin(admin.ModelAdmin):
+class RegisteredModelAdmin(ServiceAdmin):
     list_display = ["name", "task", "owner", "updated_at"]
     search_fields = ["name", "description", "owner"]
+    fields = ["name", "task", "description", "owner", "tags"]
+
+    def get_readonly_fields(self, request, obj=None):
+        return ["name", "task"] if obj else []
+
+    def create_object(self, request, fields):
+        return services.model_create(actor=request.user, **fields)
+
+    def update_object(self, request, obj, fields):
+        return services.model_update(model=obj, actor=request.user, **fields)
 
 
 @admin.register(ModelVersion)
-class ModelVersionAdmin(admin.ModelAdmin):
+class ModelVersionAdmin(ServiceAdmin):
+    """Read-only: a version is registered from its checkpoint through the API or the console."""
+
     list_display = ["model", "number", "architecture", "parameter_count", "dtype", "status", "created_at"]
     list_filter = ["status", "architecture"]
-    readonly_fields = ["digest", "manifest"]
 
 
 @admin.register(Alias)
-class AliasAdmin(admin.ModelAdmin):
+class AliasAdmin(ServiceAdmin):
     list_display = ["model", "name", "version", "updated_at"]
+    fields = ["model", "name", "version"]
 
+    def get_readonly_fields(self, request, obj=None):
+        return ["model", "name"] if obj else []  # an alias is moved, not renamed
 
-@admin.register(AuditEvent)
-class AuditEventAdmin(admin.ModelAdmin):
-    list_display = ["created_at", "actor_name", "action", "object_repr"]
-    list_filter = ["action", "object_type"]
+    def create_object(self, request, fields):
+        alias, _ = services.alias_set(actor=request.user, **fields)
+        return alias
 
-    def has_change_permission(self, request, obj=None):
-        return False
+    def update_object(self, request, obj, fields):
+        alias, _ = services.alias_set(model=obj.model, name=obj.name, version=fields.get("version", obj.version),
+                                      actor=request.user)
+        return alias
 
-    def has_delete_permission(self, request, obj=None):
-        return False
+    def delete_object(self, request, obj):
+        services.alias_delete(alias=obj, actor=request.user)

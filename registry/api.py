@@ -1,29 +1,20 @@
-"""REST API for CI pipelines: models, versions, aliases and the audit log."""
+"""REST API for CI pipelines: models, versions and aliases."""
 
 from __future__ import annotations
 
 from django.db.models import Prefetch, Q
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import generics, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from inferops.api import ErrorSerializer
-from inferops.roles import ADMIN
+from inferops.api import CONFLICT, ERRORS, TOO_LARGE
+from inferops.validators import slug_validator
 from registry import services
 from registry.checkpoint import CheckpointError
-from registry.models import Alias, AuditEvent, ModelVersion, RegisteredModel, slug_validator
-
-ERRORS = {
-    400: OpenApiResponse(ErrorSerializer, description="Invalid input; each field names its reason."),
-    401: OpenApiResponse(ErrorSerializer, description="No or bad credentials."),
-    403: OpenApiResponse(ErrorSerializer, description="Your role does not allow this."),
-    404: OpenApiResponse(ErrorSerializer, description="Unknown model, version or alias."),
-}
-CONFLICT = {409: OpenApiResponse(ErrorSerializer, description="Already exists.")}
-TOO_LARGE = {413: OpenApiResponse(ErrorSerializer, description="Request body too large.")}
+from registry.models import Alias, ModelVersion, RegisteredModel
 
 
 class VersionSerializer(serializers.ModelSerializer):
@@ -101,13 +92,6 @@ class AliasSetSerializer(serializers.Serializer):
 
 class AliasSetResponseSerializer(AliasSerializer):
     previous_version = serializers.IntegerField(allow_null=True, read_only=True)
-
-
-class AuditEventSerializer(serializers.ModelSerializer):
-    class Meta:
-        model = AuditEvent
-        fields = ["id", "actor_name", "action", "object_type", "object_id", "object_repr",
-                  "before", "after", "created_at"]
 
 
 def model_queryset():
@@ -256,25 +240,3 @@ class AliasDetail(APIView):
         found = get_object_or_404(Alias.objects.select_related("version", "model"), model=model, name=alias)
         services.alias_delete(alias=found, actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-@extend_schema(tags=["audit"])
-class AuditList(generics.ListAPIView):
-    serializer_class = AuditEventSerializer
-    read_role = ADMIN
-
-    @extend_schema(parameters=[
-        OpenApiParameter("action", OpenApiTypes.STR, description="e.g. version.register"),
-        OpenApiParameter("object_type", OpenApiTypes.STR, description="e.g. registry.modelversion"),
-        OpenApiParameter("actor", OpenApiTypes.STR, description="username"),
-    ], responses={200: AuditEventSerializer(many=True), **ERRORS})
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
-
-    def get_queryset(self):
-        queryset = AuditEvent.objects.all()
-        params = self.request.query_params
-        for param, field in (("action", "action"), ("object_type", "object_type"), ("actor", "actor_name")):
-            if value := params.get(param):
-                queryset = queryset.filter(**{field: value})
-        return queryset

@@ -1,27 +1,17 @@
-from django.conf import settings
 from django.contrib.postgres.fields import ArrayField
-from django.core.validators import RegexValidator
 from django.db import models
 
+from inferops.models import Authored, Created
+from inferops.validators import slug_validator
 from registry.choices import Task, VersionStatus
 
-slug_validator = RegexValidator(
-    r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$",
-    "Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or digit.",
-)
 
-
-class RegisteredModel(models.Model):
+class RegisteredModel(Authored):
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     task = models.CharField(max_length=16, choices=Task.choices)
     description = models.TextField(blank=True)
     owner = models.CharField(max_length=100, blank=True, help_text="Team or person responsible.")
     tags = ArrayField(models.CharField(max_length=63, validators=[slug_validator]), default=list, blank=True)
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
@@ -34,7 +24,7 @@ class RegisteredModel(models.Model):
         return self.versions.order_by("-number").first()
 
 
-class ModelVersion(models.Model):
+class ModelVersion(Created):
     model = models.ForeignKey(RegisteredModel, on_delete=models.CASCADE, related_name="versions")
     number = models.PositiveIntegerField()
     artifact_uri = models.CharField(max_length=1024)
@@ -57,10 +47,6 @@ class ModelVersion(models.Model):
     kv_cache_bytes_per_token = models.BigIntegerField()
     has_tokenizer = models.BooleanField()
     has_chat_template = models.BooleanField()
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["model__name", "-number"]
@@ -87,27 +73,3 @@ class Alias(models.Model):
 
     def __str__(self) -> str:
         return f"{self.model.name}@{self.name}"
-
-
-class AuditEvent(models.Model):
-    """One row per write anywhere in the control plane: who did what to which object."""
-
-    actor = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    # Kept as text too, so the trail still reads right after the user is deleted.
-    actor_name = models.CharField(max_length=150)
-    action = models.CharField(max_length=64)
-    object_type = models.CharField(max_length=64)
-    object_id = models.CharField(max_length=128)
-    object_repr = models.CharField(max_length=255)
-    before = models.JSONField(null=True, blank=True)
-    after = models.JSONField(null=True, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
-
-    class Meta:
-        ordering = ["-created_at", "-id"]
-        indexes = [models.Index(fields=["object_type", "object_id"])]
-
-    def __str__(self) -> str:
-        return f"{self.actor_name} {self.action} {self.object_repr}"

@@ -2,37 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
-from django.core.serializers.json import DjangoJSONEncoder
 from django.db import IntegrityError, transaction
 from django.db.models import Max
-from django.forms.models import model_to_dict
 
 from inferops.api import Conflict
+from inferops.audit import audit_record, snapshot
 from registry import checkpoint
-from registry.models import Alias, AuditEvent, ModelVersion, RegisteredModel
-
-# Left out of audit snapshots: bulky and already fixed by the digest.
-SNAPSHOT_EXCLUDE = {"manifest"}
-
-
-def snapshot(obj) -> dict:
-    data = model_to_dict(obj, exclude=list(SNAPSHOT_EXCLUDE))
-    return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
-
-
-def audit_record(*, actor, action: str, obj, before: dict | None = None, after: dict | None = None):
-    return AuditEvent.objects.create(
-        actor=actor if getattr(actor, "pk", None) else None,
-        actor_name=getattr(actor, "username", None) or "system",
-        action=action,
-        object_type=obj._meta.label_lower,
-        object_id=str(obj.pk),
-        object_repr=str(obj)[:255],
-        before=before,
-        after=after,
-    )
+from registry.models import Alias, ModelVersion, RegisteredModel
 
 
 def model_create(*, name: str, task: str, actor, description: str = "", owner: str = "",

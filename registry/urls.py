@@ -7,6 +7,8 @@ app_name = "registry"
 urlpatterns = [
     path("", views.model_list, name="model-list"),
     path("<slug:name>/", views.model_detail, name="model-detail"),
+    path("<slug:name>/versions/new/", views.version_new, name="version-new"),
+    path("<slug:name>/aliases/", views.alias_move, name="alias-move"),
 ]
 
 api_urlpatterns = [
@@ -16,5 +18,4 @@ api_urlpatterns = [
     path("models/<str:name>/versions/<int:number>/", api.VersionDetail.as_view(), name="api-version-detail"),
     path("models/<str:name>/aliases/", api.AliasList.as_view(), name="api-alias-list"),
     path("models/<str:name>/aliases/<str:alias>/", api.AliasDetail.as_view(), name="api-alias-detail"),
-    path("audit/", api.AuditList.as_view(), name="api-audit-list"),
 ]

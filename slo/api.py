@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.shortcuts import get_object_or_404
@@ -15,10 +15,12 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from alerts.api import AlertSerializer
-from alerts.choices import AlertStatus
+from alerts.choices import OPEN_STATUSES
 from deployments.models import Deployment
-from registry.api import CONFLICT, ERRORS
-from registry.models import RegisteredModel, slug_validator
+from inferops.api import CONFLICT, ERRORS, query_time
+from inferops.timeparse import format_duration
+from inferops.validators import slug_validator
+from registry.models import RegisteredModel
 from slo import services
 from slo.budget import BURN_WINDOWS, MINUTE, alert_rules, floor_minute
 from slo.choices import Budgeting, Scope, SliKind, SloState, Window
@@ -51,7 +53,10 @@ class StatusSerializer(serializers.Serializer):
     budget_remaining = serializers.FloatField()
     burn_rates = serializers.DictField(child=serializers.FloatField())
     time_to_exhaustion_s = serializers.FloatField(allow_null=True)
-    status = serializers.ChoiceField(SloState.choices, source="state")
+    status = serializers.ChoiceField(SloState.choices, source="state",
+                                     help_text="'insufficient' while the window has fewer than min_events events.")
+    min_events = serializers.IntegerField(source="slo.min_requests",
+                                          help_text="Events the window needs before the SLO is judged.")
     window_start = serializers.DateTimeField(allow_null=True)
     evaluated_at = serializers.DateTimeField(allow_null=True)
 
@@ -194,7 +199,8 @@ class SloDetail(APIView):
 
 def alert_thresholds(slo: Slo) -> list[dict]:
     return [{"severity": rule.severity, "factor": rule.factor, "long_window_minutes": rule.long_minutes,
-             "short_window_minutes": rule.short_minutes} for rule in alert_rules(slo.window)]
+             "short_window_minutes": rule.short_minutes, "long_window": format_duration(rule.long_minutes * 60),
+             "short_window": format_duration(rule.short_minutes * 60)} for rule in alert_rules(slo.window)]
 
 
 @extend_schema(tags=["slos"])
@@ -205,6 +211,7 @@ class SloStatusView(APIView):
         "status": serializers.ChoiceField(SloState.choices), "alerts": AlertSerializer(many=True),
         "good": serializers.IntegerField(), "total": serializers.IntegerField(),
         "budget_total": serializers.FloatField(), "budget_consumed": serializers.FloatField(),
+        "min_events": serializers.IntegerField(),
         "time_to_exhaustion_s": serializers.FloatField(allow_null=True),
         "window_start": serializers.DateTimeField(allow_null=True),
         "evaluated_at": serializers.DateTimeField(allow_null=True),
@@ -214,20 +221,15 @@ class SloStatusView(APIView):
     def get(self, request, pk: int):
         slo = get_slo(pk)
         body = {"slo": slo.name, **StatusSerializer(slo.status).data}
-        firing = slo.alerts.filter(status=AlertStatus.FIRING).select_related("slo")
+        firing = slo.alerts.filter(status__in=OPEN_STATUSES).select_related("slo")
         body.update(alerts=AlertSerializer(firing, many=True).data, backfilled_from=slo.backfilled_from,
                     alert_thresholds=alert_thresholds(slo))
         return Response(body)
 
 
-def parse_time(value: str | None, field: str, default: datetime) -> datetime:
-    if not value:
-        return default
-    try:
-        parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        raise ValidationError({field: [f"{value!r} is not an ISO 8601 time."]}) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+def data_start(slo: Slo) -> datetime:
+    """Where the SLO's SLI data begin: the back-fill's first minute, else its creation."""
+    return floor_minute(slo.backfilled_from or slo.created_at)
 
 
 def history_points(start: datetime, end: datetime, step: str) -> list[datetime]:
@@ -240,6 +242,24 @@ def history_points(start: datetime, end: datetime, step: str) -> list[datetime]:
     return [first + i * delta for i in range(max(count, 0))]
 
 
+def chart_points(slo: Slo, start: datetime, end: datetime, step: str) -> list[datetime]:
+    """The moments to evaluate: none before the SLO's data begin (a budget there would be a made-up
+    100 %), none after its last evaluation (minutes not folded in yet would read as no traffic),
+    and that evaluation's own moment last, so the last point is the figure the status shows."""
+    evaluated_at = getattr(getattr(slo, "status", None), "evaluated_at", None)
+    if evaluated_at is None:
+        return []
+    begin = data_start(slo)
+    points = [max(moment, begin) for moment in history_points(start, end, step)
+              if begin <= moment + (MINUTE if step == "minute" else timedelta(hours=1)) and moment <= evaluated_at]
+    points = sorted(set(points))
+    if start <= evaluated_at <= end and evaluated_at >= begin and (not points or evaluated_at > points[-1]):
+        if points and floor_minute(evaluated_at) == points[-1]:
+            points.pop()
+        points.append(evaluated_at)
+    return points
+
+
 @extend_schema(tags=["slos"])
 class SloHistory(APIView):
     @extend_schema(
@@ -250,28 +270,33 @@ class SloHistory(APIView):
                              description="Default: minute up to a day, hour beyond."),
         ],
         responses={200: OpenApiTypes.OBJECT, **ERRORS},
-        description="SLI, budget remaining and burn rates as they stood at each minute or hour "
-                    "(from the stored minute rows), with the alert thresholds and the alerts of the range.",
+        description="SLI, budget remaining (negative when overspent) and burn rates as they stood at each minute "
+                    "or hour (from the stored minute rows), with the alert thresholds and the alerts of the range. "
+                    "Points start no earlier than `data_start` (the SLO's first minute of data) and end at the "
+                    "last evaluation (`evaluated_at`), whose figures are those of the status.",
     )
     def get(self, request, pk: int):
         slo = get_slo(pk)
         params = request.query_params
-        end = parse_time(params.get("end"), "end", timezone.now())
-        start = parse_time(params.get("start"), "start", end - timedelta(days=1))
+        end = query_time(params.get("end"), "end", timezone.now())
+        start = query_time(params.get("start"), "start", end - timedelta(days=1))
         if start >= end:
             raise ValidationError({"start": ["start must be before end."]})
         step = params.get("step") or ("minute" if end - start <= timedelta(days=1) else "hour")
         if step not in ("minute", "hour"):
             raise ValidationError({"step": [f"{step!r}: use minute or hour."]})
-        points = history_points(start, end, step)
+        points = chart_points(slo, start, end, step)
         evaluations = evaluate_at([(slo, moment) for moment in points])
         alerts = slo.alerts.filter(starts_at__lte=end).exclude(ends_at__lt=start).select_related("slo")
+        evaluated = getattr(slo, "status", None)
         return Response({
             "slo": slo.name, "step": step, "objective": slo.objective, "burn_windows": list(BURN_WINDOWS),
-            "alert_thresholds": alert_thresholds(slo),
+            "alert_thresholds": alert_thresholds(slo), "min_events": slo.min_requests,
+            "data_start": data_start(slo), "evaluated_at": evaluated.evaluated_at if evaluated else None,
             "points": [
                 {"time": ev.at, "sli": ev.budget.sli, "budget_remaining": ev.budget.budget_remaining,
-                 "good": ev.counts.good, "total": ev.counts.total, "burn_rates": ev.burn_rates}
+                 "good": ev.counts.good, "total": ev.counts.total, "burn_rates": ev.burn_rates,
+                 "insufficient_traffic": ev.insufficient_traffic}
                 for ev in evaluations
             ],
             "alerts": AlertSerializer(alerts, many=True).data,

@@ -172,7 +172,15 @@ def time_to_exhaustion_s(budget_remaining: float, burn_1h: float, period: timede
     return budget_remaining * period.total_seconds() / burn_1h
 
 
-def slo_state(budget_remaining: float, alert_firing: bool) -> str:
+def enough_events(events: int, min_events: int) -> bool:
+    """The low-traffic guard: with fewer events one slow request reads as a spent budget (1 bad
+    of 2 at 0.99 is a 50x burn), so nothing is judged below the SLO's minimum."""
+    return events >= min_events
+
+
+def slo_state(budget_remaining: float, alert_firing: bool, *, events: int | None = None, min_events: int = 0) -> str:
+    if events is not None and not enough_events(events, min_events):
+        return SloState.INSUFFICIENT
     if budget_remaining <= 0:
         return SloState.EXHAUSTED
     if budget_remaining < WARNING_REMAINING or alert_firing:
@@ -190,7 +198,7 @@ class RuleVerdict:
 
     @property
     def enough_traffic(self) -> bool:
-        return self.long_events >= self.min_requests
+        return enough_events(self.long_events, self.min_requests)
 
     @property
     def firing(self) -> bool:

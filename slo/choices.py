@@ -32,9 +32,12 @@ class SloState(models.TextChoices):
     OK = "ok", "OK"
     WARNING = "warning", "Warning"
     EXHAUSTED = "exhausted", "Exhausted"
+    # Fewer events in the window than the SLO's min_requests: too few to judge, so the budget is
+    # not called exhausted, burn-rate alerts do not fire and rollouts are not refused on it.
+    INSUFFICIENT = "insufficient", "Insufficient traffic"
 
 
-# Counter columns of runtime.models.ReplicaMetricsMinute a ratio SLI may name; "requests" is the
+# Counter columns of deployments.models.ReplicaMetricsMinute a ratio SLI may name; "requests" is the
 # sum of requests_by_reason (finished requests of any reason).
 RATIO_SERIES = (
     "requests", "prompt_tokens", "generation_tokens", "preemptions", "prefix_cache_queries",

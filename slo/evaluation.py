@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.db import connection, transaction
+from django.dispatch import Signal
 from django.utils import timezone
 
-from inferops.locks import try_advisory_lock
+from inferops.locks import LockId, try_advisory_lock
 from slo.budget import (
     BURN_WINDOWS,
     MINUTE,
@@ -41,6 +42,7 @@ from slo.budget import (
     RuleVerdict,
     alert_rules,
     burn_rate,
+    enough_events,
     floor_minute,
     occurrences_budget,
     slo_state,
@@ -61,10 +63,12 @@ from slo.sli import (
 
 log = logging.getLogger(__name__)
 
+# Sent at the end of each full cycle, still under its lock, with `now`: the minute rows are then
+# current, so listeners (the degradation engine) read burn rates over any window of them.
+cycle_evaluated = Signal()
+
 OVERLAP = timedelta(minutes=2)
 BACKFILL_LIMIT = timedelta(days=35)
-# pg advisory lock key of the cycle: (namespace, 0).
-LOCK_NAMESPACE = 0x510E
 
 
 @dataclass
@@ -325,8 +329,18 @@ class Evaluation:
     burn_rates: dict[str, float]
     verdicts: tuple[RuleVerdict, ...]
     time_to_exhaustion_s: float | None
+    min_events: int = 0
+
+    @property
+    def insufficient_traffic(self) -> bool:
+        """Too few events in the budget window to judge (the SLO's min_requests)."""
+        return not enough_events(self.counts.total, self.min_events)
 
     def firing(self, severity: str) -> list[RuleVerdict]:
+        # Each rule also guards its own long window; this holds the state and the alerts together
+        # where a long window reaches before the budget window (a calendar week's first days).
+        if self.insufficient_traffic:
+            return []
         return [v for v in self.verdicts if v.rule.severity == severity and v.firing]
 
 
@@ -377,6 +391,7 @@ class WindowReader:
             at=self.at, window_start=self.span.start, counts=counts, budget=budget, burn_rates=burn_rates,
             verdicts=verdicts,
             time_to_exhaustion_s=time_to_exhaustion_s(budget.budget_remaining, burn_rates["1h"], self.span.period),
+            min_events=slo.min_requests,
         )
 
 
@@ -436,7 +451,7 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
 
     report = CycleReport()
     started = clock.perf_counter()
-    with try_advisory_lock(LOCK_NAMESPACE) as acquired:
+    with try_advisory_lock(LockId.SLO_EVALUATION) as acquired:
         if not acquired:
             report.skipped = True
             return report
@@ -465,11 +480,18 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
             report.alerts_opened, report.alerts_updated, report.alerts_resolved = (
                 changes.opened, changes.updated, changes.resolved)
             states = [
-                (slo, ev, slo_state(ev.budget.budget_remaining, alert_firing=slo.pk in changes.firing_slo_ids))
+                (slo, ev, slo_state(ev.budget.budget_remaining, alert_firing=slo.pk in changes.firing_slo_ids,
+                                    events=ev.counts.total, min_events=slo.min_requests))
                 for slo, ev in zip(slos, evaluations, strict=True)
             ]
             _save_statuses(states, now)
             report.phases["alerts_status_s"] = clock.perf_counter() - phase
+            if slo_ids is None:
+                phase = clock.perf_counter()
+                for receiver, outcome in cycle_evaluated.send_robust(sender=evaluate_slos, now=now):
+                    if isinstance(outcome, Exception):
+                        log.error("evaluate-slos: %s failed", receiver, exc_info=outcome)
+                report.phases["listeners_s"] = clock.perf_counter() - phase
         finally:
             with connection.cursor() as cursor:
                 cursor.execute("RESET jit")

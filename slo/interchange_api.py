@@ -12,7 +12,7 @@ from rest_framework.parsers import BaseParser, JSONParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from registry.api import CONFLICT, ERRORS, TOO_LARGE
+from inferops.api import CONFLICT, ERRORS, TOO_LARGE
 from slo.api import SloSerializer, api_validation_error, get_slo, slo_queryset
 from slo.openslo import OpenSloRefused, export_slos, import_text
 from slo.prometheus_rules import SOURCES, RulesUnavailable, slo_rules

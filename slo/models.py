@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import zoneinfo
 
-from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 
 from deployments.models import Deployment
-from registry.models import RegisteredModel, slug_validator
+from inferops.models import Authored
+from inferops.validators import slug_validator
+from registry.models import RegisteredModel
 from slo.choices import RATIO_SERIES, Budgeting, Scope, SliKind, SloState, Window
 
 LATENCY_FIELDS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
-class Slo(models.Model):
+class Slo(Authored):
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     description = models.TextField(blank=True)
     owner = models.CharField(max_length=100, blank=True, help_text="Team or person responsible.")
@@ -44,19 +45,18 @@ class Slo(models.Model):
     time_zone = models.CharField(max_length=64, default="UTC")
     budgeting = models.CharField(max_length=16, choices=Budgeting.choices, default=Budgeting.OCCURRENCES)
     timeslice_target = models.FloatField(null=True, blank=True)
+    # One minimum for every judgement on this SLO (its budget state, its burn-rate alerts, the
+    # rollout gate, degradation), so a low-traffic SLO is never judged by some and not others.
     min_requests = models.PositiveIntegerField(
-        default=20, help_text="Minimum-traffic guard: no alert while the long window has fewer events.")
+        default=20, help_text="Minimum events: with fewer in the budget window the SLO reads 'insufficient "
+                              "traffic' (never exhausted, gates nothing), and no alert fires while a rule's "
+                              "long window has fewer.")
     # Where the SLI data begin: the earliest stored event found when the SLO was created (a
     # back-fill), else the creation time. Null until the first evaluation.
     backfilled_from = models.DateTimeField(null=True, blank=True)
     # High-water marks of what evaluation has read: UsageEvent.ingested_at for request SLIs,
     # ReplicaMetricsMinute.start for ratio SLIs.
     watermark = models.DateTimeField(null=True, blank=True)
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]

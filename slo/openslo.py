@@ -25,6 +25,9 @@ Everything else is refused, each unsupported field with its own path and reason,
 accepted round-trips: export(import(x)) equals x for documents in the form export writes. Prose
 that inferops does not keep (descriptions of Service, SLI, AlertPolicy and AlertCondition
 documents, the names of inline SLIs, policies and conditions) is accepted and written anew.
+So are `metadata.displayName` and `metadata.labels` of Service, SLI and SLO documents (and of
+an inline indicator): checked for shape (a string; a mapping of strings to a string or a list of
+strings), then accepted and not kept, so export writes neither.
 """
 
 from __future__ import annotations
@@ -206,9 +209,26 @@ def index_documents(raw_documents: list, problems: list[Problem]) -> list[Docume
     return documents
 
 
+def read_metadata(reader: Reader, value: Any, path: str, allowed: set[str]) -> dict:
+    """A metadata mapping that may also carry displayName and labels, which inferops accepts
+    (tools such as Nobl9 and Sloth write them) but does not keep."""
+    metadata = reader.mapping(value, path, allowed | {"displayName", "labels"})
+    if "displayName" in metadata and not isinstance(metadata["displayName"], str):
+        reader.refuse(f"{path}.displayName", "must be a string")
+    labels = metadata.get("labels", {})
+    if not isinstance(labels, dict):
+        reader.refuse(f"{path}.labels", "must be a mapping of label names to values")
+        return metadata
+    for key, label in labels.items():
+        values = label if isinstance(label, list) else [label]
+        if not isinstance(key, str) or not all(isinstance(v, str) for v in values):
+            reader.refuse(f"{path}.labels.{key}", "must be a string or a list of strings")
+    return metadata
+
+
 def read_service(reader: Reader) -> None:
     body = reader.document.body
-    reader.mapping(body["metadata"], "metadata", {"name"})
+    read_metadata(reader, body["metadata"], "metadata", {"name"})
     # A Service's description is prose about the deployment; inferops writes its own.
     reader.mapping(body.get("spec") or {}, "spec", {"description"})
 
@@ -216,7 +236,7 @@ def read_service(reader: Reader) -> None:
 def read_slo(reader: Reader, by_kind: dict[str, dict[str, Document]]) -> dict:
     body = reader.document.body
     definition: dict[str, Any] = {"name": reader.document.name}
-    metadata = reader.mapping(body["metadata"], "metadata", {"name", "annotations"})
+    metadata = read_metadata(reader, body["metadata"], "metadata", {"name", "annotations"})
     read_annotations(reader, metadata.get("annotations", {}), definition)
     spec = reader.mapping(body.get("spec"), "spec", {
         "description", "service", "indicator", "indicatorRef", "timeWindow", "budgetingMethod", "objectives",
@@ -279,11 +299,11 @@ def read_indicator(reader: Reader, spec: dict, slis: dict[str, Document], defini
             return
         # Problems inside a referenced SLI are reported against that document.
         sli_reader = Reader(target, reader.problems)
-        sli_reader.mapping(target.body["metadata"], "metadata", {"name"})
+        read_metadata(sli_reader, target.body["metadata"], "metadata", {"name"})
         read_sli_spec(sli_reader, target.body.get("spec"), "spec", definition)
         return
     indicator = reader.mapping(spec["indicator"], "spec.indicator", {"metadata", "spec"}, ("spec",))
-    reader.mapping(indicator.get("metadata", {}), "spec.indicator.metadata", {"name"})
+    read_metadata(reader, indicator.get("metadata", {}), "spec.indicator.metadata", {"name"})
     if "spec" in indicator:
         read_sli_spec(reader, indicator["spec"], "spec.indicator.spec", definition)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, transaction
 
 from inferops.api import Conflict
-from registry.services import audit_record, snapshot
-from slo.evaluation import LOCK_NAMESPACE
+from inferops.audit import audit_record, snapshot
+from inferops.locks import LockId, advisory_xact_lock
 from slo.models import Slo, SloMinute, SloStatus
 
 log = logging.getLogger(__name__)
@@ -76,15 +76,14 @@ def slo_delete(*, slo: Slo, actor) -> None:
     firing ones resolved first so receivers hear the end."""
     from django.utils import timezone
 
-    from alerts.choices import AlertStatus
+    from alerts.choices import OPEN_STATUSES
     from alerts.services import alert_resolve
 
     with transaction.atomic():
         # Waits for a running evaluation cycle (it holds this key) so the cycle never writes a
         # status or an alert for an SLO that vanished under it; the next cycle skips it.
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s, 0)", [LOCK_NAMESPACE])
-        for alert in slo.alerts.filter(status=AlertStatus.FIRING):
+        advisory_xact_lock(LockId.SLO_EVALUATION)
+        for alert in slo.alerts.filter(status__in=OPEN_STATUSES):
             alert_resolve(alert=alert, now=timezone.now())
         audit_record(actor=actor, action="slo.delete", obj=slo, before=snapshot(slo))
         slo.delete()

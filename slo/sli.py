@@ -6,8 +6,9 @@ Ratio SLIs read runtime_replicametricsminute, the scraped counters' per-minute d
 
 Classification of a request (the SLO contract):
 - server failure: status >= 500, or error_kind shed / upstream_* / internal; counts as bad;
-- client error: any other 4xx or error_kind (rate limits, auth, bad requests, disconnects):
-  neither good nor bad, left out of the total;
+- client error: any other 4xx or error_kind (rate limits, auth, bad requests, disconnects) and
+  a 503 `degraded` (shed on purpose by the degradation policy, which would otherwise keep up
+  the burn that caused it): neither good nor bad, left out of the total;
 - succeeded: everything else (status < 400 without an error kind).
 """
 
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from runtime.gateway.contract import DEGRADED, SERVER_ERROR_KINDS
 from slo.choices import Scope, SliKind
 
-SERVER_ERROR_KINDS = ("shed", "upstream_timeout", "upstream_error", "upstream_connect", "internal")
 # A server failure as SQL over an event row `e` (rollout analysis and charts use it too).
-SERVER_FAILURE_SQL = ("(e.status >= 500 OR coalesce(e.error_kind IN "
-                      f"({', '.join(repr(k) for k in SERVER_ERROR_KINDS)}), false))")
+SERVER_FAILURE_SQL = (f"((e.status >= 500 AND e.error_kind IS DISTINCT FROM '{DEGRADED}') "
+                      f"OR coalesce(e.error_kind IN ({', '.join(repr(k) for k in SERVER_ERROR_KINDS)}), false))")
 _CLIENT_ERROR = f"(NOT {SERVER_FAILURE_SQL} AND (e.status >= 400 OR e.error_kind IS NOT NULL))"
-_SUCCEEDED = "(e.status < 400 AND e.error_kind IS NULL)"
+SUCCEEDED_SQL = "(e.status < 400 AND e.error_kind IS NULL)"
 _LATENCY = ("ttft_ms", "tpot_ms", "e2e_ms")
 # Thresholds the SLO (row s) names: each must be met; a request lacking the value...
 _MEASURED = " AND ".join(f"(s.{v} IS NULL OR e.{v} IS NOT NULL)" for v in _LATENCY)
@@ -35,10 +36,10 @@ _MET_OR_NOT_APPLICABLE = " AND ".join(f"(s.{v} IS NULL OR e.{v} IS NULL OR e.{v}
 # availability instead); goodput counts every request that was the server's to serve, good when
 # it succeeded and met each threshold (a value that does not apply, e.g. TPOT of a one-token
 # answer, is met).
-REQUEST_GOOD_SQL = (f"CASE s.sli_kind WHEN '{SliKind.AVAILABILITY}' THEN {_SUCCEEDED} "
-                    f"WHEN '{SliKind.LATENCY}' THEN {_SUCCEEDED} AND {_MET} "
-                    f"ELSE {_SUCCEEDED} AND {_MET_OR_NOT_APPLICABLE} END")
-REQUEST_TOTAL_SQL = (f"CASE s.sli_kind WHEN '{SliKind.LATENCY}' THEN {_SUCCEEDED} AND {_MEASURED} "
+REQUEST_GOOD_SQL = (f"CASE s.sli_kind WHEN '{SliKind.AVAILABILITY}' THEN {SUCCEEDED_SQL} "
+                    f"WHEN '{SliKind.LATENCY}' THEN {SUCCEEDED_SQL} AND {_MET} "
+                    f"ELSE {SUCCEEDED_SQL} AND {_MET_OR_NOT_APPLICABLE} END")
+REQUEST_TOTAL_SQL = (f"CASE s.sli_kind WHEN '{SliKind.LATENCY}' THEN {SUCCEEDED_SQL} AND {_MEASURED} "
                      f"ELSE NOT {_CLIENT_ERROR} END")
 # d: the SLO's deployment, or every deployment of its model; e: their events (of its tenant).
 COVERED_DEPLOYMENT_SQL = f"(d.id = s.deployment_id OR (s.scope = '{Scope.MODEL}' AND d.model_id = s.model_id))"

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.shortcuts import get_object_or_404, redirect, render
 
 from deployments.models import Deployment
-from deployments.views import apply_service
-from inferops.roles import OPERATOR, has_role
+from inferops.forms import apply_service
+from inferops.roles import require_operator
+from inferops.timeparse import format_duration
 from registry.models import RegisteredModel
 from slo import services
 from slo.api import alert_thresholds, slo_queryset
 from slo.budget import alert_rules
-from slo.choices import RATIO_SERIES, Budgeting, Scope, SliKind, Window
+from slo.choices import RATIO_SERIES, Budgeting, Scope, SliKind, SloState, Window
 from slo.models import Slo
 
 SERIES_CHOICES = [("", "—")] + [(name, name) for name in RATIO_SERIES]
@@ -47,7 +47,9 @@ class SloForm(forms.Form):
     time_zone = forms.CharField(max_length=64, initial="UTC", help_text="calendar windows start at local midnight")
     budgeting = forms.ChoiceField(choices=Budgeting.choices, initial=Budgeting.OCCURRENCES)
     timeslice_target = forms.FloatField(required=False, help_text="timeslices: a minute is good at this ratio")
-    min_requests = forms.IntegerField(min_value=0, initial=20, help_text="no alert on fewer events in the long window")
+    min_requests = forms.IntegerField(
+        min_value=0, initial=20, label="Minimum events",
+        help_text="fewer in the window: insufficient traffic (not exhausted, no alert, no rollout refused)")
 
     def slo_fields(self) -> dict:
         data = dict(self.cleaned_data)
@@ -55,10 +57,6 @@ class SloForm(forms.Form):
             data[name] = data[name] or ""
         return data
 
-
-def require_operator(request):
-    if not has_role(request.user, OPERATOR):
-        raise PermissionDenied("Changing SLOs needs the operator role.")
 
 
 def target_of(slo: Slo) -> str:
@@ -82,7 +80,8 @@ def sli_text(slo: Slo) -> str:
 
 @login_required
 def slo_list(request):
-    # The most burnt first; never-evaluated SLOs (a full budget) after them, by name.
+    # The most burnt first; then those with too little traffic to judge (a spent budget over two
+    # requests is not the most urgent SLO), then the never evaluated, by name.
     slos = slo_queryset().prefetch_related("alerts").order_by("status__budget_remaining", "name")
     rows = []
     for slo in slos:
@@ -91,11 +90,45 @@ def slo_list(request):
         percent = budget_percent(status)
         rows.append({
             "slo": slo, "status": status, "target": target_of(slo), "sli_text": sli_text(slo), "firing": firing,
-            "budget_percent": percent,
-            "budget_text": None if percent is None else f"{status.budget_remaining * 100:.1f}%",
+            "budget_percent": percent, "budget_text": budget_text(status), "traffic": traffic_text(slo, status),
             "burn_1h": burn_text(status.burn_rates.get("1h")) if percent is not None else "—",
         })
+    rows.sort(key=lambda row: row["status"] is not None and row["status"].state == SloState.INSUFFICIENT)
     return render(request, "slo/list.html", {"rows": rows})
+
+
+def budget_text(status) -> str | None:
+    """Budget remaining as the evaluation computed it, negative when overspent."""
+    if status is None or status.evaluated_at is None:
+        return None
+    return f"{status.budget_remaining * 100:.1f}%"
+
+
+def traffic_text(slo: Slo, status) -> str | None:
+    """"7 of 50 events" while the window holds too few events to judge the SLO."""
+    if status is None or status.state != SloState.INSUFFICIENT:
+        return None
+    return f"{status.total} of {slo.min_requests} events"
+
+
+def exhaustion_text(status) -> str:
+    if status is None or status.evaluated_at is None:
+        return "—"
+    if status.state == SloState.INSUFFICIENT:
+        return "not judged: insufficient traffic"
+    if status.state == SloState.EXHAUSTED:
+        return "already exhausted"
+    if not status.time_to_exhaustion_s:
+        return "not burning"
+    seconds = status.time_to_exhaustion_s
+    # Whole minutes past an hour: "3d4h12m", not a count of seconds.
+    return format_duration(round(seconds / 60) * 60 if seconds >= 3600 else round(seconds))
+
+
+def rule_texts(slo: Slo) -> list[dict]:
+    return [{"severity": rule.severity, "factor": f"{rule.factor:g}",
+             "windows": f"{format_duration(rule.long_minutes * 60)} & {format_duration(rule.short_minutes * 60)}"}
+            for rule in alert_rules(slo.window)]
 
 
 def burn_text(rate) -> str:
@@ -112,15 +145,18 @@ def budget_percent(status) -> float | None:
 def slo_detail(request, pk: int):
     slo = get_object_or_404(slo_queryset(), pk=pk)
     alerts = slo.alerts.all()[:100]
+    status = getattr(slo, "status", None)
     return render(request, "slo/detail.html", {
-        "slo": slo, "status": getattr(slo, "status", None), "target": target_of(slo), "sli_text": sli_text(slo),
-        "alerts": alerts, "thresholds": alert_thresholds(slo), "rules": alert_rules(slo.window),
+        "slo": slo, "status": status, "target": target_of(slo), "sli_text": sli_text(slo),
+        "alerts": alerts, "thresholds": alert_thresholds(slo), "rules": rule_texts(slo),
+        "budget_text": budget_text(status), "traffic": traffic_text(slo, status),
+        "exhaustion": exhaustion_text(status),
     })
 
 
 @login_required
 def slo_create(request):
-    require_operator(request)
+    require_operator(request, "Changing SLOs")
     form = SloForm(request.POST or None)
     if request.method == "POST" and form.is_valid():
         created = apply_service(form, lambda: services.slo_create(actor=request.user, **form.slo_fields()))
@@ -131,7 +167,7 @@ def slo_create(request):
 
 @login_required
 def slo_edit(request, pk: int):
-    require_operator(request)
+    require_operator(request, "Changing SLOs")
     slo = get_object_or_404(slo_queryset(), pk=pk)
     initial = {name: getattr(slo, name) for name in FORM_FIELDS}
     form = SloForm(request.POST or None, initial=initial)

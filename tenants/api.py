@@ -14,9 +14,8 @@ from rest_framework import generics, serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from deployments.api import parse_step, parse_time
-from registry.api import CONFLICT, ERRORS, TOO_LARGE
-from registry.models import slug_validator
+from inferops.api import CONFLICT, ERRORS, TOO_LARGE, RejectUnknownFields, query_step, query_time
+from inferops.validators import slug_validator
 from tenants import services
 from tenants.models import PRIORITY_RANGE, ApiKey, Tenant, UsageMinute
 
@@ -30,16 +29,6 @@ EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 def limit_field(help_text: str) -> serializers.IntegerField:
     return serializers.IntegerField(min_value=1, max_value=INT4_MAX, allow_null=True, required=False,
                                     help_text=f"{help_text}; null = unlimited.")
-
-
-class RejectUnknownFields:
-    """A misspelt field (`rpm` for `rpm_limit`) must fail loudly, not be ignored."""
-
-    def validate(self, attrs):
-        unknown = set(getattr(self, "initial_data", {}) or {}) - set(self.fields)
-        if unknown:
-            raise serializers.ValidationError({key: ["Unknown field."] for key in sorted(unknown)})
-        return attrs
 
 
 class TenantSerializer(serializers.ModelSerializer):
@@ -214,11 +203,11 @@ def usage_filters(params) -> dict:
 
 
 def usage_window(params) -> tuple[datetime, datetime, int]:
-    step = parse_step(params.get("step") or "1h")
+    step = query_step(params.get("step"), default_s=3600)
     if step % 60:
         raise serializers.ValidationError({"step": ["Must be a whole number of minutes: the ledger is per minute."]})
-    end = parse_time(params.get("end"), "end", timezone.now())
-    start = parse_time(params.get("start"), "start", end - timedelta(days=1))
+    end = query_time(params.get("end"), "end", timezone.now())
+    start = query_time(params.get("start"), "start", end - timedelta(days=1))
     if start >= end:
         raise serializers.ValidationError({"start": ["start must be before end."]})
     # Buckets align to the epoch, so an hour bucket is a clock hour; the first one starts at or before `start`.

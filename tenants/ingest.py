@@ -1,4 +1,4 @@
-"""Usage ingestion: the gateway's Redis stream `inferops:usage` into the Postgres ledger.
+"""Usage ingestion: the gateways' Redis usage stream (runtime/gateway/contract.py) into the Postgres ledger.
 
 Each batch read from the consumer group `ingest` goes into Postgres in ONE transaction:
 1. the raw events, `INSERT ... ON CONFLICT (request_id) DO NOTHING RETURNING request_id`, so a
@@ -9,7 +9,7 @@ Each batch read from the consumer group `ingest` goes into Postgres in ONE trans
 The batch is XACKed only after the commit. A consumer killed between the two never acks; its
 entries stay pending and a later run claims them (XAUTOCLAIM, idle > 60 s) and redoes them,
 which step 1 makes harmless. Entries that are not valid events are moved to the stream
-`inferops:usage:rejected` and acked, so one bad entry cannot block the stream forever.
+`<usage stream>:rejected` and acked, so one bad entry cannot block the stream forever.
 """
 
 from __future__ import annotations
@@ -31,17 +31,16 @@ import redis
 from django.conf import settings
 from django.db import connection, transaction
 
-from runtime.routing import redis_client
+from inferops.redis_client import redis_client
+from runtime.gateway.contract import USAGE_STREAM, is_server_failure
 
 log = logging.getLogger(__name__)
 
-STREAM_KEY = "inferops:usage"
+STREAM_KEY = USAGE_STREAM
 GROUP = "ingest"
-REJECTED_KEY = "inferops:usage:rejected"
+REJECTED_KEY = f"{USAGE_STREAM}:rejected"
 BATCH_SIZE = 2000
 CLAIM_IDLE_MS = 60_000
-# Error kinds that are the platform's fault, whatever status the client saw.
-SERVER_ERROR_KINDS = frozenset({"upstream_timeout", "upstream_error", "upstream_connect", "shed", "internal"})
 # 20 log-spaced buckets per decade (12 % wide) from 1 ms to 1,000 s; slower goes to "+Inf".
 LATENCY_BUCKETS_MS = tuple(round(10 ** (i / 20), 3) for i in range(0, 121))
 LATENCY_LABELS = tuple(f"{upper:g}" for upper in LATENCY_BUCKETS_MS) + ("+Inf",)
@@ -160,7 +159,7 @@ class MinuteTotals:
     def add(self, event: dict) -> None:
         status = event["status"]
         self.requests += 1
-        if status >= 500 or event["error_kind"] in SERVER_ERROR_KINDS:
+        if is_server_failure(status, event["error_kind"]):
             self.errors += 1
         elif status >= 400:
             self.client_errors += 1

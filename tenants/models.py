@@ -7,7 +7,6 @@ key, deployment and version that costing, SLOs and the usage API read.
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 
 from django.conf import settings
@@ -17,16 +16,12 @@ from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
-from registry.models import slug_validator
+from inferops.models import Authored, Created
+from inferops.validators import slug_validator
 
 KEY_PREFIX_LENGTH = 8  # lowercase hex characters, shown to humans
 KEY_SECRET_LENGTH = 40  # url-safe characters
 PRIORITY_RANGE = (-1000, 1000)
-
-
-def hash_key(full_key: str) -> str:
-    """What is stored and published: sha256 hex of the whole `iop_<prefix>_<secret>` string."""
-    return hashlib.sha256(full_key.encode()).hexdigest()
 
 
 def new_prefix() -> str:
@@ -52,16 +47,11 @@ class Limits(models.Model):
         return {"rpm": self.rpm_limit, "tpm": self.tpm_limit, "max_concurrent": self.max_concurrent}
 
 
-class Tenant(Limits):
+class Tenant(Limits, Authored):
     """A team or customer: the unit that pays and whose limits all its keys share."""
 
     name = models.CharField(max_length=63, unique=True, validators=[slug_validator])
     display_name = models.CharField(max_length=200, blank=True)
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    created_at = models.DateTimeField(auto_now_add=True)
-    updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
@@ -77,7 +67,7 @@ class ApiKeyQuerySet(models.QuerySet):
         return self.filter(unexpired, revoked_at__isnull=True)
 
 
-class ApiKey(Limits):
+class ApiKey(Limits, Created):
     """One API key of a tenant. The secret is shown once at creation; only its hash is kept."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="keys")
@@ -95,10 +85,6 @@ class ApiKey(Limits):
     revoked_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
-    created_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
-    )
-    created_at = models.DateTimeField(auto_now_add=True)
 
     objects = ApiKeyQuerySet.as_manager()
 
@@ -174,10 +160,10 @@ class UsageMinute(models.Model):
     """Per-minute ledger row: tenant × key × deployment × version.
 
     `errors` counts server-side failures (status >= 500, or shed / upstream / internal errors);
-    `client_errors` the 4xx the client caused. Latency sums, counts and histograms cover
-    requests that succeeded (status < 400); histograms map a bucket's upper bound in ms
-    (see tenants.ingest.LATENCY_BUCKETS_MS) to a count, so percentiles of any period are
-    exact to one fine bucket after summing rows.
+    `client_errors` the 4xx the client caused and the 503s a degradation policy shed on purpose.
+    Latency sums, counts and histograms cover requests that succeeded (status < 400); histograms
+    map a bucket's upper bound in ms (see tenants.ingest.LATENCY_BUCKETS_MS) to a count, so
+    percentiles of any period are exact to one fine bucket after summing rows.
     """
 
     minute = models.DateTimeField()

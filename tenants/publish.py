@@ -1,9 +1,9 @@
 """Publish the active API keys to Redis for the gateways (see the gateway contract).
 
-`inferops:keys` is a hash: field = sha256 hex of the full key, value = JSON with the key's
+KEYS_KEY is a hash: field = sha256 hex of the full key, value = JSON with the key's
 prefix, tenant, scope, priority, expiry and both levels of limits. Every publish replaces the
 whole hash in one MULTI/EXEC (DEL + HSET), so a gateway never reads a half-written table, then
-bumps `inferops:keys:generation` and announces on `inferops:keys:changed`.
+bumps the keys' generation and announces on their channel (runtime/gateway/contract.py).
 
 Publishers are serialised by a Postgres advisory lock held while the snapshot is read and
 written: without it, a publisher that read the table just before a revoke committed could
@@ -16,19 +16,16 @@ import json
 import logging
 
 import redis
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
-from runtime.routing import redis_client
+from inferops.locks import LockId, advisory_xact_lock
+from inferops.redis_client import redis_client
+from runtime.gateway.contract import KEYS_CHANNEL, KEYS_GENERATION_KEY, KEYS_KEY
 from tenants.models import ApiKey
 
 log = logging.getLogger(__name__)
 
-KEYS_KEY = "inferops:keys"
-GENERATION_KEY = "inferops:keys:generation"
-CHANGED_CHANNEL = "inferops:keys:changed"
-# pg_advisory_xact_lock id: "iopkeys" in ASCII, unlikely to collide with other users of the lock space.
-PUBLISH_LOCK_ID = 0x696F706B657973
 
 
 def key_entry(key: ApiKey) -> dict:
@@ -52,15 +49,14 @@ def snapshot(now=None) -> dict[str, str]:
 def publish_keys() -> int:
     """Replace the published key table with the database's; returns how many keys it holds."""
     with transaction.atomic():
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [PUBLISH_LOCK_ID])
+        advisory_xact_lock(LockId.KEYS_PUBLISH)
         table = snapshot()
         with redis_client().pipeline(transaction=True) as pipe:
             pipe.delete(KEYS_KEY)
             if table:
                 pipe.hset(KEYS_KEY, mapping=table)
-            pipe.incr(GENERATION_KEY)
-            pipe.publish(CHANGED_CHANNEL, "keys")
+            pipe.incr(KEYS_GENERATION_KEY)
+            pipe.publish(KEYS_CHANNEL, "keys")
             pipe.execute()
     return len(table)
 

@@ -11,7 +11,8 @@ from django.utils import timezone
 
 from deployments.models import Deployment
 from inferops.api import Conflict
-from registry.services import audit_record, snapshot
+from inferops.audit import audit_record, snapshot
+from runtime.gateway.contract import hash_api_key
 from tenants import models as tenant_models
 from tenants.models import ApiKey, Tenant
 from tenants.publish import publish_on_commit
@@ -93,7 +94,7 @@ def key_create(*, tenant: Tenant, name: str, actor, deployments=(), rpm_limit: i
         for attempt in range(PREFIX_ATTEMPTS):
             key.prefix = tenant_models.new_prefix()
             secret = tenant_models.new_key(key.prefix)
-            key.key_hash = tenant_models.hash_key(secret)
+            key.key_hash = hash_api_key(secret)
             try:
                 with transaction.atomic():  # a savepoint: a prefix collision leaves the outer transaction usable
                     key.save()

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.utils import timezone
 from redis.exceptions import LockError
 
-from runtime.routing import redis_client
+from inferops.redis_client import redis_client
 from tenants import ingest
 from tenants.models import UsageEvent
 from tenants.publish import publish_keys

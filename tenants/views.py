@@ -7,15 +7,14 @@ from datetime import timedelta
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.db.models import Sum
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from deployments.models import Deployment
-from deployments.views import apply_service
-from inferops.roles import OPERATOR, has_role
+from inferops.forms import apply_service
+from inferops.roles import require_operator
 from tenants import services
 from tenants.api import get_key, get_tenant, tenant_queryset
 from tenants.models import PRIORITY_RANGE, ApiKey, UsageMinute
@@ -48,16 +47,14 @@ class ApiKeyForm(forms.Form):
     tpm_limit = limit_field("Tokens / minute")
     max_concurrent = limit_field("Concurrent requests")
     priority = forms.IntegerField(min_value=PRIORITY_RANGE[0], max_value=PRIORITY_RANGE[1], initial=0)
-    expires_at = forms.DateTimeField(required=False, help_text="UTC, e.g. 2027-01-31 00:00; empty = never",
+    expires_at = forms.DateTimeField(required=False, label="Expires at (UTC)",
+                                     help_text="The key stops working at this moment, read as UTC whatever your "
+                                               "computer's time zone; empty = the key never expires.",
                                      widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
 
     def clean_deployments(self) -> list[str]:
         return [name.strip() for name in self.cleaned_data["deployments"].split(",") if name.strip()]
 
-
-def require_operator(request):
-    if not has_role(request.user, OPERATOR):
-        raise PermissionDenied("Changing tenants and keys needs the operator role.")
 
 
 def last_hour_requests() -> dict[str | None, int]:
@@ -70,7 +67,7 @@ def last_hour_requests() -> dict[str | None, int]:
 def tenant_list(request):
     form = TenantForm(request.POST or None)
     if request.method == "POST":
-        require_operator(request)
+        require_operator(request, "Changing tenants and keys")
         if form.is_valid():
             created = apply_service(form, lambda: services.tenant_create(actor=request.user, **form.cleaned_data))
             if created:
@@ -97,7 +94,7 @@ def tenant_detail(request, name: str):
     tenant = get_tenant(name)
     if request.method != "POST":
         return render_detail(request, tenant)
-    require_operator(request)
+    require_operator(request, "Changing tenants and keys")
     form = ApiKeyForm(request.POST)
     if form.is_valid():
         result = apply_service(form, lambda: services.key_create(
@@ -111,7 +108,7 @@ def tenant_detail(request, name: str):
 @login_required
 @require_POST
 def tenant_limits(request, name: str):
-    require_operator(request)
+    require_operator(request, "Changing tenants and keys")
     tenant = get_tenant(name)
     form = TenantLimitsForm(request.POST, prefix="limits")
     if form.is_valid():
@@ -126,7 +123,7 @@ def tenant_limits(request, name: str):
 @login_required
 @require_POST
 def key_revoke(request, name: str, prefix: str):
-    require_operator(request)
+    require_operator(request, "Changing tenants and keys")
     key = get_key(get_object_or_404(tenant_queryset(), name=name), prefix)
     services.key_revoke(key=key, actor=request.user)
     messages.success(request, f"Key {key.prefix} ({key.name}) revoked: gateways refuse it within seconds.")

@@ -9,7 +9,8 @@ import threading
 import pytest
 from django.db import connection
 
-from registry.models import Alias, AuditEvent, ModelVersion, RegisteredModel
+from inferops.models import AuditEvent
+from registry.models import Alias, ModelVersion, RegisteredModel
 
 pytestmark = pytest.mark.django_db
 

@@ -9,7 +9,8 @@ import requests
 from django.contrib.auth.models import Group, User
 from django.core.management import call_command
 
-from registry.models import Alias, AuditEvent, ModelVersion, RegisteredModel
+from inferops.models import AuditEvent
+from registry.models import Alias, ModelVersion, RegisteredModel
 
 
 @pytest.fixture

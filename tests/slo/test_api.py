@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 
 from alerts.models import Alert, Receiver
-from registry.models import AuditEvent
+from inferops.models import AuditEvent
 from slo.budget import MINUTE
 from slo.evaluation import evaluate_slos
 from slo.models import Slo, SloMinute
@@ -47,7 +47,8 @@ def test_create_get_list_and_status_contract(api, deployment):
     assert sorted((a["severity"], a["status"]) for a in status["alerts"]) == [("page", "firing"), ("ticket", "firing")]
     assert status["backfilled_from"] is not None
     assert status["alert_thresholds"][0] == {"severity": "page", "factor": 14.4, "long_window_minutes": 2,
-                                             "short_window_minutes": 1}
+                                             "short_window_minutes": 1, "long_window": "2m", "short_window": "1m"}
+    assert status["min_events"] == 20 and status["total"] == 80
 
     alerts = viewer.get("/api/v1/alerts/?status=firing").json()["results"]
     assert {a["severity"] for a in alerts} == {"page", "ticket"}
@@ -67,11 +68,15 @@ def test_create_get_list_and_status_contract(api, deployment):
 def test_history_for_charts(api, deployment):
     client = api("operator")
     slo_id = post(client).json()["id"]
-    insert_events([event(NOW - 3 * MINUTE, ttft_ms=2000.0), event(NOW - 3 * MINUTE), event(NOW)])
+    # One event three days back: the SLO's data begin there, so the ranges below hold data.
+    insert_events([event(NOW - timedelta(days=3)), event(NOW - 3 * MINUTE, ttft_ms=2000.0),
+                   event(NOW - 3 * MINUTE), event(NOW)])
     evaluate_slos(now=NOW)
     start = (NOW - 5 * MINUTE).isoformat()
     history = client.get(f"/api/v1/slos/{slo_id}/history/", {"start": start, "end": NOW.isoformat()}).json()
     assert history["step"] == "minute" and len(history["points"]) == 6
+    # The last point is the evaluation's own moment, the one the status shows.
+    assert history["points"][-1]["time"] == history["evaluated_at"] == NOW.isoformat().replace("+00:00", "Z")
     sli = [p["sli"] for p in history["points"]]
     assert sli == [None, None, 0.5, 0.5, 0.5, 2 / 3]
     assert history["points"][2]["burn_rates"]["5m"] == pytest.approx(0.5 / 0.005)
@@ -179,3 +184,26 @@ def test_schema_generates(api, deployment):
     make_deployment("other")
     response = api("viewer").get("/api/schema/")
     assert response.status_code == 200
+
+
+def test_history_starts_with_the_data_and_ends_at_the_evaluation(api, deployment):
+    """A day's chart of an SLO whose data began 3 minutes ago holds those minutes only (no 100 %
+    budget before the SLO existed), and nothing after the last evaluation (no minute not yet
+    folded in, which would read as no traffic)."""
+    client = api("operator")
+    slo_id = post(client).json()["id"]
+    insert_events([event(NOW - 3 * MINUTE, ttft_ms=2000.0), event(NOW - 3 * MINUTE), event(NOW)])
+    assert client.get(f"/api/v1/slos/{slo_id}/history/").json()["points"] == []  # not evaluated yet
+    evaluate_slos(now=NOW)
+    start, later = (NOW - timedelta(hours=23)).isoformat(), (NOW + 10 * MINUTE).isoformat()
+    history = client.get(f"/api/v1/slos/{slo_id}/history/", {"start": start, "end": later}).json()
+    times = [p["time"] for p in history["points"]]
+    first = (NOW - 3 * MINUTE).replace(second=0).isoformat().replace("+00:00", "Z")
+    assert history["data_start"] == first and times[0] == first
+    assert times[-1] == history["evaluated_at"] and len(times) == 4
+    budgets = [p["budget_remaining"] for p in history["points"]]
+    status = client.get(f"/api/v1/slos/{slo_id}/status/").json()
+    assert budgets[-1] == status["budget_remaining"] < 0  # overspent reads negative, as in the status
+    assert all(p["insufficient_traffic"] for p in history["points"])
+    hourly = client.get(f"/api/v1/slos/{slo_id}/history/", {"start": start, "end": later, "step": "hour"}).json()
+    assert [p["time"] for p in hourly["points"]] == [first, history["evaluated_at"]]

@@ -47,7 +47,6 @@ def burning_slos():
 def test_operator_reads_the_budgets_and_manages_slos(live_server, page, burning_slos, tmp_path):  # noqa: F811
     user, availability, latency = burning_slos
     log_in(page, live_server.url, "slo-ops", "pw-ops-123456")
-    page.wait_for_url(f"{live_server.url}/models/")
     page.click("header nav >> text=SLOs")
     page.wait_for_url(f"{live_server.url}/slos/")
 
@@ -114,7 +113,6 @@ def test_operator_reads_the_budgets_and_manages_slos(live_server, page, burning_
 def test_viewer_cannot_open_the_forms(live_server, page, burning_slos):  # noqa: F811
     User.objects.create_user("slo-viewer", password="pw-viewer-123456").groups.add(Group.objects.get(name="viewer"))
     log_in(page, live_server.url, "slo-viewer", "pw-viewer-123456")
-    page.wait_for_url(f"{live_server.url}/models/")
     page.goto(f"{live_server.url}/slos/")
     assert page.locator("text=New SLO").count() == 0
     response = page.goto(f"{live_server.url}/slos/new/")

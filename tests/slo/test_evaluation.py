@@ -8,8 +8,9 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from inferops.locks import LockId
 from slo.budget import MINUTE, floor_minute
-from slo.evaluation import LOCK_NAMESPACE, evaluate_slos
+from slo.evaluation import evaluate_slos
 from slo.models import SloMinute
 from slo.services import slo_create, slo_update
 from tests.slo.conftest import NOW, event, insert_events, make_deployment
@@ -39,7 +40,8 @@ def test_availability_counts_server_failures_and_leaves_client_errors_out(deploy
     rows = [event(NOW - 10 * MINUTE, ingested_at=AN_HOUR_AGO) for _ in range(95)]
     rows += [event(NOW - 10 * MINUTE, status=503, error_kind="shed", ingested_at=AN_HOUR_AGO)]
     rows += [event(NOW - 9 * MINUTE, status=200, error_kind="upstream_timeout", ingested_at=AN_HOUR_AGO)]
-    client_errors = [(429, "rate_limited"), (401, "auth"), (400, "bad_request"), (499, "client_disconnect")]
+    client_errors = [(429, "rate_limited"), (401, "auth"), (400, "bad_request"), (499, "client_disconnect"),
+                     (503, "degraded")]  # shed on purpose by the degradation policy
     rows += [event(NOW - 9 * MINUTE, status=status, error_kind=kind, ingested_at=AN_HOUR_AGO)
              for status, kind in client_errors]
     rows += [event(NOW - 2 * timedelta(days=1), ingested_at=AN_HOUR_AGO, status=500)]  # outside the 1d window
@@ -47,7 +49,7 @@ def test_availability_counts_server_failures_and_leaves_client_errors_out(deploy
     slo = create(deployment)
     evaluate_slos(now=NOW)
     status = status_of(slo)
-    # 97 counted (95 good, shed, an upstream timeout), 4 client errors left out.
+    # 97 counted (95 good, shed, an upstream timeout), 5 client errors left out.
     assert (status.good, status.total) == (95, 97)
     assert status.sli == pytest.approx(95 / 97)
     assert status.budget_total == pytest.approx(0.97)
@@ -169,10 +171,10 @@ def test_a_cycle_is_skipped_while_another_holds_the_lock(deployment):
     other = connections.create_connection("default")
     try:
         with other.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_lock(%s, 0)", [LOCK_NAMESPACE])
+            cursor.execute("SELECT pg_advisory_lock(%s, 0)", [int(LockId.SLO_EVALUATION)])
         assert evaluate_slos(now=NOW).skipped
         with other.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_unlock(%s, 0)", [LOCK_NAMESPACE])
+            cursor.execute("SELECT pg_advisory_unlock(%s, 0)", [int(LockId.SLO_EVALUATION)])
     finally:
         other.close()
     assert not evaluate_slos(now=NOW).skipped
@@ -180,7 +182,7 @@ def test_a_cycle_is_skipped_while_another_holds_the_lock(deployment):
 
 
 def test_ratio_sli_from_scraped_minutes_follows_rows_updated_in_place(deployment):
-    from runtime.models import Replica, ReplicaMetricsMinute
+    from deployments.models import Replica, ReplicaMetricsMinute
 
     replicas = [Replica.objects.create(deployment=deployment, version=deployment.version, node="n") for _ in range(2)]
 

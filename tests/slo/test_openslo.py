@@ -264,7 +264,7 @@ UNSUPPORTED = textwrap.dedent("""\
     kind: SLO
     metadata:
       name: everything-wrong
-      displayName: Everything wrong
+      displayName: [not, a, string]
       annotations: {team: x}
     spec:
       service: chat
@@ -426,6 +426,52 @@ def test_import_is_all_or_nothing(api, deployments):
     response = import_yaml(operator, stream(AVAILABILITY_CALENDAR, DOCUMENT_SETS["latency-1d"]))
     assert response.status_code == 409
     assert list(Slo.objects.values_list("name", flat=True)) == ["chat-ttft"]
+
+
+def labelled(documents: list[dict]) -> list[dict]:
+    """The documents with a displayName and labels on every Service, SLI, SLO and inline indicator."""
+    documents = yaml.safe_load(yaml.safe_dump(documents))
+    for doc in documents:
+        doc["metadata"] |= {"displayName": f"The {doc['kind']}", "labels": {"team": "serving", "tier": ["1", "a"]}}
+        indicator = doc.get("spec", {}).get("indicator")
+        if indicator is not None:
+            indicator.setdefault("metadata", {})["displayName"] = "Inline SLI"
+    return documents
+
+
+def test_display_name_and_labels_are_accepted_and_not_kept():
+    for documents in DOCUMENT_SETS.values():
+        assert definitions_from_documents(labelled(documents)) == definitions_from_documents(documents)
+    referenced = [{"apiVersion": "openslo/v1", "kind": "SLI", "metadata": {"name": "errors", "displayName": "Errors",
+                                                                          "labels": {"team": "serving"}},
+                   "spec": {"ratioMetric": {"good": {"metricSource": {"type": "inferops",
+                                                                       "spec": {"sli": "availability"}}},
+                                            "total": {"metricSource": {"type": "inferops",
+                                                                        "spec": {"sli": "availability"}}}}}}]
+    slo = yaml.safe_load(yaml.safe_dump(AVAILABILITY_CALENDAR[1]))
+    slo["spec"]["indicatorRef"] = "errors"
+    del slo["spec"]["indicator"]
+    (definition,) = definitions_from_documents(referenced + [slo])
+    assert definition["sli_kind"] == "availability"
+    # Malformed ones are still refused, each with its path.
+    bad = labelled(DOCUMENT_SETS["latency-1d"])
+    bad[1]["metadata"]["labels"] = {"team": {"nested": "no"}}
+    bad[0]["metadata"]["labels"] = ["team"]
+    with pytest.raises(OpenSloRefused) as refused:
+        definitions_from_documents(bad)
+    assert {(p.document, p.path) for p in refused.value.problems} == {(1, "metadata.labels.team"),
+                                                                        (0, "metadata.labels")}
+
+
+@pytest.mark.django_db
+def test_import_accepts_display_name_and_labels(api, deployments):
+    from slo.models import Slo
+
+    response = import_yaml(api("operator"), stream(labelled(DOCUMENT_SETS["latency-1d"])))
+    assert response.status_code == 201, response.json()
+    exported = api("viewer").get(f"/api/v1/slos/{Slo.objects.get(name='chat-ttft').pk}/openslo/")
+    # Not kept: export writes the documents without them.
+    assert parse_documents(exported.content.decode()) == DOCUMENT_SETS["latency-1d"]
 
 
 @pytest.mark.django_db

@@ -8,10 +8,11 @@ import uuid
 
 import pytest
 
-from runtime.routing import redis_client
+from inferops.redis_client import redis_client
+from runtime.gateway.contract import KEYS_GENERATION_KEY
 from tenants import ingest, publish
 
-OWN_KEYS = (publish.KEYS_KEY, publish.GENERATION_KEY, ingest.STREAM_KEY, ingest.REJECTED_KEY)
+OWN_KEYS = (publish.KEYS_KEY, KEYS_GENERATION_KEY, ingest.STREAM_KEY, ingest.REJECTED_KEY)
 
 
 @pytest.fixture(autouse=True)

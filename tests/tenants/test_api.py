@@ -12,7 +12,8 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from registry.models import AuditEvent
+from inferops.models import AuditEvent
+from runtime.gateway.contract import KEYS_CHANNEL, KEYS_GENERATION_KEY
 from tenants import publish
 from tenants.models import ApiKey, Tenant
 from tenants.tasks import publish_keys_task
@@ -107,7 +108,7 @@ def test_published_snapshot_holds_active_keys_with_both_levels_of_limits(api, ac
     client.delete(f"/api/v1/tenants/acme/keys/{revoked['prefix']}/")
     ApiKey.objects.filter(prefix=expired["prefix"]).update(expires_at=timezone.now() - timedelta(seconds=1))
 
-    generation = int(redis_conn.get(publish.GENERATION_KEY) or 0)
+    generation = int(redis_conn.get(KEYS_GENERATION_KEY) or 0)
     assert publish.publish_keys() == 2
     table = published()
     assert set(table) == {hashlib.sha256(k["key"].encode()).hexdigest() for k in (scoped, open_key)}
@@ -121,7 +122,7 @@ def test_published_snapshot_holds_active_keys_with_both_levels_of_limits(api, ac
     open_entry = table[hashlib.sha256(open_key["key"].encode()).hexdigest()]
     assert open_entry["deployments"] == [] and open_entry["expires_at"] is None
     assert open_entry["limits"]["key"] == {"rpm": None, "tpm": None, "max_concurrent": None}
-    assert int(redis_conn.get(publish.GENERATION_KEY)) == generation + 1
+    assert int(redis_conn.get(KEYS_GENERATION_KEY)) == generation + 1
 
     # A flushed Redis heals on the beat's next run.
     redis_conn.delete(publish.KEYS_KEY)
@@ -132,7 +133,7 @@ def test_every_change_is_published_on_commit_and_revoke_is_immediate(
         api, acme, redis_conn, django_capture_on_commit_callbacks):
     client = api("operator")
     pubsub = redis_conn.pubsub()
-    pubsub.subscribe(publish.CHANGED_CHANNEL)
+    pubsub.subscribe(KEYS_CHANNEL)
     pubsub.get_message(timeout=1)  # the subscribe confirmation
     with django_capture_on_commit_callbacks(execute=True):
         created = create_key(client).json()
@@ -144,12 +145,12 @@ def test_every_change_is_published_on_commit_and_revoke_is_immediate(
         client.patch("/api/v1/tenants/acme/", {"tpm_limit": 42}, format="json")
     assert published()[digest]["limits"]["tenant"]["tpm"] == 42
 
-    generation = int(redis_conn.get(publish.GENERATION_KEY))
+    generation = int(redis_conn.get(KEYS_GENERATION_KEY))
     with django_capture_on_commit_callbacks(execute=True):
         response = client.delete(f"/api/v1/tenants/acme/keys/{created['prefix']}/")
     assert response.status_code == 204
     assert digest not in published()
-    assert int(redis_conn.get(publish.GENERATION_KEY)) == generation + 1
+    assert int(redis_conn.get(KEYS_GENERATION_KEY)) == generation + 1
     assert pubsub.get_message(timeout=1)["data"] == b"keys"
     pubsub.close()
 

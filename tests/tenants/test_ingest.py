@@ -35,11 +35,13 @@ def test_events_land_in_raw_rows_and_minute_ledger(redis_conn):
         usage_event(time=MINUTE + 62, tenant=None, key_prefix=None, version=None, replica=None, status=401,
                     error_kind="auth", prompt_tokens=0, completion_tokens=0, ttft_ms=None, tpot_ms=None, e2e_ms=1.0),
         usage_event(time=MINUTE + 63, status=502, error_kind="upstream_connect", completion_tokens=0),
+        usage_event(time=MINUTE + 64, prompt_tokens=1, completion_tokens=0, status=503, error_kind="degraded",
+                    ttft_ms=None, tpot_ms=None, e2e_ms=1.0),
     ]
     xadd_events(redis_conn, events)
     report = UsageIngestor(consumer="test").run(budget_s=10)
-    assert (report.read, report.inserted, report.rejected) == (6, 6, 0)
-    assert UsageEvent.objects.count() == 6
+    assert (report.read, report.inserted, report.rejected) == (7, 7, 0)
+    assert UsageEvent.objects.count() == 7
 
     first = UsageMinute.objects.get(minute=datetime.fromtimestamp(MINUTE, UTC))
     assert (first.tenant, first.key_prefix, first.deployment, first.version) == ("acme", "0a1b2c3d", "chat", 1)
@@ -51,8 +53,9 @@ def test_events_land_in_raw_rows_and_minute_ledger(redis_conn):
     second = UsageMinute.objects.filter(minute=datetime.fromtimestamp(MINUTE + 60, UTC))
     by_tenant = {row.tenant: row for row in second}
     assert set(by_tenant) == {"acme", None}
-    # The shed 503 and the upstream 502 are server errors; neither feeds the latency roll-ups.
-    assert (by_tenant["acme"].requests, by_tenant["acme"].errors, by_tenant["acme"].client_errors) == (2, 2, 0)
+    # The shed 503 and the upstream 502 are server errors; neither feeds the latency roll-ups. A 503
+    # shed on purpose by the degradation policy is not the server failing: it counts with client errors.
+    assert (by_tenant["acme"].requests, by_tenant["acme"].errors, by_tenant["acme"].client_errors) == (3, 2, 1)
     assert by_tenant["acme"].e2e_count == 0 and by_tenant["acme"].e2e_buckets == {}
     # Both 401s (no tenant, key or version) merge into one row despite their NULLs.
     assert (by_tenant[None].requests, by_tenant[None].client_errors, by_tenant[None].version) == (2, 2, None)

@@ -31,7 +31,6 @@ def user_with_role(role: str, username: str) -> User:
 def test_operator_creates_a_key_sees_it_once_and_revokes_it(live_server, page, deployments, redis_conn):
     user_with_role("operator", "ops")
     log_in(page, live_server.url, "ops", "pw-12345678")
-    page.wait_for_url(f"{live_server.url}/models/")
     page.click("header nav >> text=Tenants")
     assert "No tenants yet" in page.locator("#tenants").inner_text()
 
@@ -43,6 +42,9 @@ def test_operator_creates_a_key_sees_it_once_and_revokes_it(live_server, page, d
     page.fill("#id_rpm_limit", "600")
     page.click("#new-tenant button[type=submit]")
     page.wait_for_url(f"{live_server.url}/tenants/acme/")
+    # The expiry picker is a browser's local-time widget; the form says the moment is read as UTC.
+    expiry = page.locator("#new-key-form .field-expires_at, #new-key-form").first.inner_text()
+    assert "Expires at (UTC)" in expiry and "read as UTC whatever your computer's time zone" in expiry
 
     page.fill("#id_name", "ci")
     page.fill("#id_deployments", "chat, nope")
@@ -94,7 +96,6 @@ def test_usage_charts_and_list_counts(live_server, page, redis_conn):
     store_events([usage_event(time=now - 60 * i, deployment=name, prompt_tokens=10 * i)
                   for i in range(1, 20) for name in ("chat", "embed")])
     log_in(page, live_server.url, "watcher", "pw-12345678")
-    page.wait_for_url(f"{live_server.url}/models/")
     page.goto(f"{live_server.url}/tenants/")
     row = page.locator("#tenants tr[data-name='acme']").inner_text()
     assert "1000" in row and "38" in row  # tokens/min limit and last-hour requests

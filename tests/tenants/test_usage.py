@@ -78,7 +78,7 @@ def test_filters_steps_and_window(api, ledger):
 @pytest.mark.parametrize("query,field,fragment", [
     ("step=30s", "step", "whole number of minutes"),
     ("step=90", "step", "whole number of minutes"),
-    ("step=often", "step", "use seconds"),
+    ("step=often", "step", "expected a duration"),
     ("step=5", "step", "at least 15 seconds"),
     ("start=yesterday", "start", "not an ISO 8601 time"),
     ("end=soon", "end", "not an ISO 8601 time"),

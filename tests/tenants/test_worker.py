@@ -11,7 +11,7 @@ import pytest
 
 from tenants import ingest, publish, services
 from tenants.models import UsageEvent, UsageMinute
-from tests.runtime.test_worker_e2e import start_worker, wait_for, worker_env  # noqa: F401
+from tests.deployments.test_worker_e2e import start_worker, wait_for, worker_env  # noqa: F401
 from tests.tenants.conftest import usage_event, xadd_events
 
 pytestmark = pytest.mark.django_db(transaction=True)
