@@ -22,5 +22,5 @@ class InferopsConfig(AppConfig):
         # configured broker instead of Celery's default app.
         from inferops import celery  # noqa: F401
 
-        # This app has no models, so Django sends it no post_migrate; hang off auth's instead.
+        # The groups belong to auth's tables: create them whenever auth's are migrated or flushed.
         post_migrate.connect(create_role_groups, sender=apps.get_app_config("auth"))

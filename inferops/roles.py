@@ -6,6 +6,8 @@ role a request needs, and one comparison decides.
 
 from __future__ import annotations
 
+from django.core.exceptions import PermissionDenied
+
 VIEWER = "viewer"
 OPERATOR = "operator"
 ADMIN = "admin"
@@ -27,3 +29,13 @@ def user_role(user) -> str | None:
 
 def has_role(user, needed: str) -> bool:
     return RANK[user_role(user)] >= RANK[needed]
+
+
+def require_role(request, needed: str, to: str) -> None:
+    """PermissionDenied ("<to> needs the <needed> role.") unless the request's user has the role."""
+    if not has_role(request.user, needed):
+        raise PermissionDenied(f"{to} needs the {needed} role.")
+
+
+def require_operator(request, to: str) -> None:
+    require_role(request, OPERATOR, to)

@@ -3,9 +3,14 @@
     INFEROPS_URL=https://inferops.example INFEROPS_TOKEN=... \\
         inferops rollout --deployment chat --version 7 --engine-arg max_num_seqs=64 --wait
 
-Exit codes: 0 succeeded (or created, without --wait); 1 aborted (rolled back); 2 refused by the
-API (bad request, unknown deployment, no permission, another rollout active, error budget
-exhausted); 3 timed out or the server could not be reached.
+With --wait it follows the rollout to its end and then through its watch after success (default
+10 minutes, `--watch`), during which the platform rolls it back by itself if the new version burns
+an SLO the previous one did not; `--no-wait-watch` returns at success instead.
+
+Exit codes: 0 succeeded (and passed its watch, when waited through; or created, without --wait);
+1 aborted, or rolled back by the platform during its watch; 2 refused by the API (bad request,
+unknown deployment, no permission, another rollout active, error budget exhausted, rollouts frozen
+by a degradation level); 3 timed out or the server could not be reached.
 
 Only httpx: no Django, so it runs from any CI image with the package installed.
 """
@@ -23,7 +28,7 @@ import httpx
 
 EXIT_SUCCEEDED, EXIT_ABORTED, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3
 DEFAULT_URL = "http://127.0.0.1:8000"
-FINAL = ("succeeded", "aborted")
+FINAL = ("succeeded", "aborted", "rolled_back")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollback", action="store_true", help="this is a rollback (allowed with no error budget)")
     parser.add_argument("--override-reason", metavar="TEXT",
                         help="go ahead although an error budget is exhausted (audited)")
-    parser.add_argument("--wait", action="store_true", help="follow the rollout until it succeeds or aborts")
+    parser.add_argument("--watch", metavar="DURATION",
+                        help="after success, how long the platform watches the new version and rolls it back by "
+                             "itself if it burns an SLO the previous version did not (default 10m; 0 = no watch)")
+    parser.add_argument("--no-auto-rollback", action="store_true",
+                        help="watch without rolling back by itself (the watch's looks are still recorded)")
+    parser.add_argument("--wait", action="store_true",
+                        help="follow the rollout until it succeeds and passes its watch, aborts or is rolled back")
+    parser.add_argument("--no-wait-watch", action="store_true",
+                        help="with --wait, return as soon as the rollout succeeds instead of waiting through its watch")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds to wait with --wait (default 3600)")
     parser.add_argument("--poll-interval", type=float, default=2, help="seconds between polls (default 2)")
 
@@ -92,6 +105,10 @@ def build_body(args, current_engine_args: dict | None = None) -> dict:
         body["rollback"] = True
     if args.override_reason:
         body["override_reason"] = args.override_reason
+    if args.watch is not None:
+        body["watch"] = parse_value(args.watch)
+    if args.no_auto_rollback:
+        body["auto_rollback"] = False
     return body
 
 
@@ -139,6 +156,9 @@ def _describe_step(step) -> str:
 
 
 def describe(rollout: dict) -> str:
+    if rollout.get("watching"):
+        return (f"rollout {rollout['id']}: succeeded, watching v{rollout['candidate']['version']} until "
+                f"{_clock(rollout['watch_until'])} UTC for an automatic rollback")
     current = rollout.get("current_step") or {}
     index, total = current.get("index", 0), len(rollout.get("steps") or [])
     line = (f"rollout {rollout['id']}: {rollout['status']}, step {min(index + 1, total)}/{total} "
@@ -146,9 +166,17 @@ def describe(rollout: dict) -> str:
     return f"{line}: {rollout['message']}" if rollout.get("message") else line
 
 
+def _clock(iso: str) -> str:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).astimezone(UTC).strftime("%H:%M:%S")
+
+
 def _state(rollout: dict) -> tuple:
     return (rollout["status"], (rollout.get("current_step") or {}).get("index"), rollout["weight"],
-            rollout.get("message"))
+            rollout.get("message"), rollout.get("watching"))
+
+
+def _done(rollout: dict, *, through_watch: bool) -> bool:
+    return rollout["status"] in FINAL and not (through_watch and rollout.get("watching"))
 
 
 def _unreachable(base: str, exc: Exception) -> int:
@@ -175,16 +203,23 @@ def _refused(response: httpx.Response, base: str) -> int:
     return EXIT_REFUSED
 
 
-def wait(client: httpx.Client, url: str, rollout: dict, *, timeout: float, poll_interval: float, base: str) -> int:
+def wait(client: httpx.Client, url: str, rollout: dict, *, timeout: float, poll_interval: float, base: str,
+         through_watch: bool = True) -> int:
     deadline = time.monotonic() + timeout
     last = _state(rollout)
     failing = False
-    while rollout["status"] not in FINAL:
+    watched = False
+    while not _done(rollout, through_watch=through_watch):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            _say(f"timed out after {timeout:g}s waiting for rollout {rollout['id']}, which is still "
-                 f"{rollout['status']} at {rollout['weight']}% and keeps going on the server: promote or abort "
-                 f"it ({url}promote/ or abort/), or wait longer with --timeout.", sys.stderr)
+            if rollout.get("watching"):
+                _say(f"timed out after {timeout:g}s: rollout {rollout['id']} succeeded and is still watched until "
+                     f"{_clock(rollout['watch_until'])} UTC; wait longer with --timeout, or use --no-wait-watch.",
+                     sys.stderr)
+            else:
+                _say(f"timed out after {timeout:g}s waiting for rollout {rollout['id']}, which is still "
+                     f"{rollout['status']} at {rollout['weight']}% and keeps going on the server: promote or abort "
+                     f"it ({url}promote/ or abort/), or wait longer with --timeout.", sys.stderr)
             return EXIT_UNREACHABLE
         time.sleep(min(poll_interval, remaining))
         try:
@@ -203,14 +238,24 @@ def wait(client: httpx.Client, url: str, rollout: dict, *, timeout: float, poll_
             return _refused(response, base)
         failing = False
         rollout = response.json()
+        watched = watched or bool(rollout.get("watching"))
         if _state(rollout) != last:
             last = _state(rollout)
             _say(describe(rollout))
     if rollout["status"] == "succeeded":
-        candidate = rollout["candidate"]
-        _say(f"rollout {rollout['id']} succeeded: v{candidate['version']} serves all traffic on "
-             f"{rollout['deployment']}.")
+        version, deployment = rollout["candidate"]["version"], rollout["deployment"]
+        line = f"rollout {rollout['id']} succeeded: v{version} serves all traffic on {deployment}"
+        if rollout.get("watching"):  # --no-wait-watch
+            line += f"; the platform watches it until {_clock(rollout['watch_until'])} UTC and may still roll it back"
+        elif watched:
+            line += " and passed its watch"
+        _say(line + ".")
         return EXIT_SUCCEEDED
+    if rollout["status"] == "rolled_back":
+        _say(f"rollout {rollout['id']}: {rollout.get('message') or 'rolled back by the platform'}. Rollout "
+             f"{rollout.get('rolled_back_by')} puts v{rollout['stable']['version']} back on {rollout['deployment']}.",
+             sys.stderr)
+        return EXIT_ABORTED
     _say(f"rollout {rollout['id']} aborted, traffic back on v{rollout['stable']['version']}: "
          f"{rollout.get('message') or 'no reason given'}", sys.stderr)
     return EXIT_ABORTED
@@ -250,4 +295,4 @@ def main(args) -> int:
         if not args.wait:
             return EXIT_SUCCEEDED
         return wait(client, f"{collection}{rollout['id']}/", rollout, timeout=args.timeout,
-                    poll_interval=args.poll_interval, base=base)
+                    poll_interval=args.poll_interval, base=base, through_watch=not args.no_wait_watch)

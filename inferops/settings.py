@@ -1,8 +1,10 @@
 """Django settings, all read from the environment in this one file.
 
 Variables: DATABASE_URL, REDIS_URL, SECRET_KEY, ALLOWED_HOSTS, DEBUG, INFEROPS_DATA_DIR,
-INFEROPS_LOG_LEVEL, CSRF_TRUSTED_ORIGINS. Without DATABASE_URL / REDIS_URL a real embedded
-Postgres and Redis are started under the data directory (see inferops/embedded.py).
+INFEROPS_LOG_LEVEL, CSRF_TRUSTED_ORIGINS. Without DATABASE_URL / REDIS_URL they point at the
+embedded Postgres and Redis under the data directory, which `inferops run` starts (see
+inferops/embedded.py); importing this module starts nothing, so an image build can run
+collectstatic without any server.
 """
 
 from __future__ import annotations
@@ -12,11 +14,9 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
 from inferops import embedded
-from inferops.env import env_bool, env_int, env_list, env_str
+from inferops.env import env_bool, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-
-embedded.ensure_services()
 
 
 def database_from_url(url: str) -> dict:
@@ -75,10 +75,11 @@ INSTALLED_APPS = [
     "inferops",
     "registry",
     "deployments",
-    "runtime",
     "tenants",
     "slo",
     "alerts",
+    "costing",
+    "degradation",
 ]
 
 MIDDLEWARE = [
@@ -114,8 +115,8 @@ TEMPLATES = [
     },
 ]
 
-DATABASES = {"default": database_from_url(env_str("DATABASE_URL"))}
-REDIS_URL = env_str("REDIS_URL")
+DATABASES = {"default": database_from_url(env_str("DATABASE_URL") or embedded.database_url())}
+REDIS_URL = env_str("REDIS_URL") or embedded.redis_url()
 
 CACHES = {
     "default": {
@@ -129,7 +130,7 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
 LOGIN_URL = "login"
-LOGIN_REDIRECT_URL = "registry:model-list"
+LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
 
 LANGUAGE_CODE = "en-us"
@@ -188,48 +189,80 @@ CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
     "heartbeat": {
         "task": "inferops.tasks.heartbeat",
-        "schedule": float(env_int("INFEROPS_HEARTBEAT_S", 30)),
+        "schedule": env_float("INFEROPS_HEARTBEAT_S", 30),
         "options": {"expires": 25},
     },
 }
 
-# Runtime: replicas and their drivers.
+# Deployments: replicas and their drivers.
 INFEROPS_DATA_DIR = embedded.data_dir()
 INFEROPS_NODE_NAME = env_str("INFEROPS_NODE_NAME")  # default: the host name
+# The address local replicas bind to and publish in their URL; the gateway and the scraper must
+# reach it (docker-compose sets the worker container's name).
+INFEROPS_ADVERTISE_ADDRESS = env_str("INFEROPS_ADVERTISE_ADDRESS", "127.0.0.1")
+# Worker variables a local replica inherits beyond what a model server needs (deployments/drivers/local.py).
+INFEROPS_REPLICA_ENV = env_str("INFEROPS_REPLICA_ENV")
 INFEROPS_VLLM_PYTHON = env_str("INFEROPS_VLLM_PYTHON")  # a Python with vLLM installed
 # LD_PRELOAD for vLLM replicas the local driver starts: "auto" = what vLLM's CPU guide asks for
-# when INFEROPS_VLLM_PYTHON is a CPU build (runtime.drivers.local.vllm_cpu_preload), "none", or
+# when INFEROPS_VLLM_PYTHON is a CPU build (runtime.vllm_preload.vllm_cpu_preload), "none", or
 # a value to use as it is. An LD_PRELOAD already in the worker's environment always wins.
 INFEROPS_VLLM_LD_PRELOAD = env_str("INFEROPS_VLLM_LD_PRELOAD", "auto")
-INFEROPS_RECONCILE_INTERVAL_S = float(env_str("INFEROPS_RECONCILE_INTERVAL_S", "2"))
+INFEROPS_RECONCILE_INTERVAL_S = env_float("INFEROPS_RECONCILE_INTERVAL_S", 2)
 INFEROPS_K8S_NAMESPACE = env_str("INFEROPS_K8S_NAMESPACE", "inferops")
 CELERY_BEAT_SCHEDULE["reconcile-replicas"] = {
-    "task": "runtime.reconcile_all",
+    "task": "deployments.reconcile_all",
     "schedule": INFEROPS_RECONCILE_INTERVAL_S,
     "options": {"expires": INFEROPS_RECONCILE_INTERVAL_S},
 }
 
-# Replica metrics retention (runtime/retention.py prunes older rows).
+# Replica metrics retention (deployments/retention.py prunes older rows).
 INFEROPS_METRICS_MINUTE_RETENTION_DAYS = env_int("INFEROPS_METRICS_MINUTE_RETENTION_DAYS", 14)
 INFEROPS_METRICS_HOUR_RETENTION_DAYS = env_int("INFEROPS_METRICS_HOUR_RETENTION_DAYS", 400)
-INFEROPS_SCRAPE_INTERVAL_S = float(env_str("INFEROPS_SCRAPE_INTERVAL_S", "15"))
+INFEROPS_SCRAPE_INTERVAL_S = env_float("INFEROPS_SCRAPE_INTERVAL_S", 15)
 CELERY_BEAT_SCHEDULE |= {
     "scrape-replicas": {
-        "task": "runtime.scrape_replicas",
+        "task": "deployments.scrape_replicas",
         "schedule": INFEROPS_SCRAPE_INTERVAL_S,
         "options": {"expires": INFEROPS_SCRAPE_INTERVAL_S},
     },
-    "rollup-metrics": {"task": "runtime.rollup_metrics", "schedule": 300.0, "options": {"expires": 290}},
-    "prune-metrics": {"task": "runtime.prune_metrics", "schedule": 3600.0, "options": {"expires": 3500}},
+    "rollup-metrics": {"task": "deployments.rollup_metrics", "schedule": 300.0, "options": {"expires": 290}},
+    "prune-metrics": {"task": "deployments.prune_metrics", "schedule": 3600.0, "options": {"expires": 3500}},
 }
 
 # SLOs and alerts (slo/, alerts/): evaluation every minute; webhook deliveries retry temporary
 # errors with exponential backoff; INFEROPS_EXTERNAL_URL is where alert links point.
 INFEROPS_EXTERNAL_URL = env_str("INFEROPS_EXTERNAL_URL", "http://127.0.0.1:8000")
-INFEROPS_SLO_EVALUATE_INTERVAL_S = float(env_str("INFEROPS_SLO_EVALUATE_INTERVAL_S", "60"))
-INFEROPS_WEBHOOK_TIMEOUT_S = float(env_str("INFEROPS_WEBHOOK_TIMEOUT_S", "10"))
+INFEROPS_SLO_EVALUATE_INTERVAL_S = env_float("INFEROPS_SLO_EVALUATE_INTERVAL_S", 60)
+INFEROPS_WEBHOOK_TIMEOUT_S = env_float("INFEROPS_WEBHOOK_TIMEOUT_S", 10)
 INFEROPS_WEBHOOK_MAX_ATTEMPTS = env_int("INFEROPS_WEBHOOK_MAX_ATTEMPTS", 6)
-INFEROPS_WEBHOOK_BACKOFF_S = float(env_str("INFEROPS_WEBHOOK_BACKOFF_S", "5"))
+INFEROPS_WEBHOOK_BACKOFF_S = env_float("INFEROPS_WEBHOOK_BACKOFF_S", 5)
+# How long the acknowledgement link in a notification works.
+INFEROPS_ACK_LINK_MAX_AGE_S = env_int("INFEROPS_ACK_LINK_MAX_AGE_S", 86400)
+# Email receivers go through Django's email backend (SMTP unless EMAIL_BACKEND says otherwise).
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+EMAIL_HOST_USER = env_str("EMAIL_HOST_USER")
+EMAIL_HOST_PASSWORD = env_str("EMAIL_HOST_PASSWORD")
+EMAIL_USE_TLS = env_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env_bool("EMAIL_USE_SSL", False)
+EMAIL_TIMEOUT = env_float("EMAIL_TIMEOUT", 10)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "inferops@localhost")
+# The default route's grouping (alerts/routing.py), as Alertmanager's defaults; routes may override
+# each. The beat moves groups on every INFEROPS_ALERT_TICK_S: a group is notified within
+# group_wait plus one tick.
+INFEROPS_ALERT_GROUP_BY = env_list("INFEROPS_ALERT_GROUP_BY", ["alertname", "slo", "deployment"])
+INFEROPS_ALERT_GROUP_WAIT_S = env_int("INFEROPS_ALERT_GROUP_WAIT_S", 30)
+INFEROPS_ALERT_GROUP_INTERVAL_S = env_int("INFEROPS_ALERT_GROUP_INTERVAL_S", 300)
+INFEROPS_ALERT_REPEAT_INTERVAL_S = env_int("INFEROPS_ALERT_REPEAT_INTERVAL_S", 4 * 3600)
+INFEROPS_ALERT_TICK_S = env_float("INFEROPS_ALERT_TICK_S", 5)
+CELERY_BEAT_SCHEDULE["advance-alert-groups"] = {
+    "task": "alerts.advance_groups", "schedule": INFEROPS_ALERT_TICK_S,
+    "options": {"expires": INFEROPS_ALERT_TICK_S * 0.9},
+}
+CELERY_BEAT_SCHEDULE["notify-unmuted-alerts"] = {
+    "task": "alerts.notify_unmuted", "schedule": 30.0, "options": {"expires": 29},
+}
 CELERY_BEAT_SCHEDULE["evaluate-slos"] = {
     "task": "slo.evaluate_slos",
     "schedule": INFEROPS_SLO_EVALUATE_INTERVAL_S,
@@ -246,15 +279,30 @@ CELERY_BEAT_SCHEDULE["prune-slo-minutes"] = {
 # INFEROPS_USAGE_INGEST_BUDGET_S); raw usage events pruned after their retention. The two
 # intervals are settings so that tests can shorten them.
 INFEROPS_USAGE_EVENT_RETENTION_DAYS = env_int("INFEROPS_USAGE_EVENT_RETENTION_DAYS", 35)
-INFEROPS_USAGE_INGEST_BUDGET_S = float(env_str("INFEROPS_USAGE_INGEST_BUDGET_S", "5"))
-INFEROPS_USAGE_INGEST_INTERVAL_S = float(env_str("INFEROPS_USAGE_INGEST_INTERVAL_S", "2"))
-INFEROPS_KEYS_PUBLISH_INTERVAL_S = float(env_str("INFEROPS_KEYS_PUBLISH_INTERVAL_S", "30"))
+INFEROPS_USAGE_INGEST_BUDGET_S = env_float("INFEROPS_USAGE_INGEST_BUDGET_S", 5)
+INFEROPS_USAGE_INGEST_INTERVAL_S = env_float("INFEROPS_USAGE_INGEST_INTERVAL_S", 2)
+INFEROPS_KEYS_PUBLISH_INTERVAL_S = env_float("INFEROPS_KEYS_PUBLISH_INTERVAL_S", 30)
 CELERY_BEAT_SCHEDULE |= {
     "publish-keys": {"task": "tenants.publish_keys", "schedule": INFEROPS_KEYS_PUBLISH_INTERVAL_S,
                      "options": {"expires": INFEROPS_KEYS_PUBLISH_INTERVAL_S * 0.9}},
     "ingest-usage": {"task": "tenants.ingest_usage", "schedule": INFEROPS_USAGE_INGEST_INTERVAL_S,
                      "options": {"expires": INFEROPS_USAGE_INGEST_INTERVAL_S}},
     "prune-usage-events": {"task": "tenants.prune_usage_events", "schedule": 3600.0, "options": {"expires": 3500}},
+}
+
+# Costing (costing/): the ledger every minute (at most two minutes behind), budgets every 5 minutes,
+# month close looked for hourly. Decode tokens weigh 4x prefill tokens in the allocation to
+# tenants (README, Costing). INFEROPS_COST_LOCAL_CPUS: cores a local replica without cpu_threads
+# or resources.cpu is charged for (default: this host's).
+INFEROPS_COST_TIER = env_str("INFEROPS_COST_TIER", "on-demand")
+INFEROPS_COST_LOCAL_CPUS = env_int("INFEROPS_COST_LOCAL_CPUS", 0)
+INFEROPS_COST_PROMPT_WEIGHT = env_float("INFEROPS_COST_PROMPT_WEIGHT", 1)
+INFEROPS_COST_COMPLETION_WEIGHT = env_float("INFEROPS_COST_COMPLETION_WEIGHT", 4)
+INFEROPS_COST_FORECAST_MIN_HOURS = env_float("INFEROPS_COST_FORECAST_MIN_HOURS", 24)
+CELERY_BEAT_SCHEDULE |= {
+    "sync-cost-ledger": {"task": "costing.sync_ledger", "schedule": 60.0, "options": {"expires": 55}},
+    "evaluate-cost-budgets": {"task": "costing.evaluate_budgets", "schedule": 300.0, "options": {"expires": 290}},
+    "close-cost-months": {"task": "costing.close_months", "schedule": 3600.0, "options": {"expires": 3500}},
 }
 
 LOGGING = {

@@ -1,17 +1,25 @@
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
+from django.db.models import Q
 from django.http import JsonResponse
 from django.shortcuts import render
 
 from inferops import health
+from inferops.models import AuditEvent
+from inferops.panels import home_panels
 from inferops.roles import ADMIN, has_role
-from registry.models import AuditEvent
 
 # Console sections that later issues fill; until then each says plainly what will be there.
 UPCOMING_SECTIONS = {
     "costs": "Costs: price books, usage ledgers and monthly reports per tenant.",
 }
+
+
+@login_required
+def home(request):
+    """A column of the panels apps register (inferops.panels.home_panels)."""
+    return render(request, "home.html", {"panels": home_panels.render(request, None)})
 
 
 @login_required
@@ -21,13 +29,26 @@ def upcoming(request, section: str):
 
 @login_required
 def audit_log(request):
+    """Every write, newest first, filtered by actor, kind of object, object (name or id) and action."""
     if not has_role(request.user, ADMIN):
         raise PermissionDenied("The audit log needs the admin role.")
+    filters = {key: request.GET.get(key, "").strip() for key in ("actor", "object_type", "object", "action")}
     events = AuditEvent.objects.all()
-    if action := request.GET.get("action"):
-        events = events.filter(action=action)
-    page = Paginator(events, 100).get_page(request.GET.get("page"))
-    return render(request, "audit.html", {"page": page, "action": action or ""})
+    if filters["actor"]:
+        events = events.filter(actor_name__iexact=filters["actor"])
+    if filters["object_type"]:
+        events = events.filter(object_type=filters["object_type"])
+    if filters["object"]:
+        events = events.filter(Q(object_repr__icontains=filters["object"]) | Q(object_id=filters["object"]))
+    if filters["action"]:
+        events = events.filter(action=filters["action"])
+    distinct = AuditEvent.objects.order_by()
+    return render(request, "audit.html", {
+        "page": Paginator(events, 50).get_page(request.GET.get("page")),
+        "filters": filters, "filtered": any(filters.values()),
+        "actions": distinct.values_list("action", flat=True).distinct().order_by("action"),
+        "object_types": distinct.values_list("object_type", flat=True).distinct().order_by("object_type"),
+    })
 
 
 def healthz(request):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -11,6 +12,15 @@ import torch
 from tests.checkpoints import CHAT_TEMPLATE, save_random_model, tiny_config, train_tokenizer
 
 torch.set_num_threads(2)
+
+# Alerts notify at once in tests (the default route's group_wait is 30 s); tests of grouping set
+# their own routes. The environment variable reaches the workers tests start.
+os.environ["INFEROPS_ALERT_GROUP_WAIT_S"] = "0"
+
+
+@pytest.fixture(autouse=True)
+def _alerts_notify_at_once(settings):
+    settings.INFEROPS_ALERT_GROUP_WAIT_S = 0
 
 
 @pytest.fixture(scope="session")

@@ -9,11 +9,16 @@ import sys
 import time
 
 PROBE = """
-import json, os
+import json, os, pathlib
 import django
 os.environ["DJANGO_SETTINGS_MODULE"] = "inferops.settings"
 django.setup()
 from django.conf import settings
+# Reading the settings starts nothing (an image build or collectstatic must not); the launcher does.
+data = pathlib.Path(os.environ["INFEROPS_DATA_DIR"])
+assert not (data / "postgres" / "postmaster.pid").exists() and not (data / "redis" / "redis.pid").exists()
+from inferops import embedded
+embedded.ensure_services()
 from django.db import connection
 import redis
 with connection.cursor() as cursor:

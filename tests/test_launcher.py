@@ -38,7 +38,7 @@ def descendants(pid: int) -> set[int]:
 
 def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
     port, gateway_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "INFEROPS_EXTERNAL_URL"}}
     env.update(INFEROPS_DATA_DIR=str(tmp_path / "data"), INFEROPS_HEARTBEAT_S="1")
     process = subprocess.Popen(
         [sys.executable, "-m", "inferops.cli", "run", "--port", str(port), "--gateway-port", str(gateway_port),
@@ -73,14 +73,26 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
             "username": "admin", "password": password, "csrfmiddlewaretoken": csrf,
         }, headers={"Referer": f"{base}/login/"}, timeout=5)
         assert response.status_code == 200 and "Models" in response.text
-        assert response.url.rstrip("/").endswith("/models")
+        assert response.url == f"{base}/"  # the home page: who is on call, what is firing
 
         # The demo deployment: a real replica of the demo checkpoint, answering within a minute.
         deadline = time.monotonic() + 120
         while "The demo deployment is ready" not in "".join(output):
             assert time.monotonic() < deadline and process.poll() is None, "".join(output)
             time.sleep(0.5)
+        # The end of start-up says how to log in again, and the password stays in a file only its owner reads.
+        ready = "".join(output).split("The demo deployment is ready", 1)[1]
+        assert f"log in as 'admin' with password {password}" in ready
+        password_file = tmp_path / "data" / "admin-password"
+        assert password_file.stat().st_mode & 0o777 == 0o600 and f"password: {password}" in password_file.read_text()
+        # Links in notifications name the address the console was started on (no INFEROPS_EXTERNAL_URL).
+        page = session.get(f"{base}/alerts/integrations/", timeout=5)
+        csrf = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
+        created = session.post(f"{base}/alerts/integrations/", data={"name": "am", "csrfmiddlewaretoken": csrf},
+                               headers={"Referer": f"{base}/alerts/integrations/"}, timeout=5)
+        assert f"url: {base}/api/v1/alerts/alertmanager/" in created.text
         replica_url = re.search(r"replica (http://\S+)", "".join(output)).group(1)
+
         chat = requests.post(f"{replica_url}/v1/chat/completions", timeout=30, json={
             "model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8})
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["role"] == "assistant"
@@ -105,7 +117,11 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
             raise
     assert process.returncode == 0, "".join(output)
-    time.sleep(0.5)
-    alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
-             open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
-    assert alive == [], "".join(output)
+
+    def alive():
+        return [pid for pid in children if os.path.exists(f"/proc/{pid}") and
+                open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive() == [], "".join(output)

@@ -37,8 +37,11 @@ def page(browser):
     context.close()
 
 
-def log_in(page, base_url: str, username: str, password: str) -> None:
+def log_in(page, base_url: str, username: str, password: str, *, succeeds: bool = True) -> None:
+    """Log in through the form; a login that succeeds returns on the home page it leads to."""
     page.goto(f"{base_url}/login/")
     page.fill("#id_username", username)
     page.fill("#id_password", password)
     page.click("button[type=submit]")
+    if succeeds:
+        page.wait_for_url(f"{base_url}/")

@@ -8,11 +8,11 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
+from deployments.drivers.local import LocalProcessDriver
+from deployments.models import Replica, ReplicaMetricsMinute
 from registry import services
-from runtime.drivers.local import LocalProcessDriver
-from runtime.models import Replica, ReplicaMetricsMinute
 from tests.browser.conftest import log_in
-from tests.runtime.test_reconcile import all_ready, reconcile_until
+from tests.deployments.test_reconcile import all_ready, reconcile_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -36,14 +36,12 @@ def test_operator_creates_watches_and_scales_a_deployment(live_server, page, ope
     from deployments.models import Deployment
 
     log_in(page, live_server.url, "ops", "pw-ops-123456")
-    page.wait_for_url(f"{live_server.url}/models/")
     page.click("header nav >> text=Deployments")
     assert "No deployments yet" in page.locator("#deployments").inner_text()
 
     page.click("text=New deployment")
     page.fill("#id_name", "chat")
-    page.select_option("#id_model", "tiny")
-    page.fill("#id_version", "1")
+    page.select_option("#id_version", "tiny:1")
     page.fill("#id_engine_args", '{"max_num_seqs": "lots"}')
     page.click("main form button[type=submit]")
     assert "max_num_seqs" in page.locator(".error").first.inner_text()
@@ -82,8 +80,13 @@ def test_operator_creates_watches_and_scales_a_deployment(live_server, page, ope
 
     page.goto(f"{live_server.url}/deployments/chat/edit/")
     page.fill("#id_replicas", "2")
-    page.fill("#id_version", "2")
+    page.select_option("#id_version", "tiny:2")
     page.click("main form button[type=submit]")
+    diff = page.locator("main").inner_text()  # nothing applies before the diff is confirmed
+    assert "Review the change to chat" in diff and "v1" in diff and "v2" in diff
+    deployment.refresh_from_db()
+    assert (deployment.replicas, deployment.version.number) == (1, 1)
+    page.click("#confirm")
     page.wait_for_url(f"{live_server.url}/deployments/chat/")
     deployment.refresh_from_db()
     assert (deployment.replicas, deployment.version.number) == (2, 2)
@@ -94,7 +97,6 @@ def test_viewer_cannot_open_forms(live_server, page, operator_and_model):
     user = User.objects.create_user("look", password="pw-look-123456")
     user.groups.add(Group.objects.get(name="viewer"))
     log_in(page, live_server.url, "look", "pw-look-123456")
-    page.wait_for_url(f"{live_server.url}/models/")
     page.goto(f"{live_server.url}/deployments/")
     assert page.locator("text=New deployment").count() == 0
     assert page.goto(f"{live_server.url}/deployments/new/").status == 403

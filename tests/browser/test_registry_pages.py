@@ -30,7 +30,7 @@ def registry_data(tiny_llama_dir):
 
 def test_admin_browses_models(live_server, page, registry_data, tmp_path):
     log_in(page, live_server.url, "root-admin", "pw-admin-123456")
-    page.wait_for_url(f"{live_server.url}/models/")
+    page.click("header nav >> text=Models")
     rows = page.locator("#models tbody tr")
     assert rows.count() == 2
     row = rows.filter(has_text="llama-tiny")
@@ -73,7 +73,6 @@ def test_admin_browses_models(live_server, page, registry_data, tmp_path):
 
 def test_viewer_sees_no_audit_link_and_is_refused(live_server, page, registry_data):
     log_in(page, live_server.url, "watcher", "pw-viewer-123456")
-    page.wait_for_url(f"{live_server.url}/models/")
     assert page.locator("header nav >> text=Audit").count() == 0
     assert "viewer" in page.locator("header .who").inner_text()
     response = page.goto(f"{live_server.url}/audit/")
@@ -81,7 +80,7 @@ def test_viewer_sees_no_audit_link_and_is_refused(live_server, page, registry_da
 
 
 def test_wrong_password_says_so(live_server, page, registry_data):
-    log_in(page, live_server.url, "watcher", "wrong-password")
+    log_in(page, live_server.url, "watcher", "wrong-password", succeeds=False)
     assert "didn't match" in page.content()
     response = page.goto(f"{live_server.url}/models/")
     assert page.url.startswith(f"{live_server.url}/login/") and response.status == 200

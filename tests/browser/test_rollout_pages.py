@@ -11,12 +11,11 @@ from django.utils import timezone
 
 from deployments import rollouts
 from deployments.choices import RolloutStatus
-from deployments.models import Deployment, Rollout, RolloutMeasurement
+from deployments.models import Deployment, Replica, Rollout, RolloutMeasurement
 from registry.models import RegisteredModel
-from runtime.models import Replica
 from tenants.models import UsageEvent
 from tests.browser.conftest import log_in
-from tests.deployments.test_rollout_views import make_version
+from tests.deployments.conftest import make_version
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -72,7 +71,6 @@ def test_operator_reads_a_rollout_and_aborts_it(live_server, page, running_rollo
     errors = []
     page.on("pageerror", lambda error: errors.append(str(error)))
     log_in(page, live_server.url, "ops", "pw-ops-123456")
-    page.wait_for_url(f"{live_server.url}/models/")
     page.goto(f"{live_server.url}/deployments/chat/")
     assert "v1 → v2" in page.locator(f"#rollouts tr[data-id='{rollout.pk}']").inner_text()
     assert "20% of traffic on the candidate" in page.locator("#active-rollout").inner_text()

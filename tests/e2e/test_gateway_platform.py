@@ -25,14 +25,14 @@ import redis
 from django.db.models import Sum
 
 from deployments import services as deployment_services
+from deployments.drivers.local import LocalProcessDriver
+from deployments.models import Replica
 from registry import services as registry_services
-from runtime.drivers.local import LocalProcessDriver
-from runtime.models import Replica
 from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.models import UsageMinute
 from tests.conftest import free_port
-from tests.runtime.test_reconcile import all_ready, reconcile_until
+from tests.deployments.test_reconcile import all_ready, reconcile_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 

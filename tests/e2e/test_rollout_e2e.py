@@ -1,4 +1,5 @@
-"""Issue 7 end to end: rollouts with real replica processes, a real gateway and load through it.
+"""Issues 7 and 28 end to end: rollouts with real replica processes, a real gateway and load through it,
+and the platform's own rollback of a version that turns bad during its watch after success.
 
 Real parts: `inferops serve` replicas (tiny checkpoint), the gateway process on a private Redis,
 usage ingestion, SLO evaluation, and in the last test a real Celery worker (with beat) that is
@@ -23,15 +24,14 @@ import openai
 import pytest
 from django.db import connection
 
-from deployments import rollouts
+from alerts.models import Alert
+from deployments import rollouts, routing
 from deployments import services as deployment_services
-from deployments.models import Rollout
+from deployments.drivers.local import LocalProcessDriver
+from deployments.models import Replica, Rollout
+from deployments.reconcile import reconcile_deployment
 from inferops.api import Conflict
 from registry import services as registry_services
-from runtime import routing
-from runtime.drivers.local import LocalProcessDriver
-from runtime.models import Replica
-from runtime.reconcile import reconcile_deployment
 from slo.evaluation import evaluate_slos
 from slo.models import SloStatus
 from slo.services import slo_create
@@ -39,9 +39,9 @@ from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.models import UsageEvent
 from tenants.publish import publish_keys
+from tests.deployments.test_reconcile import all_ready, reconcile_until
+from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
 from tests.e2e.test_gateway_platform import private_redis, start_gateway, wait_for  # noqa: F401
-from tests.runtime.test_reconcile import all_ready, reconcile_until
-from tests.runtime.test_worker_e2e import start_worker, worker_env  # noqa: F401
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
 
@@ -216,6 +216,46 @@ def test_bad_candidate_is_aborted_and_rolled_back_with_no_failed_request(platfor
     print(f"timeline bad candidate ({fault}): traffic at 50% then detected and aborted "
           f"{(aborted - weighted).total_seconds():.1f}s later; {on_candidate}; {load.ok} requests, "
           f"{len(load.failures)} failed")
+
+
+def test_new_version_faulted_after_success_is_rolled_back_by_the_platform_with_no_failed_request(platform):
+    client, deployment = platform["client"], platform["deployment"]
+    slo_create(actor=platform["actor"], name="chat-ttft", scope="deployment", deployment=deployment,
+               sli_kind="goodput", ttft_ms=250, objective=0.95, window="1d", budgeting="occurrences")
+    with Load(client) as load, ControlLoop(deployment) as loop:
+        rollout = rollouts.rollout_create(
+            deployment=deployment, actor=platform["actor"], version=2, watch="3m",
+            steps=[{"set_weight": 50}, {"analysis": {"duration": "10s", "min_requests": 8}}])
+        wait_rollout(rollout, {"succeeded", "aborted"}, 180)
+        assert rollout.status == "succeeded" and rollout.watching, rollout.message
+        for replica in Replica.objects.filter(deployment=deployment, version__number=2, state="ready"):
+            httpx.post(f"{replica.url}/admin/faults", json={"fault_ttft_ms": 400},
+                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5).raise_for_status()
+        faulted = time.monotonic()
+        wait_rollout(rollout, {"rolled_back"}, 120)
+        detected_after = time.monotonic() - faulted
+        rollback = rollout.rolled_back_by
+        wait_rollout(rollback, {"succeeded", "aborted"}, 120)
+        time.sleep(3)  # load keeps going on v1 after the rollback
+    assert rollback.status == "succeeded", rollback.message
+    assert load.failures == [], load.failures[:3]
+    assert loop.errors == []
+    assert "chat-ttft burn rate" in rollout.message and rollout.timeline[-1]["event"] == "rolled back"
+    look = rollout.measurements.get(verdict="fail")
+    alert = Alert.objects.get(labels__alertname="RolloutRolledBack", labels__rollout=str(rollout.pk))
+    assert alert.status == "firing" and alert.annotations["rollout_url"].endswith(f"/rollouts/{rollout.pk}/")
+    deployment.refresh_from_db()
+    assert deployment.version.number == 1 and deployment.model.aliases.get(name="champion").version.number == 1
+    ingest_usage(budget_s=5)
+    back = event_time(rollback, "succeeded")
+    new_ids = list(Replica.objects.filter(deployment=deployment, version__number=2).values_list("pk", flat=True))
+    assert served_by(new_ids, back + PROPAGATION) == 0
+    print(f"timeline watch: v2 succeeded, then 400 ms of TTFT injected into it; the platform rolled it back "
+          f"{detected_after:.1f}s later (new version {look.candidate['requests']} requests, burn "
+          f"{look.checks[0]['candidate']}; previous {look.stable['requests']} requests, burn "
+          f"{look.checks[0]['stable']}); v1 took all traffic back "
+          f"{(back - event_time(rollout, 'rolled back')).total_seconds():.1f}s after that; "
+          f"{load.ok} requests, {len(load.failures)} failed")
 
 
 def test_blue_green_preview_promotion_and_instant_rollback(platform):

@@ -21,17 +21,17 @@ import pytest
 
 from alerts.models import Alert, Receiver
 from deployments import services as deployment_services
+from deployments.drivers.local import LocalProcessDriver
+from deployments.models import Replica
 from inferops.celery import app as celery_app
 from registry import services as registry_services
-from runtime.drivers.local import LocalProcessDriver
-from runtime.models import Replica
 from slo.evaluation import evaluate_slos
 from slo.services import slo_create
 from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.publish import publish_keys
+from tests.deployments.test_reconcile import all_ready, reconcile_until
 from tests.e2e.test_gateway_platform import private_redis, start_gateway, wait_for  # noqa: F401
-from tests.runtime.test_reconcile import all_ready, reconcile_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
 

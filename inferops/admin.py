@@ -1,0 +1,79 @@
+"""Admin pages whose writes go through the apps' services, and the audit log's (read-only).
+
+A write in the admin is a write like any other: validated, audited and followed by what the
+service does after it (API keys republished, an SLO re-evaluated). A page offers add, change or
+delete only where its admin names the service for it; a service's refusal is shown on the page.
+"""
+
+from __future__ import annotations
+
+from django.contrib import admin, messages
+from django.core.exceptions import ValidationError
+from django.http import HttpResponseRedirect
+
+from inferops.api import Conflict
+from inferops.models import AuditEvent
+
+
+class ServiceAdmin(admin.ModelAdmin):
+    """Subclasses define create_object(request, fields), update_object(request, obj, fields) and
+    delete_object(request, obj) for the writes they allow; each calls one service."""
+
+    create_object = update_object = delete_object = None
+
+    def has_add_permission(self, request) -> bool:
+        return self.create_object is not None and super().has_add_permission(request)
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return self.update_object is not None and super().has_change_permission(request, obj)
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return self.delete_object is not None and super().has_delete_permission(request, obj)
+
+    def save_model(self, request, obj, form, change) -> None:
+        if change:
+            saved = self.update_object(request, type(obj).objects.get(pk=obj.pk),
+                                       {name: form.cleaned_data[name] for name in form.changed_data})
+        else:
+            saved = self.create_object(request, dict(form.cleaned_data))
+        obj.pk = saved.pk  # the admin's messages and redirect name what was saved
+
+    def save_related(self, request, form, formsets, change) -> None:
+        pass  # the services write whole objects; admin pages here have no inlines
+
+    def delete_model(self, request, obj) -> None:
+        self.delete_object(request, obj)
+
+    def delete_queryset(self, request, queryset) -> None:
+        for obj in queryset:
+            self.delete_object(request, obj)
+
+    def changeform_view(self, request, object_id=None, form_url="", extra_context=None):
+        try:
+            return super().changeform_view(request, object_id, form_url, extra_context)
+        except (ValidationError, Conflict) as exc:
+            self.message_user(request, f"Not saved: {refusal(exc)}", level=messages.ERROR)
+            return HttpResponseRedirect(request.get_full_path())
+
+
+def refusal(exc: ValidationError | Conflict) -> str:
+    if isinstance(exc, Conflict):
+        return str(exc.detail)
+    if hasattr(exc, "error_dict"):
+        return "; ".join(f"{field}: {' '.join(errors)}" for field, errors in exc.message_dict.items())
+    return " ".join(exc.messages)
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(admin.ModelAdmin):
+    list_display = ["created_at", "actor_name", "action", "object_repr"]
+    list_filter = ["action", "object_type"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

@@ -1,0 +1,35 @@
+"""The audit log: one AuditEvent row per write anywhere in the control plane.
+
+Services call `audit_record` inside the transaction of the write they record, with `snapshot`s of
+the object before and after, so the trail and the change commit or roll back together.
+"""
+
+from __future__ import annotations
+
+import json
+
+from django.core.serializers.json import DjangoJSONEncoder
+from django.forms.models import model_to_dict
+
+from inferops.models import AuditEvent
+
+# Left out of snapshots: bulky, and already fixed by what is kept (a version's digest).
+SNAPSHOT_EXCLUDE = {"manifest"}
+
+
+def snapshot(obj) -> dict:
+    data = model_to_dict(obj, exclude=list(SNAPSHOT_EXCLUDE))
+    return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
+
+
+def audit_record(*, actor, action: str, obj, before: dict | None = None, after: dict | None = None) -> AuditEvent:
+    return AuditEvent.objects.create(
+        actor=actor if getattr(actor, "pk", None) else None,
+        actor_name=getattr(actor, "username", None) or "system",
+        action=action,
+        object_type=obj._meta.label_lower,
+        object_id=str(obj.pk),
+        object_repr=str(obj)[:255],
+        before=before,
+        after=after,
+    )

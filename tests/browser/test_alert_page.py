@@ -1,0 +1,99 @@
+"""The alert page in a real Chromium: an on-call operator opens a burn-rate alert from the list,
+reads the SLO's burn chart, acknowledges with one click, comments, snoozes, forces a degradation
+level from the page, and resolves; the timeline shows each step and who took it."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Group, User
+from django.utils import timezone
+from playwright.sync_api import expect
+
+from alerts.models import Alert
+from degradation import services as degradation_services
+from degradation.models import DegradationState
+from slo.evaluation import evaluate_slos
+from slo.services import slo_create
+from tests.browser.conftest import log_in
+from tests.degradation.conftest import LEVELS
+from tests.slo.conftest import event, insert_events, make_deployment
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def burning_alert(settings):
+    """A TTFT SLO burning at 50x this minute on a deployment with a degradation policy: evaluation
+    opens the page alert. No receiver: nothing is sent anywhere."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    user = User.objects.create_user("oncall", password="pw-oncall-123456")
+    user.groups.add(Group.objects.get(name="operator"))
+    deployment = make_deployment()
+    slo = slo_create(actor=None, name="chat-ttft", deployment=deployment, sli_kind="latency", ttft_ms=150,
+                     objective=0.99, window="1d", min_requests=10, runbook_url="https://runbooks.example/ttft")
+    degradation_services.policy_save(deployment=deployment, actor=None, enabled=True, window_minutes=5, hold_s=60,
+                                     slos=[slo], levels=LEVELS)
+    now = timezone.now()
+    insert_events([event(now, ttft_ms=100.0) for _ in range(20)] + [event(now, ttft_ms=400.0) for _ in range(20)])
+    evaluate_slos(now=now)
+    return Alert.objects.get(slo=slo, severity="page")
+
+
+def timeline_text(page) -> str:
+    return page.locator("#timeline").inner_text()
+
+
+def test_on_call_acts_on_an_alert_from_its_page(live_server, page, burning_alert):
+    alert = burning_alert
+    log_in(page, live_server.url, "oncall", "pw-oncall-123456")
+    errors = []  # script errors on the alert pages (the chart's included)
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(f"{live_server.url}/alerts/")
+    page.click(f'#alerts a[href="/alerts/{alert.pk}/"] >> nth=0')
+    page.wait_for_url(f"{live_server.url}/alerts/{alert.pk}/")
+
+    expect(page.locator("#alert-status")).to_have_text("firing")
+    assert page.locator("#runbook").get_attribute("href") == "https://runbooks.example/ttft"
+    assert "the platform" in page.locator("#alert-source").inner_text()
+    page.wait_for_selector("#slo-burn-chart.js-plotly-plot")
+    assert int(page.locator("#slo-burn-chart").get_attribute("data-points")) >= 120
+    assert page.locator("#slo-budget-now").inner_text() == "-4900%"
+    expect(page.locator("#alert-degradation-level")).to_contain_text("level")
+
+    page.click("#alert-ack")
+    expect(page.locator("#alert-status")).to_have_text("acknowledged")
+    expect(page.locator(".messages")).to_contain_text(f"Alert {alert.pk} acknowledged")
+    expect(page.locator("#alert-ack")).to_have_count(0)
+
+    page.fill("#alert-comment-text", "TTFT regression after the 14:00 deploy; looking")
+    page.click("#alert-comment")
+    expect(page.locator(".messages")).to_contain_text("Comment added.")
+    text = timeline_text(page)
+    assert "Acknowledged\toncall" in text and "TTFT regression after the 14:00 deploy; looking" in text
+
+    page.click("#alert-snooze-15")
+    expect(page.locator("#alert-snoozed")).to_contain_text("snoozed until")
+    assert "snoozed until" in page.locator("#alert-muted").inner_text()
+
+    # A remedy: hold the deployment at level 2 for an hour, from the alert page, and come back to it.
+    page.select_option("#id_override-level", "2")
+    page.fill("#id_override-until", "1h")
+    page.fill("#id_override-reason", "shed load while we roll back")
+    page.click("#alert-degradation-force")
+    page.wait_for_url(f"{live_server.url}/alerts/{alert.pk}/")
+    expect(page.locator("#alert-degradation-level")).to_have_text("level 2 · short-answers")
+    assert "shed load while we roll back" in page.locator("#alert-degradation-override").inner_text()
+    assert DegradationState.objects.get().override_level == 2
+
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.click("#alert-resolve")
+    expect(page.locator("#alert-status")).to_have_text("resolved")
+    expect(page.locator("#alert-closed")).to_be_visible()
+    for button in ("#alert-ack", "#alert-resolve", "#alert-snooze-15"):
+        expect(page.locator(button)).to_have_count(0)
+    kinds = page.locator("#timeline tbody tr").evaluate_all("rows => rows.map(r => r.dataset.kind)")
+    assert kinds == ["opened", "acknowledged", "comment", "snoozed", "resolved"]
+    assert "Resolved\toncall" in timeline_text(page)
+    alert.refresh_from_db()
+    assert alert.status == "resolved" and alert.resolved_by.username == "oncall"
+    assert errors == []

@@ -1,0 +1,218 @@
+"""Issue 28 end to end: a burning SLO degrades a deployment and recovery undoes it, by itself.
+
+Real parts: replica processes (`inferops serve`, faults through their admin API), a gateway
+process, a private Redis, Postgres, and a Celery worker with beat that reconciles (and so
+publishes each new level in the routing table), ingests usage and publishes keys. The test runs
+the evaluation cycles itself (beat's are pushed out to an hour), so it can count them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from alerts.models import Alert
+from degradation import services as degradation_services
+from degradation.models import DegradationState, LevelChange
+from deployments import services as deployment_services
+from deployments.drivers.local import LocalProcessDriver
+from deployments.models import Replica
+from registry import services as registry_services
+from slo.evaluation import evaluate_slos
+from slo.services import slo_create
+from tenants import services as tenant_services
+from tenants.ingest import ingest_usage
+from tenants.models import UsageEvent
+from tenants.publish import publish_keys
+from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
+from tests.e2e.test_gateway_platform import private_redis, start_gateway, wait_for  # noqa: F401
+
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
+
+ADMIN_TOKEN = "degradation-game-day"
+HIGH, LOW = 9, 1
+ENTER, EXIT = 2.0, 1.0
+
+
+class Load:
+    """Streamed chat requests from one key in a loop; outcomes counted by (status, error code)."""
+
+    def __init__(self, base: str, key: str, model: str = "chat", max_tokens: int = 4):
+        self.base, self.key, self.model, self.max_tokens = base, key, model, max_tokens
+        self.outcomes: Counter = Counter()
+        self.retry_after: set[str] = set()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self):
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                self.outcomes[self.once(client)] += 1
+                time.sleep(0.1)
+
+    def once(self, client: httpx.Client) -> tuple[int, str]:
+        body = {"model": self.model, "max_tokens": self.max_tokens, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}
+        try:
+            with client.stream("POST", f"{self.base}/v1/chat/completions", json=body,
+                               headers={"Authorization": f"Bearer {self.key}"}) as response:
+                text = "".join(response.iter_text())
+                if response.status_code == 200:
+                    return 200, "" if text.rstrip().endswith("[DONE]") else "cut"
+                if "retry-after" in response.headers:
+                    self.retry_after.add(response.headers["retry-after"])
+                return response.status_code, str(json.loads(text)["error"]["code"])
+        except httpx.HTTPError as exc:
+            return 0, type(exc).__name__
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(60)
+
+
+@pytest.fixture
+def platform(private_redis, worker_env, tmp_path, make_user, tiny_llama_dir, monkeypatch):  # noqa: F811
+    """A `chat` deployment (and a `small` one) served by replicas the worker starts, two keys of
+    different priorities, a gateway, and a TTFT SLO."""
+    monkeypatch.setenv("INFEROPS_ADMIN_TOKEN", ADMIN_TOKEN)
+    actor = make_user("operator")
+    model = registry_services.model_create(name="tiny", task="generate", actor=actor)
+    registry_services.version_register(model=model, artifact_uri=str(tiny_llama_dir), actor=actor)
+    chat = deployment_services.deployment_create(name="chat", model=model, version=1, actor=actor)
+    small = deployment_services.deployment_create(name="small", model=model, version=1, actor=actor)
+    tenant = tenant_services.tenant_create(name="acme", actor=actor)
+    _, high = tenant_services.key_create(tenant=tenant, name="interactive", actor=actor, priority=HIGH)
+    _, low = tenant_services.key_create(tenant=tenant, name="batch", actor=actor, priority=LOW)
+    publish_keys()
+    env = {**worker_env, "REDIS_URL": private_redis.url, "INFEROPS_ADMIN_TOKEN": ADMIN_TOKEN,
+           "INFEROPS_SLO_EVALUATE_INTERVAL_S": "3600", "INFEROPS_USAGE_INGEST_INTERVAL_S": "1"}
+    worker = start_worker(env, tmp_path, "worker")
+    gateway = None
+    try:
+        gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
+        for name in ("chat", "small"):
+            wait_for(lambda name=name: Load(base, high, name).once(httpx.Client(timeout=30)) == (200, ""), 120,
+                     f"{name} to serve through the gateway")
+        yield {"actor": actor, "chat": chat, "small": small, "base": base, "high": high, "low": low,
+               "replica": Replica.objects.get(deployment=chat, state="ready")}
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+        if gateway is not None and gateway.poll() is None:
+            gateway.send_signal(signal.SIGKILL)
+        for leftover in Replica.objects.all():
+            LocalProcessDriver().kill(leftover)
+
+
+def set_fault(replica: Replica, ms: float) -> None:
+    response = httpx.post(f"{replica.url}/admin/faults", json={"fault_ttft_ms": ms},
+                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=5)
+    assert response.status_code == 200, response.text
+
+
+def cycle(deployment) -> DegradationState:
+    """What beat does each minute (here every second or so): ingest, then evaluate (engine included)."""
+    ingest_usage(budget_s=5)
+    evaluate_slos()
+    return DegradationState.objects.get(deployment=deployment)
+
+
+def test_a_burning_slo_sheds_low_priority_and_recovery_undoes_it(platform, api):
+    chat, replica = platform["chat"], platform["replica"]
+    slo_create(actor=None, name="chat-ttft", deployment=chat, sli_kind="latency", ttft_ms=500, objective=0.9,
+               window="1d", min_requests=5)
+    degradation_services.policy_save(
+        deployment=chat, actor=platform["actor"], enabled=True, window_minutes=1, hold_s=10, slos=[],
+        levels=[{"name": "shed-batch", "enter_burn_rate": ENTER, "exit_burn_rate": EXIT,
+                 "actions": {"shed_below_priority": 5}}])
+    with Load(platform["base"], platform["high"]) as high, Load(platform["base"], platform["low"]) as low:
+        time.sleep(2)
+        assert cycle(chat).level == 0
+
+        set_fault(replica, 1500)
+        burning_since = None
+        for index in range(120):
+            state = cycle(chat)
+            if burning_since is None and max(state.burn_rates.values(), default=0) >= ENTER:
+                burning_since = index
+            if state.level == 1:
+                break
+            time.sleep(1)
+        assert state.level == 1, state.burn_rates
+        # One level per cycle, entered in the cycle that saw the burn, or the next.
+        assert burning_since is not None and index - burning_since <= 1
+
+        # The worker's reconcile pass publishes the level; low priority is shed, high is served.
+        served_high = high.outcomes[(200, "")]
+        wait_for(lambda: low.outcomes[(503, "degraded")] >= 3, 30, "low-priority requests to be shed")
+        wait_for(lambda: high.outcomes[(200, "")] >= served_high + 3, 30, "high-priority requests to be served")
+        assert low.retry_after == {"10"}
+        alert = Alert.objects.get(labels__alertname="DeploymentDegraded", labels__deployment="chat")
+        assert alert.status == "firing" and alert.severity == "ticket"
+
+        set_fault(replica, 0)
+        for _ in range(150):
+            if cycle(chat).level == 0:
+                break
+            time.sleep(1)
+        assert DegradationState.objects.get(deployment=chat).level == 0
+        served_low = low.outcomes[(200, "")]
+        wait_for(lambda: low.outcomes[(200, "")] >= served_low + 3, 30, "low-priority requests to be served again")
+
+    # The high class never failed; the low class failed only by being shed.
+    assert set(high.outcomes) == {(200, "")}, high.outcomes
+    assert set(low.outcomes) <= {(200, ""), (503, "degraded")}, low.outcomes
+    changes = list(LevelChange.objects.filter(deployment=chat).order_by("at"))
+    assert [(c.from_level, c.to_level) for c in changes] == [(0, 1), (1, 0)]
+    assert changes[0].burn_rates["chat-ttft"] >= ENTER and "entry rate 2" in changes[0].reason
+    alert.refresh_from_db()
+    assert alert.status == "resolved"
+    timeline = api("viewer").get("/api/v1/deployments/chat/degradation/").json()["history"]
+    assert [(entry["from"], entry["to"]) for entry in timeline] == [(1, 0), (0, 1)]
+    # Shed requests are recorded, and left out of the SLI (they would keep the burn up).
+    assert UsageEvent.objects.filter(deployment="chat", status=503, error_kind="degraded").exists()
+
+
+def test_a_forced_level_caps_max_tokens_and_falls_back_to_another_deployment(platform):
+    chat = platform["chat"]
+    degradation_services.policy_save(
+        deployment=chat, actor=platform["actor"], enabled=True, window_minutes=5, hold_s=60, slos=[],
+        levels=[{"name": "lean", "enter_burn_rate": 5, "exit_burn_rate": 2,
+                 "actions": {"max_tokens_cap": 3, "fallback": {"deployment": "small", "priorities": [LOW]}}}])
+    degradation_services.override_set(deployment=chat, actor=platform["actor"], level=1,
+                                      until=timezone.now() + timedelta(minutes=10), reason="drill")
+    base = platform["base"]
+
+    def ask(key: str) -> httpx.Response:
+        return httpx.post(f"{base}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                          json={"model": "chat", "max_tokens": 20, "ignore_eos": True,
+                                "messages": [{"role": "user", "content": "count"}]})
+
+    capped = wait_for(lambda: (r := ask(platform["high"])).headers.get("x-inferops-max-tokens-capped") and r, 30,
+                      "the gateway to apply level 1")
+    assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] == 3
+    assert capped.json()["model"] == "chat" and "x-inferops-fallback" not in capped.headers
+    moved = ask(platform["low"])
+    assert moved.status_code == 200 and moved.headers["x-inferops-fallback"] == "small"
+    assert moved.json()["model"] == "small" and moved.json()["usage"]["completion_tokens"] == 3
+
+    wait_for(lambda: ingest_usage(budget_s=5) is not None and UsageEvent.objects.filter(
+        deployment="small", tenant="acme").exists(), 30, "the fallback request in the usage ledger")
+    degradation_services.override_set(deployment=chat, actor=platform["actor"], level=0,
+                                      until=timezone.now() + timedelta(minutes=10), reason="drill over")
+    wait_for(lambda: "x-inferops-degradation-level" not in ask(platform["low"]).headers, 30,
+             "the gateway to go back to level 0")
+    assert ask(platform["low"]).json()["model"] == "chat"

@@ -1,0 +1,59 @@
+"""Writes in Django's admin go through the apps' services: validated, audited, and followed by what
+the service does after a write (API keys republished when a tenant's limits change)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from django.contrib.auth.models import User
+
+from inferops.models import AuditEvent
+from inferops.redis_client import redis_client
+from registry import services as registry_services
+from registry.models import Alias
+from runtime.gateway.contract import KEYS_KEY
+from tenants import services as tenant_services
+from tenants.models import Tenant
+from tests.deployments.conftest import make_version
+
+pytestmark = pytest.mark.django_db(transaction=True)  # the key table is published on commit
+
+
+@pytest.fixture
+def admin_client(client):
+    client.force_login(User.objects.create_superuser("root", password="pw-12345678"))
+    return client
+
+
+def tenant_form(tenant: Tenant, **changes) -> dict:
+    return {"display_name": tenant.display_name, "rpm_limit": tenant.rpm_limit or "",
+            "tpm_limit": tenant.tpm_limit or "", "max_concurrent": tenant.max_concurrent or "", **changes}
+
+
+def test_a_tenant_changed_in_the_admin_is_audited_and_its_keys_republished(admin_client):
+    tenant = tenant_services.tenant_create(name="acme", actor=None, rpm_limit=10)
+    key, secret = tenant_services.key_create(tenant=tenant, name="ci", actor=None)
+    response = admin_client.post(f"/admin/tenants/tenant/{tenant.pk}/change/", tenant_form(tenant, rpm_limit=99))
+    assert response.status_code == 302, response.content.decode()[:2000]
+    event = AuditEvent.objects.filter(action="tenant.update").get()
+    assert event.actor_name == "root" and event.before["rpm_limit"] == 10 and event.after["rpm_limit"] == 99
+    published = json.loads(redis_client().hget(KEYS_KEY, key.key_hash))
+    assert published["limits"]["tenant"]["rpm"] == 99
+
+
+def test_a_refusal_of_the_service_is_shown_not_a_server_error(admin_client):
+    chat = registry_services.model_create(name="chat", task="generate", actor=None)
+    other = registry_services.model_create(name="other", task="generate", actor=None)
+    foreign = make_version(other, 1)
+    response = admin_client.post("/admin/registry/alias/add/",
+                                 {"model": chat.pk, "name": "champion", "version": foreign.pk}, follow=True)
+    assert response.status_code == 200
+    assert "Not saved: Version 1 belongs to another model." in response.content.decode()
+    assert not Alias.objects.exists() and not AuditEvent.objects.filter(action="alias.set")
+
+
+def test_what_only_the_platform_writes_is_read_only_in_the_admin(admin_client):
+    for page in ("/admin/inferops/auditevent/add/", "/admin/tenants/apikey/add/",
+                 "/admin/deployments/replica/add/", "/admin/deployments/deployment/add/"):
+        assert admin_client.get(page).status_code == 403, page
