@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch==2.13.0 first, on its own: the CPU wheel, never a multi-GB CUDA build.
 	$(BIN)/pip install --quiet "torch==2.13.0" $(TORCH_SOURCE)
-	$(BIN)/pip install --quiet $(TORCH_SOURCE) -e ".[dev]"
+	# Every extra: a developer runs all processes (images take only theirs: platform/Dockerfile).
+	$(BIN)/pip install --quiet $(TORCH_SOURCE) -e ".[engine,embedded,bench,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
