@@ -1,9 +1,9 @@
 """Prefill attention over a bf16 KV cache: attended in float32 or in bf16, on this CPU.
 
 A bf16 model keeps float32 activations around its bf16 matmuls, and its KV cache is bf16
-(model_runner.activation_dtype, kv_cache_dtype). A prefill chunk's attention can then run in
+(plan.ExecutionPlan). A prefill chunk's attention can then run in
 float32 (the bf16 keys and values widened) or in bf16 (the queries rounded);
-`model_runner.prefill_attention_dtype` picks bf16 only where the CPU has AMX, because that
+`plan.prefill_attention_dtype` picks bf16 only where the CPU has AMX, because that
 is where torch's flash attention was measured faster in bf16. This times the engine's own
 `model.paged_attention` for both choices on the same chunks, alternating, so that rule can be
 re-checked on any CPU: whole prompts of 256, 512 and 1,024 tokens (causal) and chunks over
@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from serving_bench import emit_report  # noqa: E402
 
-from runtime.engine import model_runner  # noqa: E402
+from runtime.engine import plan  # noqa: E402
 from runtime.engine.config import ModelConfig  # noqa: E402
 from runtime.engine.demo_model import PRESETS  # noqa: E402
 from runtime.engine.model import AttentionMetadata, PrefillAttention, paged_attention  # noqa: E402
@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             "median_ms": medians,
             "float32_over_bf16": round(medians["float32"] / medians["bfloat16"], 2),
         }
-    chosen = model_runner.prefill_attention_dtype(torch.float32, torch.bfloat16)
+    chosen = plan.prefill_attention_dtype(torch.float32, torch.bfloat16, plan.cpu_has_amx())
     emit_report({
         "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "threads": args.threads,
-        "cpu": {"amx": model_runner.cpu_has_amx(),
+        "cpu": {"amx": plan.cpu_has_amx(),
                 "avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
                 "capability": torch.backends.cpu.get_cpu_capability()},
         "engine_prefill_dtype_here": str(chosen).removeprefix("torch."),

@@ -58,7 +58,7 @@ CATEGORIES: list[tuple[str, tuple[tuple[str, str], ...]]] = [
     ("engine bookkeeping (outputs, metrics)", (("*", "runtime/engine/engine.py"), ("*", "runtime/engine/metrics.py"))),
     ("engine thread hand-off (async engine)", (("*", "runtime/engine/async_engine.py"),)),
     ("HTTP, SSE and JSON (server, starlette, uvicorn)", (
-        ("*", "runtime/engine/server.py"), ("*", "runtime/engine/openai_protocol.py"), ("*", "starlette"),
+        ("*", "runtime/engine/server/"), ("*", "runtime/engine/openai_protocol.py"), ("*", "starlette"),
         ("*", "uvicorn"), ("*", "h11"), ("*", "httptools"), ("*", "json"),
     )),
     ("asyncio event loop", (("*", "asyncio"),)),

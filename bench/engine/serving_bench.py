@@ -32,9 +32,9 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from runtime.drivers.local import vllm_cpu_preload  # noqa: E402
 from runtime.engine.demo_model import write_demo_model  # noqa: E402
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark  # noqa: E402
+from runtime.vllm_preload import vllm_cpu_preload  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL_DIR = HERE / "work" / "tiny"
@@ -141,7 +141,7 @@ def add_vllm_preload_argument(parser: argparse.ArgumentParser) -> None:
 
 def vllm_ld_preload(mode: str = "docs") -> str:
     """docs: what vLLM's CPU install guide puts in LD_PRELOAD, as the platform's local driver
-    starts CPU vLLM replicas (runtime.drivers.local.vllm_cpu_preload); none: nothing."""
+    starts CPU vLLM replicas (runtime.vllm_preload.vllm_cpu_preload); none: nothing."""
     return "" if mode == "none" else vllm_cpu_preload(str(VLLM_PYTHON))
 
 

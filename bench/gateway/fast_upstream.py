@@ -2,7 +2,7 @@
 
 It answers OpenAI-compatible `POST /v1/chat/completions` and `/v1/completions` (streamed or not)
 and `GET /v1/models` with canned text shaped like the recorded vLLM 0.32 answers
-(shared/fixtures/vllm-0.32-cpu/chat-stream.sse: a role chunk, content chunks, a finish chunk,
+(tests/fixtures/vllm-0.32-cpu/chat-stream.sse: a role chunk, content chunks, a finish chunk,
 a usage-only chunk when `stream_options.include_usage` asks for it, `data: [DONE]`). It does
 no inference, so almost all of a request's time through a proxy is the proxy's own.
 

@@ -34,25 +34,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from scratch import django_on_scratch_database, recreate_scratch_database  # noqa: E402  (bench/scratch.py)
+
 SCRATCH_DB = "inferops_bench_ingest"
 GOAL_EVENTS_PER_S = 5000
 
 
-def scratch_database_url(url: str) -> str:
-    return urlunparse(urlparse(url)._replace(path=f"/{SCRATCH_DB}"))
-
-
-def recreate_scratch_database(admin_url: str, *, drop_only: bool = False) -> None:
-    import psycopg
-
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {SCRATCH_DB} WITH (FORCE)")
-        if not drop_only:
-            conn.execute(f"CREATE DATABASE {SCRATCH_DB}")
 
 
 def make_events(count: int, seed: int = 1) -> list[dict]:
@@ -137,29 +127,20 @@ def naive_orm_ingest(events: list[dict]) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    admin_url = os.environ.get("DATABASE_URL")
-    if not admin_url or not os.environ.get("REDIS_URL"):
-        sys.exit("set DATABASE_URL and REDIS_URL (see the module docstring)")
     load_before = os.getloadavg()[0]
-    recreate_scratch_database(admin_url)
-    os.environ["DATABASE_URL"] = scratch_database_url(admin_url)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
-    sys.path.insert(0, str(ROOT))
-    import django
-
-    django.setup()
+    admin_url = django_on_scratch_database(SCRATCH_DB)
     from django.core.management import call_command
     from django.db import connection
     from django.db.models import Sum
 
-    from runtime.routing import redis_client
+    from inferops.redis_client import redis_client
     from tenants import ingest
     from tenants.models import UsageEvent, UsageMinute
 
     call_command("migrate", verbosity=0)
     client = redis_client()
     if client.exists(ingest.STREAM_KEY):
-        recreate_scratch_database(admin_url, drop_only=True)
+        recreate_scratch_database(admin_url, SCRATCH_DB, drop_only=True)
         sys.exit(f"{ingest.STREAM_KEY} already exists in this Redis database: another gateway or test uses it; "
                  "point REDIS_URL at a database of the benchmark's own")
     try:
@@ -205,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         client.delete(ingest.STREAM_KEY, ingest.REJECTED_KEY)
         connection.close()
-        recreate_scratch_database(admin_url, drop_only=True)
+        recreate_scratch_database(admin_url, SCRATCH_DB, drop_only=True)
 
     rate = report.read / ingest_s
     peer_rate = len(peer_input) / peer_s

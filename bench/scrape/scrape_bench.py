@@ -2,7 +2,7 @@
 
 Each stub serves the recorded vLLM 0.32 /metrics page (vllm-0.32-cpu-metrics.txt, 53 KB) on its
 own loopback port, with counters, histograms and gauges that move on every request. The
-scraper under test is `runtime.scraping.scrape_cycle` (bounded concurrent httpx fetches, one
+scraper under test is `deployments.scraping.scrape_cycle` (bounded concurrent httpx fetches, one
 batched store), the same code the Celery task runs. The peer, in the same run, is the naive
 loop: `requests.get` one replica after the other, each stored on its own as it arrives.
 
@@ -34,10 +34,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from scratch import django_on_scratch_database, recreate_scratch_database  # noqa: E402  (bench/scratch.py)
+
 RECORDED_PAGE = HERE / "vllm-0.32-cpu-metrics.txt"
 SCRATCH_DB = "inferops_bench_scrape"
 
@@ -142,24 +143,12 @@ def serve_stubs(count: int, ports_out, stop_event, delay_s) -> None:
     asyncio.run(main())
 
 
-def scratch_database_url(url: str) -> str:
-    return urlunparse(urlparse(url)._replace(path=f"/{SCRATCH_DB}"))
-
-
-def recreate_scratch_database(admin_url: str, *, drop_only: bool = False) -> None:
-    import psycopg
-
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {SCRATCH_DB} WITH (FORCE)")
-        if not drop_only:
-            conn.execute(f"CREATE DATABASE {SCRATCH_DB}")
 
 
 def make_replicas(urls: list[str]):
-    from deployments.models import Deployment
+    from deployments.choices import ReplicaState
+    from deployments.models import Deployment, Replica
     from registry.models import ModelVersion, RegisteredModel
-    from runtime.choices import ReplicaState
-    from runtime.models import Replica
 
     model = RegisteredModel.objects.create(name="bench-tiny", task="generate")
     version = ModelVersion.objects.create(
@@ -181,7 +170,7 @@ def naive_cycle(replicas) -> dict:
     import requests
     from django.utils import timezone
 
-    from runtime.scraping import MetricsParseError, ScrapeResult, parse_metrics, store_results
+    from deployments.scraping import MetricsParseError, ScrapeResult, parse_metrics, store_results
 
     began = time.perf_counter()
     failed = 0
@@ -199,7 +188,7 @@ def naive_cycle(replicas) -> dict:
 
 
 def concurrent_cycle() -> dict:
-    from runtime.scraping import scrape_cycle
+    from deployments.scraping import scrape_cycle
 
     began = time.perf_counter()
     report = scrape_cycle()
@@ -220,30 +209,21 @@ def summary(cycles: list[dict]) -> dict:
 def stored_generation_tokens() -> int:
     from django.db.models import Sum
 
-    from runtime.models import ReplicaMetricsMinute
+    from deployments.models import ReplicaMetricsMinute
 
     return ReplicaMetricsMinute.objects.aggregate(total=Sum("generation_tokens"))["total"] or 0
 
 
 def raw_generation_tokens() -> float:
-    from runtime.models import Replica
+    from deployments.models import Replica
 
     return sum(state.get("counters", {}).get("generation_tokens", 0.0)
                for state in Replica.objects.values_list("scrape_state", flat=True))
 
 
 def run(args: argparse.Namespace) -> dict:
-    admin_url = os.environ.get("DATABASE_URL")
-    if not admin_url or not os.environ.get("REDIS_URL"):
-        sys.exit("set DATABASE_URL and REDIS_URL (see the module docstring)")
     load_before = os.getloadavg()[0]
-    recreate_scratch_database(admin_url)
-    os.environ["DATABASE_URL"] = scratch_database_url(admin_url)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
-    sys.path.insert(0, str(ROOT))
-    import django
-
-    django.setup()
+    admin_url = django_on_scratch_database(SCRATCH_DB)
     # httpx logs every request at INFO: 200 lines a cycle would drown the figures.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from django.core.management import call_command
@@ -296,7 +276,7 @@ def run(args: argparse.Namespace) -> dict:
         stop.set()
         stubs.join(timeout=10)
         connection.close()
-        recreate_scratch_database(admin_url, drop_only=True)
+        recreate_scratch_database(admin_url, SCRATCH_DB, drop_only=True)
 
     concurrent_summary, naive_summary = summary(concurrent), summary(naive)
     return {
@@ -308,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
                     "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
         "replicas": args.replicas,
         "page_bytes": len(StubPage(RECORDED_PAGE.read_text()).render(1)),
-        "scraper": {"name": "runtime.scraping.scrape_cycle",
+        "scraper": {"name": "deployments.scraping.scrape_cycle",
                     "concurrency": 32, "timeouts_s": {"connect": 2.0, "total": 5.0},
                     **concurrent_summary},
         "peer": {"name": "naive sequential: requests.get one by one, each stored on arrival",
@@ -327,7 +307,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def make_faulty_replicas(template, urls: list[str]):
-    from runtime.models import Replica
+    from deployments.models import Replica
 
     return Replica.objects.bulk_create([
         Replica(deployment_id=template.deployment_id, version_id=template.version_id,

@@ -35,10 +35,11 @@ import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from scratch import django_on_scratch_database, recreate_scratch_database  # noqa: E402  (bench/scratch.py)
+
 SCRATCH_DB = "inferops_bench_slo"
 SCENARIOS = {"1000x1d": (1000, 100, 1), "100x1d": (100, 10, 1), "100x30d": (100, 10, 30)}
 EVENTS_PER_MINUTE = 6  # per deployment; history events are what the recompute's index scans skip
@@ -58,17 +59,6 @@ SLI_MIX = [
 ]
 
 
-def scratch_database_url(url: str) -> str:
-    return urlunparse(urlparse(url)._replace(path=f"/{SCRATCH_DB}"))
-
-
-def recreate_scratch_database(admin_url: str, *, drop_only: bool = False) -> None:
-    import psycopg
-
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {SCRATCH_DB} WITH (FORCE)")
-        if not drop_only:
-            conn.execute(f"CREATE DATABASE {SCRATCH_DB}")
 
 
 def log(message: str) -> None:
@@ -246,17 +236,8 @@ def run_scenario(name: str, cycles: int, start_minute: datetime) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    admin_url = os.environ.get("DATABASE_URL")
-    if not admin_url or not os.environ.get("REDIS_URL"):
-        sys.exit("set DATABASE_URL and REDIS_URL (see the module docstring)")
-    recreate_scratch_database(admin_url)
-    os.environ["DATABASE_URL"] = scratch_database_url(admin_url)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
     os.environ.setdefault("INFEROPS_LOG_LEVEL", "WARNING")
-    sys.path.insert(0, str(ROOT))
-    import django
-
-    django.setup()
+    django_on_scratch_database(SCRATCH_DB)
     from django.core.management import call_command
     from django.db import connection
 
@@ -302,7 +283,7 @@ def main() -> int:
             from django.db import connections
 
             connections.close_all()
-            recreate_scratch_database(admin_url, drop_only=True)
+            recreate_scratch_database(admin_url, SCRATCH_DB, drop_only=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "scenarios"}, indent=2))
     for name, scenario in result["scenarios"].items():

@@ -1,0 +1,54 @@
+"""A scratch database for the control-plane benchmarks: made fresh on the Postgres of
+DATABASE_URL, Django set up on it, dropped when the benchmark is done; and how they wait for
+the processes they start."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse, urlunparse
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scratch_database_url(url: str, name: str) -> str:
+    return urlunparse(urlparse(url)._replace(path=f"/{name}"))
+
+
+def recreate_scratch_database(admin_url: str, name: str, *, drop_only: bool = False) -> None:
+    import psycopg
+
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        if not drop_only:
+            conn.execute(f"CREATE DATABASE {name}")
+
+
+def django_on_scratch_database(name: str) -> str:
+    """Point Django at a fresh database `name` and set it up; returns the admin URL to drop it with."""
+    admin_url = os.environ.get("DATABASE_URL")
+    if not admin_url or not os.environ.get("REDIS_URL"):
+        sys.exit("set DATABASE_URL and REDIS_URL (see the module docstring)")
+    recreate_scratch_database(admin_url, name)
+    os.environ["DATABASE_URL"] = scratch_database_url(admin_url, name)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
+    sys.path.insert(0, str(ROOT))
+    import django
+
+    django.setup()
+    return admin_url
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except Exception:  # noqa: BLE001 - a process still starting answers with anything
+            value = None
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise SystemExit(f"timed out after {timeout_s:.0f} s waiting for {what}")
