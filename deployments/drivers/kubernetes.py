@@ -24,7 +24,8 @@ Because rows are slots, every row of a version shares the Service URL: a /health
 request through it reaches one ready pod at random, and a stop or kill lets Kubernetes choose
 which pod goes. `ready_pod_urls` lists the pods themselves for callers that need each one.
 
-Settings (all optional, read from django.conf.settings):
+Settings (all optional, read from django.conf.settings, else from the environment variable of the
+same name; platform/kubernetes/base/config.yaml sets them):
     INFEROPS_K8S_NAMESPACE          namespace of every object (default "inferops")
     INFEROPS_K8S_IMAGE              image with the `inferops` CLI (default "inferops:latest")
     INFEROPS_K8S_VLLM_IMAGE         vLLM OpenAI server image (default "vllm/vllm-openai:latest")
@@ -47,6 +48,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import posixpath
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,12 +108,31 @@ class KubernetesSettings:
 
     @classmethod
     def from_django(cls) -> KubernetesSettings:
+        """Django settings first, then the INFEROPS_K8S_* environment variable (what the
+        kustomize ConfigMap sets), then the default."""
         defaults = cls()
-        values = {
-            name: getattr(settings, f"INFEROPS_K8S_{name.upper()}", getattr(defaults, name))
-            for name in cls.__dataclass_fields__
-        }
+        values = {}
+        for name in cls.__dataclass_fields__:
+            key, default = f"INFEROPS_K8S_{name.upper()}", getattr(defaults, name)
+            if hasattr(settings, key):
+                values[name] = getattr(settings, key)
+            elif os.environ.get(key, "") != "":
+                values[name] = _from_env(os.environ[key], default, key)
+            else:
+                values[name] = default
         return cls(**values)
+
+
+def _from_env(text: str, default, key: str):
+    try:
+        if isinstance(default, dict):
+            value = json.loads(text)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            return value
+        return type(default)(text)
+    except ValueError as exc:
+        raise DriverError(f"{key}={text!r}: {exc}") from None
 
 
 def object_name(deployment: str, version: int) -> str:

@@ -293,6 +293,22 @@ def test_settings_come_from_django_settings(settings):
     assert deployment["metadata"]["namespace"] == "serving"
 
 
+def test_settings_absent_from_django_come_from_the_environment(settings, monkeypatch):
+    # The kustomize ConfigMap sets these as environment variables of the worker.
+    monkeypatch.setenv("INFEROPS_K8S_IMAGE", "inferops-replica:0.1.0")
+    monkeypatch.setenv("INFEROPS_K8S_STARTUP_TIMEOUT_S", "600")
+    monkeypatch.setenv("INFEROPS_K8S_GPU_PRODUCTS", '{"nvidia-h100": "NVIDIA-H100-80GB-HBM3"}')
+    monkeypatch.setenv("INFEROPS_K8S_NAMESPACE", "ignored")
+    settings.INFEROPS_K8S_NAMESPACE = "serving"
+    config = KubernetesSettings.from_django()
+    assert (config.image, config.startup_timeout_s) == ("inferops-replica:0.1.0", 600)
+    assert config.gpu_products == {"nvidia-h100": "NVIDIA-H100-80GB-HBM3"}
+    assert config.namespace == "serving"  # a Django setting wins over the environment
+    monkeypatch.setenv("INFEROPS_K8S_STARTUP_TIMEOUT_S", "soon")
+    with pytest.raises(DriverError, match="INFEROPS_K8S_STARTUP_TIMEOUT_S='soon'"):
+        KubernetesSettings.from_django()
+
+
 # --- the fake API server ----------------------------------------------------------------------
 
 @dataclass
