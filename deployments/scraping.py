@@ -11,6 +11,12 @@ writers never deadlock) and drops a sample older than the stored state, so a lat
 counts an increase twice. A value lower than before is a counter reset (the replica restarted):
 the delta is the new value itself. A replica's first scrape only sets the baseline, unless the
 replica started (or became ready) within the last minute, when its raw values are the delta.
+
+A Kubernetes replica is scraped pod by pod, never through its Service (which reaches one pod at
+random, so two scrapes could read two pods and take the difference for an increase). Rows of a
+Kubernetes version are slots, not pods, so all of the version's ready pods are counted on one of
+its rows (the lowest id), each pod with its own previous sample; their deltas are summed into that
+row's minute row, their gauges combined as one replica's would be.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import logging
 import re
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -29,7 +35,8 @@ from django.db import transaction
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.choices import ReplicaState
+from deployments.choices import DriverName, ReplicaState
+from deployments.drivers import DriverError, driver_for
 from deployments.models import Replica, ReplicaMetricsMinute
 from inferops.locks import LockId, try_advisory_lock
 
@@ -232,13 +239,29 @@ def state_from_json(state: dict) -> tuple[MetricsSample | None, datetime | None]
     return sample, datetime.fromisoformat(state["scraped_at"])
 
 
+def targets_from_json(state: dict) -> dict[str, dict]:
+    """A replica's scrape state per target: "" for the replica itself, else a pod's URL."""
+    if "pods" in state:
+        return dict(state["pods"])
+    return {"": state} if "scraped_at" in state else {}
+
+
+def targets_to_json(states: dict[str, dict]) -> dict:
+    # A replica scraped at its own URL keeps the flat shape it always had.
+    if set(states) == {""}:
+        return states[""]
+    return {"pods": {key: value for key, value in states.items() if key}}
+
+
 # --- fetching -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ScrapeTarget:
     replica_id: int
-    url: str  # the replica's base URL
+    url: str  # the replica's base URL, or one of its pods'
+    pod: str = ""  # the pod's URL when the target is one pod of a Kubernetes replica
+    error: str = ""  # set when the targets could not even be listed: nothing to fetch
 
 
 @dataclass
@@ -247,6 +270,7 @@ class ScrapeResult:
     scraped_at: datetime
     sample: MetricsSample | None = None
     error: str = ""
+    pod: str = ""
 
 
 def metrics_url(base_url: str) -> str:
@@ -284,21 +308,26 @@ class MetricsFetcher:
 
     async def _fetch_one(self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore,
                          target: ScrapeTarget) -> ScrapeResult:
+        if target.error:
+            return ScrapeResult(target.replica_id, timezone.now(), error=target.error)
         async with semaphore:
             # Stamped when the request leaves: of two overlapping scrapes of one replica, the one
-            # sent first is answered first, and storing keeps only the newer (see _fold_sample).
+            # sent first is answered first, and storing keeps only the newer (see _fold_samples).
             scraped_at = timezone.now()
             try:
                 async with asyncio.timeout(self.total_timeout):
                     text = await self._get_text(client, metrics_url(target.url))
-                return ScrapeResult(target.replica_id, scraped_at, sample=parse_metrics(text))
+                return ScrapeResult(target.replica_id, scraped_at, sample=parse_metrics(text),
+                                    pod=target.pod)
             except TimeoutError:
                 error = f"no complete response within {self.total_timeout:g} s"
             except httpx.HTTPError as exc:
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             except (MetricsParseError, UnicodeDecodeError) as exc:
                 error = str(exc)
-            return ScrapeResult(target.replica_id, scraped_at, error=error)
+            if target.pod:
+                error = f"pod {target.pod}: {error}"
+            return ScrapeResult(target.replica_id, scraped_at, error=error, pod=target.pod)
 
     async def _get_text(self, client: httpx.AsyncClient, url: str) -> str:
         async with client.stream("GET", url) as response:
@@ -375,45 +404,53 @@ _MINUTE_FIELDS = [f.name for f in ReplicaMetricsMinute._meta.concrete_fields
 def store_results(results: list[ScrapeResult]) -> StoreReport:
     """Write a cycle's results: minute rows for samples, last_error for failures."""
     report = StoreReport()
-    ordered = sorted(results, key=lambda result: result.replica_id)
+    # A replica's pods are folded together, so its results never straddle two batches.
+    by_replica: dict[int, list[ScrapeResult]] = defaultdict(list)
+    for result in results:
+        by_replica[result.replica_id].append(result)
+    ordered = sorted(by_replica.items())
     for begin in range(0, len(ordered), STORE_BATCH):
-        _store_batch(ordered[begin:begin + STORE_BATCH], report)
+        _store_batch(dict(ordered[begin:begin + STORE_BATCH]), report)
     return report
 
 
-def _store_batch(results: list[ScrapeResult], report: StoreReport) -> None:
+def _store_batch(groups: dict[int, list[ScrapeResult]], report: StoreReport) -> None:
     with transaction.atomic():
         # Locking in id order serialises writers per replica without deadlocks; `of` keeps the
         # lock off the deployment rows that Replica's default ordering would join.
         replicas = {
             replica.pk: replica
             for replica in Replica.objects.select_for_update(of=("self",))
-            .filter(pk__in=[result.replica_id for result in results]).order_by("pk")
+            .filter(pk__in=list(groups)).order_by("pk")
             .only("pk", "deployment_id", "version_id", "started_at", "ready_at", "last_error",
                   "scrape_state")
         }
-        minutes = {(result.replica_id, minute_start(result.scraped_at)) for result in results
-                   if result.sample is not None}
-        rows = _minute_rows(minutes)
+        # One minute row per replica and cycle: its pods' answers may straddle a minute edge.
+        minutes = {replica_id: minute_start(min(r.scraped_at for r in group if r.sample))
+                   for replica_id, group in groups.items()
+                   if any(r.sample is not None for r in group)}
+        rows = _minute_rows(set(minutes.items()))
+        pod_states = _version_pod_states(replicas.values(), groups)
         touched: dict[MinuteKey, ReplicaMetricsMinute] = {}
         changed: list[Replica] = []
-        for result in results:
-            replica = replicas.get(result.replica_id)
+        for replica_id, group in groups.items():
+            replica = replicas.get(replica_id)
             if replica is None:  # deleted since the fetch
                 continue
-            if result.sample is None:
-                replica.last_error = f"{SCRAPE_ERROR_PREFIX}{result.error}"
-                report.failed += 1
-                changed.append(replica)
-                continue
-            key = (replica.pk, minute_start(result.scraped_at))
-            row = rows.get(key) or ReplicaMetricsMinute(
-                replica_id=replica.pk, deployment_id=replica.deployment_id,
-                version_id=replica.version_id, start=key[1])
-            if not _fold_sample(replica, row, result, report):
-                continue
-            rows[key] = touched[key] = row
-            if replica.last_error.startswith(SCRAPE_ERROR_PREFIX):
+            failures = [result.error for result in group if result.sample is None]
+            report.failed += len(failures)
+            samples = [result for result in group if result.sample is not None]
+            if samples:
+                key = (replica.pk, minutes[replica.pk])
+                row = rows.get(key) or ReplicaMetricsMinute(
+                    replica_id=replica.pk, deployment_id=replica.deployment_id,
+                    version_id=replica.version_id, start=key[1])
+                if not _fold_samples(replica, row, samples, pod_states, report):
+                    continue
+                rows[key] = touched[key] = row
+            if failures:
+                replica.last_error = SCRAPE_ERROR_PREFIX + "; ".join(failures)
+            elif replica.last_error.startswith(SCRAPE_ERROR_PREFIX):
                 replica.last_error = ""
             changed.append(replica)
         if touched:
@@ -438,26 +475,83 @@ def _minute_rows(keys: set[MinuteKey]) -> dict[MinuteKey, ReplicaMetricsMinute]:
             if (row.replica_id, row.start) in keys}
 
 
-def _fold_sample(replica: Replica, row: ReplicaMetricsMinute, result: ScrapeResult,
-                 report: StoreReport) -> bool:
-    """Add one sample to its minute row and advance the replica's scrape state.
+PodKey = tuple[int, int, str]  # (deployment id, version id, pod URL)
 
-    Returns False for a stale sample (another scraper already stored a newer one)."""
-    previous, previous_at = state_from_json(replica.scrape_state)
-    if previous_at is not None and (result.scraped_at <= previous_at
-                                    or _went_backwards(previous, result.sample)):
-        report.stale += 1
-        return False
+
+def _version_pod_states(replicas: Iterable[Replica],
+                        groups: dict[int, list[ScrapeResult]]) -> dict[PodKey, dict]:
+    """The newest stored state of every pod of the versions scraped pod by pod, whichever of the
+    version's rows holds it: when the row that counts a version's pods changes (the old one
+    stopped), the new one continues each pod's deltas instead of counting them again."""
+    versions = {(r.deployment_id, r.version_id) for r in replicas
+                if any(result.pod for result in groups[r.pk])}
+    if not versions:
+        return {}
+    newest: dict[PodKey, dict] = {}
+    rows = Replica.objects.filter(version_id__in={version for _, version in versions}) \
+        .values_list("deployment_id", "version_id", "scrape_state")
+    for deployment_id, version_id, state in rows:
+        if (deployment_id, version_id) not in versions:
+            continue
+        for pod, pod_state in targets_from_json(state or {}).items():
+            key = (deployment_id, version_id, pod)
+            if pod and (key not in newest or _at(pod_state) > _at(newest[key])):
+                newest[key] = pod_state
+    return newest
+
+
+def _at(state: dict) -> datetime:
+    return datetime.fromisoformat(state["scraped_at"])
+
+
+def combine_gauges(per_target: list[dict[str, float]]) -> dict[str, float]:
+    """One replica's gauges from its pods': counts add up, fractions average."""
+    combined: dict[str, float] = {}
+    for key in GAUGES:
+        values = [gauges[key] for gauges in per_target if key in gauges]
+        if values:
+            combined[key] = sum(values) / len(values) if key in MEAN_GAUGES else sum(values)
+    return combined
+
+
+def _fold_samples(replica: Replica, row: ReplicaMetricsMinute, results: list[ScrapeResult],
+                  pod_states: dict[PodKey, dict], report: StoreReport) -> bool:
+    """Add one cycle's samples of a replica (one, or one per pod) to its minute row and advance
+    the replica's scrape state. Returns False when every sample was stale (another scraper
+    already stored a newer one)."""
+    states = targets_from_json(replica.scrape_state or {})
+    if any(result.pod for result in results):
+        # Pods only: a state from when the replica was scraped through its Service is no pod's.
+        states = {pod: state for pod, state in states.items() if pod}
     accumulator = MinuteAccumulator(row)
-    accumulator.add_gauges(result.sample.gauges)
-    if previous is not None and result.scraped_at - previous_at <= MAX_DELTA_SPAN:
-        accumulator.add_deltas(sample_deltas(previous, result.sample))
-    elif previous is None and _fresh(replica, result.scraped_at):
-        accumulator.add_deltas(sample_deltas(None, result.sample))
-    else:
-        report.baselines += 1
-    replica.scrape_state = state_to_json(result.sample, result.scraped_at)
-    report.stored += 1
+    gauges = []
+    for result in results:
+        stored = states.get(result.pod)
+        if result.pod:
+            newest = pod_states.get((replica.deployment_id, replica.version_id, result.pod))
+            if newest and (stored is None or _at(newest) > _at(stored)):
+                stored = newest
+        previous, previous_at = state_from_json(stored or {})
+        if previous_at is not None and (result.scraped_at <= previous_at
+                                        or _went_backwards(previous, result.sample)):
+            report.stale += 1
+            continue
+        if previous is not None and result.scraped_at - previous_at <= MAX_DELTA_SPAN:
+            accumulator.add_deltas(sample_deltas(previous, result.sample))
+        elif previous is None and _fresh(replica, result):
+            accumulator.add_deltas(sample_deltas(None, result.sample))
+        else:
+            report.baselines += 1
+        gauges.append(result.sample.gauges)
+        states[result.pod] = state_to_json(result.sample, result.scraped_at)
+        report.stored += 1
+    if not gauges:
+        return False
+    accumulator.add_gauges(combine_gauges(gauges))
+    # A pod gone for longer than a delta may span will only ever re-baseline: forget it.
+    horizon = max(result.scraped_at for result in results) - MAX_DELTA_SPAN
+    replica.scrape_state = targets_to_json(
+        {pod: state for pod, state in states.items() if _at(state) >= horizon})
     return True
 
 
@@ -469,11 +563,14 @@ def _went_backwards(previous: MetricsSample, current: MetricsSample) -> bool:
     return any(value < previous.counters.get(key, 0.0) for key, value in current.counters.items())
 
 
-def _fresh(replica: Replica, scraped_at: datetime) -> bool:
+def _fresh(replica: Replica, result: ScrapeResult) -> bool:
     """Started (or became ready) within the last minute: its counters began at zero recently
-    enough that everything they show belongs to this minute."""
+    enough that everything they show belongs to this minute. A pod that joined a running
+    version says when its process started."""
     moments = [moment for moment in (replica.started_at, replica.ready_at) if moment is not None]
-    return bool(moments) and scraped_at - max(moments) <= FRESH_REPLICA_WINDOW
+    if result.pod and result.sample.process_start is not None:
+        moments = [datetime.fromtimestamp(result.sample.process_start, tz=result.scraped_at.tzinfo)]
+    return bool(moments) and result.scraped_at - max(moments) <= FRESH_REPLICA_WINDOW
 
 
 # --- one cycle ------------------------------------------------------------------------------
@@ -486,9 +583,10 @@ class CycleReport:
     store_s: float = 0.0
     store: StoreReport = field(default_factory=StoreReport)
     skipped: bool = False  # another cycle was still running
+    targets: int = 0  # replicas scraped at their own URL, plus one per pod of a Kubernetes one
 
     def as_dict(self) -> dict:
-        return {"replicas": self.replicas, "fetch_s": round(self.fetch_s, 3),
+        return {"replicas": self.replicas, "targets": self.targets, "fetch_s": round(self.fetch_s, 3),
                 "store_s": round(self.store_s, 3), "skipped": self.skipped, **self.store.__dict__}
 
 
@@ -504,13 +602,46 @@ def exclusive_cycle():
     return try_advisory_lock(LockId.SCRAPE)
 
 
-def ready_targets() -> list[ScrapeTarget]:
+PodLister = Callable[[Replica], list[str]]
+
+
+def ready_targets(*, pod_urls: PodLister | None = None) -> list[ScrapeTarget]:
     """Ready replicas, those whose last scrape failed first: their timeouts then run beside the
-    healthy replicas' fetches instead of after them, and the cycle ends sooner."""
+    healthy replicas' fetches instead of after them, and the cycle ends sooner.
+
+    A Kubernetes version's ready pods are targets of their own, all on the version's lowest-id
+    ready row; `pod_urls` lists them (the Kubernetes driver's `ready_pod_urls` by default).
+    """
     rows = (Replica.objects.filter(state=ReplicaState.READY).exclude(url="")
-            .order_by("pk").values_list("pk", "url", "last_error"))
+            .order_by("pk").values_list("pk", "url", "last_error", "driver", "version_id"))
     rows = sorted(rows, key=lambda row: not row[2].startswith(SCRAPE_ERROR_PREFIX))
-    return [ScrapeTarget(replica_id, url) for replica_id, url, _ in rows]
+    counting_row: dict[int, int] = {}  # version id -> the row its pods are counted on
+    for pk, _, _, driver, version_id in rows:
+        if driver == DriverName.KUBERNETES:
+            counting_row[version_id] = min(pk, counting_row.get(version_id, pk))
+    pods = _pod_targets(set(counting_row.values()), pod_urls)
+    targets: list[ScrapeTarget] = []
+    for pk, url, _, driver, _ in rows:
+        if driver != DriverName.KUBERNETES:
+            targets.append(ScrapeTarget(pk, url))
+        else:
+            targets += pods.get(pk, [])
+    return targets
+
+
+def _pod_targets(replica_ids: set[int], pod_urls: PodLister | None) -> dict[int, list[ScrapeTarget]]:
+    if not replica_ids:
+        return {}
+    if pod_urls is None:
+        pod_urls = driver_for(DriverName.KUBERNETES).ready_pod_urls
+    targets: dict[int, list[ScrapeTarget]] = {}
+    for replica in Replica.objects.filter(pk__in=replica_ids).select_related("deployment", "version"):
+        try:
+            targets[replica.pk] = [ScrapeTarget(replica.pk, url, pod=url)
+                                   for url in pod_urls(replica)]
+        except DriverError as exc:
+            targets[replica.pk] = [ScrapeTarget(replica.pk, "", error=f"listing its pods: {exc}")]
+    return targets
 
 
 def scrape_cycle(*, fetcher: MetricsFetcher | None = None,
@@ -524,7 +655,9 @@ def scrape_cycle(*, fetcher: MetricsFetcher | None = None,
         results = (fetcher or MetricsFetcher()).fetch_all(targets)
         fetched = time.perf_counter()
         store = store_results(results)
-    report = CycleReport(len(targets), fetched - began, time.perf_counter() - fetched, store)
+    replicas = len({target.replica_id for target in targets})
+    report = CycleReport(replicas, fetched - began, time.perf_counter() - fetched, store,
+                         targets=len(targets))
     if store.failed:
-        logger.info("scrape cycle: %d of %d replicas failed", store.failed, len(targets))
+        logger.info("scrape cycle: %d of %d targets failed", store.failed, len(targets))
     return report

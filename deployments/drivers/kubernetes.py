@@ -22,7 +22,7 @@ an unchanged pod template changes only `spec.replicas` and never triggers a roll
 
 Because rows are slots, every row of a version shares the Service URL: a /health or /metrics
 request through it reaches one ready pod at random, and a stop or kill lets Kubernetes choose
-which pod goes. `ready_pod_urls` lists the pods themselves for callers that need each one.
+which pod goes. `ready_pod_urls` lists the pods themselves: the scraper reads each one.
 
 Settings (all optional, read from django.conf.settings, else from the environment variable of the
 same name; platform/kubernetes/base/config.yaml sets them):

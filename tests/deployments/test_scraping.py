@@ -393,3 +393,134 @@ def test_two_scrapers_at_once_count_every_token_once(tiny_llama_dir, stubs):
     for row in replicas:
         assert minute_totals(row)["generation"] == 12 * 5
         assert minute_totals(row)["prompt"] == 12 * 3
+
+
+# --- Kubernetes replicas: every ready pod is its own target ----------------------------------
+# The pods are real HTTP servers with their own /metrics; only the driver's pod listing is a
+# stand-in, because no Kubernetes API server can run on this machine.
+
+
+class PodListing:
+    """Stands in for KubernetesDriver.ready_pod_urls: the version's ready pods, as the test sets."""
+
+    def __init__(self, *urls: str) -> None:
+        self.urls = list(urls)
+        self.asked: list[int] = []
+        self.error = ""
+
+    def __call__(self, replica) -> list[str]:
+        self.asked.append(replica.pk)
+        if self.error:
+            raise scraping.DriverError(self.error)
+        return list(self.urls)
+
+
+@pytest.fixture
+def kubernetes_rows(db, tiny_llama_dir, stubs):
+    """Two ready slots of one Kubernetes version, whose URL is the Service's, and a local replica."""
+    _, _, rows = deployment_with_replicas(tiny_llama_dir, replicas=3)
+    service = stubs()  # what the Service would answer: a pod picked at random
+    service.serve_requests(1000, prompt=100, output=100, ttft_s=0.03)
+    local = rows[2]
+    for row in rows[:2]:
+        row.driver, row.url = "kubernetes", service.url
+    local.url = stubs().url
+    for row in rows:
+        row.started_at = timezone.now() - timedelta(hours=1)
+        row.save()
+    return rows[0], rows[1], local
+
+
+def cycle(listing: PodListing):
+    return scrape_cycle(targets=scraping.ready_targets(pod_urls=listing),
+                        fetcher=MetricsFetcher(total_timeout=2.0, connect_timeout=1.0))
+
+
+def test_each_ready_pod_is_scraped_and_summed_into_one_row_of_the_version(kubernetes_rows, stubs):
+    counted, spare, local = kubernetes_rows
+    pod_a, pod_b = stubs(), stubs()
+    pod_a.serve_requests(40, prompt=10, output=10, ttft_s=0.03)  # before the first look
+    listing = PodListing(pod_a.url, pod_b.url)
+
+    targets = scraping.ready_targets(pod_urls=listing)
+    assert sorted((t.replica_id, t.url, t.pod) for t in targets) == sorted([
+        (counted.pk, pod_a.url, pod_a.url), (counted.pk, pod_b.url, pod_b.url),
+        (local.pk, local.url, "")])
+    assert listing.asked == [counted.pk]  # once per version, never per slot
+
+    report = cycle(listing)
+    assert (report.replicas, report.targets, report.store.baselines) == (2, 3, 3)
+    pod_a.serve_requests(3, prompt=7, output=11, ttft_s=0.03)
+    pod_b.serve_requests(2, prompt=5, output=1, ttft_s=0.03)
+    pod_a.stats.num_running, pod_b.stats.num_running = 2, 3
+    pod_a.stats.kv_cache_usage, pod_b.stats.kv_cache_usage = 0.2, 0.6
+    cycle(listing)
+    # Each pod's own increase, once; the Service's (another pod's) numbers never enter.
+    assert minute_totals(counted) == {"prompt": 3 * 7 + 2 * 5, "generation": 3 * 11 + 2 * 1,
+                                      "ttft_count": 5, "scrapes": 2}
+    assert minute_totals(spare)["scrapes"] is None
+    latest = ReplicaMetricsMinute.objects.filter(replica=counted).order_by("-start").first()
+    assert latest.running_max == 5  # running requests add up over pods
+    assert latest.kv_cache_usage_max == pytest.approx(0.4)  # a fraction averages
+    counted.refresh_from_db()
+    pods = counted.scrape_state["pods"]
+    assert pods[pod_a.url]["counters"]["prompt_tokens"] == 40 * 10 + 21
+    assert pods[pod_b.url]["counters"]["prompt_tokens"] == 10
+    local.refresh_from_db()
+    assert "counters" in local.scrape_state  # a local replica keeps its single flat state
+
+
+def test_pod_restarts_leaves_and_a_new_counting_row_keep_every_delta_exact(kubernetes_rows, stubs):
+    counted, spare, _ = kubernetes_rows
+    pod_a, pod_b = stubs(), stubs()
+    listing = PodListing(pod_a.url, pod_b.url)
+    cycle(listing)  # baselines
+    pod_a.serve_requests(50, prompt=1, output=1, ttft_s=0.03)
+    pod_b.serve_requests(5, prompt=1, output=1, ttft_s=0.03)
+    cycle(listing)
+    pod_b.restart()  # its counters start again from zero; pod a's go on
+    pod_a.serve_requests(4, prompt=1, output=1, ttft_s=0.03)
+    pod_b.serve_requests(3, prompt=1, output=1, ttft_s=0.03)
+    cycle(listing)
+    assert minute_totals(counted)["prompt"] == 50 + 5 + 4 + 3
+
+    listing.urls = [pod_a.url]  # pod b is no longer ready: only pod a counts
+    pod_a.serve_requests(6, prompt=1, output=1, ttft_s=0.03)
+    pod_b.serve_requests(100, prompt=1, output=1, ttft_s=0.03)
+    cycle(listing)
+    assert minute_totals(counted)["prompt"] == 62 + 6
+
+    # The counting row stops: the next row of the version continues from the pods' last
+    # samples, neither re-counting them nor losing an interval.
+    Replica.objects.filter(pk=counted.pk).update(state=ReplicaState.STOPPED)
+    listing.urls = [pod_a.url, pod_b.url]
+    pod_a.serve_requests(7, prompt=1, output=1, ttft_s=0.03)
+    pod_b.serve_requests(2, prompt=1, output=1, ttft_s=0.03)
+    cycle(listing)
+    assert listing.asked[-1] == spare.pk
+    assert minute_totals(counted)["prompt"] == 68
+    assert minute_totals(spare)["prompt"] == 7 + 100 + 2  # b's increase since its last sample
+
+
+def test_a_failing_pod_or_pod_listing_is_reported_on_the_row(kubernetes_rows, stubs):
+    counted, _, _ = kubernetes_rows
+    pod_a = stubs()
+    dead = f"http://127.0.0.1:{free_port()}"
+    listing = PodListing(pod_a.url, dead)
+    cycle(listing)
+    pod_a.serve_requests(2, prompt=4, output=4, ttft_s=0.03)
+    report = cycle(listing)
+    assert (report.store.stored, report.store.failed) == (2, 1)  # pod a and the local replica
+    assert minute_totals(counted)["prompt"] == 8  # the live pod still counts
+    counted.refresh_from_db()
+    assert counted.last_error.startswith(f"scrape: pod {dead}: ")
+
+    listing.error = "HTTP 403 Forbidden: pods is forbidden"
+    report = cycle(listing)
+    assert report.store.failed == 1
+    counted.refresh_from_db()
+    assert counted.last_error == "scrape: listing its pods: HTTP 403 Forbidden: pods is forbidden"
+    listing.error, listing.urls = "", [pod_a.url]
+    cycle(listing)
+    counted.refresh_from_db()
+    assert counted.last_error == ""
