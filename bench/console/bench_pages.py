@@ -1,0 +1,523 @@
+"""Console page load, cold and warm, in a real Chromium (issue 30's figures).
+
+Seeds a scratch database with a day of console data (3 models with versions, 4 deployments with
+2 replicas each and a day of per-minute replica metrics, usage events and their minute ledger for
+6 tenants, 8 SLOs created a day ago and evaluated (the first cycle backfills their minute rows),
+the alerts that evaluation and an integration opened, an audit log), starts the console as
+`inferops run` does (`python -m uvicorn inferops.asgi:application --no-access-log`, DEBUG off,
+static files through WhiteNoise) on a free port, and drives Debian's Chromium through Playwright, logged in as an admin.
+
+For each page, `--reps` times: COLD is a fresh browser context (empty HTTP cache, the session
+cookie only), WARM is the same page loaded again in that context. Each load records, from the
+page's own Navigation and Paint Timing: responseEnd (the server's HTML is in), first-contentful-
+paint, DOMContentLoaded, load, and on chart pages the moment the first plotly chart exists
+(`.js-plotly-plot`, seen by a MutationObserver), all in ms from navigation start.
+
+Peers in the same run:
+- the Django admin's change lists on the same server (plain server-rendered pages, no charts);
+- each chart page with plotly.min.js loaded blocking in <head> (the document rewritten by a
+  pass-through proxy in this process), against the same page as served through the same proxy
+  (so both carry its hop) -- the effect of the deferral alone.
+
+    DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres REDIS_URL=redis://127.0.0.1:6379/5 \\
+        INFEROPS_DATA_DIR=/tmp/inferops-pages .venv/bin/python bench/console/bench_pages.py [--reps 7]
+
+Writes bench/console/results-<date>.json and prints a table (medians, p90 over the reps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from datetime import UTC, datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent))
+from scratch import django_on_scratch_database, recreate_scratch_database, wait_for  # noqa: E402
+
+SCRATCH_DB = "inferops_bench_pages"
+USERNAME, PASSWORD = "bench-admin", "bench-admin-pw-1234"
+CHROMIUM = "/usr/bin/chromium"
+# As tests/browser/conftest.py: a closed network, no background calls home.
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+TENANTS = ["acme", "globex", "initech", "umbrella", "hooli", "stark"]
+DEPLOYMENTS = [("chat", "llama-3-8b"), ("chat-large", "llama-3-70b"), ("summarize", "qwen-7b"), ("batch", "qwen-7b")]
+EVENTS_PER_MINUTE = 6  # per deployment: ~35,000 events a day over 4 deployments
+
+# Records when the first plotly chart appears: plotly marks its div with this class as it draws.
+CHART_OBSERVER = """
+(() => {
+  const seen = () => {
+    if (window.__firstChart === undefined && document.querySelector('.js-plotly-plot')) {
+      window.__firstChart = performance.now();
+    }
+  };
+  new MutationObserver(seen).observe(document, {subtree: true, childList: true, attributes: true,
+                                                 attributeFilter: ['class']});
+})();
+"""
+TIMINGS = """() => {
+  const n = performance.getEntriesByType('navigation')[0];
+  const fcp = performance.getEntriesByName('first-contentful-paint')[0];
+  return {response_start: n.responseStart, response_end: n.responseEnd, fcp: fcp ? fcp.startTime : null,
+          dcl: n.domContentLoadedEventEnd, load: n.loadEventEnd,
+          chart: window.__firstChart === undefined ? null : window.__firstChart,
+          transfer_kb: performance.getEntriesByType('resource')
+                         .reduce((s, r) => s + r.transferSize, n.transferSize) / 1024};
+}"""
+METRICS = ["response_end", "fcp", "dcl", "load", "chart"]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+# ---------------------------------------------------------------------------- seeding
+
+
+def version_fields(number: int) -> dict:
+    return dict(number=number, artifact_uri=f"/models/v{number}", digest=f"{number:064x}",
+                architecture="LlamaForCausalLM", parameter_count=8_000_000_000, hidden_size=4096, num_layers=32,
+                num_attention_heads=32, num_kv_heads=8, head_dim=128, vocab_size=128256, max_context=8192,
+                dtype="bfloat16", weight_bytes=16_000_000_000, kv_cache_bytes_per_token=131072,
+                has_tokenizer=True, has_chat_template=True)
+
+
+def seed(now: datetime) -> dict:
+    """A day of a small installation's data, ending at `now` (a whole minute)."""
+    from django.contrib.auth.models import Group, User
+    from django.db import connection
+
+    from alerts.models import Alert, Integration
+    from alerts.services import alert_acknowledge, alert_raise, alert_resolve
+    from deployments.models import Deployment, Replica, ReplicaMetricsMinute
+    from inferops.audit import audit_record, snapshot
+    from inferops.models import AuditEvent
+    from registry.models import ModelVersion, RegisteredModel
+    from slo.evaluation import evaluate_slos
+    from slo.models import Slo
+    from tenants import services as tenant_services
+    from tenants.models import UsageEvent, UsageMinute
+
+    rng = random.Random(30)
+    start = now - timedelta(days=1)
+    admin = User.objects.create_superuser(USERNAME, "bench@example.com", PASSWORD)
+    if group := Group.objects.filter(name="admin").first():
+        admin.groups.add(group)
+
+    versions = {}
+    for name, count in (("llama-3-8b", 3), ("llama-3-70b", 2), ("qwen-7b", 2)):
+        model = RegisteredModel.objects.create(name=name, task="generate", created_by=admin)
+        audit_record(actor=admin, action="model.create", obj=model, after=snapshot(model))
+        for number in range(1, count + 1):
+            version = ModelVersion.objects.create(model=model, **version_fields(number))
+            audit_record(actor=admin, action="version.register", obj=version, after=snapshot(version))
+        versions[name] = version
+
+    deployments, replicas = [], []
+    for index, (name, model_name) in enumerate(DEPLOYMENTS):
+        version = versions[model_name]
+        deployment = Deployment.objects.create(
+            name=name, model=version.model, version=version, replicas=2, min_replicas=1, max_replicas=4,
+            driver="kubernetes", status="ready", engine_args={"max_num_seqs": 64, "max_model_len": 8192},
+            resources={"gpu_type": "H100", "gpu_count": 1, "cpu": "8", "memory": "64Gi"}, created_by=admin)
+        audit_record(actor=admin, action="deployment.create", obj=deployment, after=snapshot(deployment))
+        deployments.append(deployment)
+        for r in range(2):
+            replicas.append(Replica.objects.create(
+                deployment=deployment, version=version, driver="kubernetes", node=f"gpu-node-{index}{r}",
+                url=f"http://10.0.{index}.{r + 10}:8000", port=8000, state="ready", started_at=start,
+                ready_at=start + timedelta(minutes=2), last_health_at=now, last_health_ok=True))
+    Replica.objects.update(created_at=start)
+
+    # Per-minute replica metrics for the day.
+    rows = []
+    for replica in replicas:
+        for m in range(24 * 60):
+            load = 0.5 + 0.4 * ((m // 60) % 12) / 12 + rng.random() * 0.1
+            requests = int(40 * load)
+            rows.append(ReplicaMetricsMinute(
+                replica=replica, deployment=replica.deployment, version=replica.version,
+                start=start + timedelta(minutes=m), scrapes=4, running_avg=8 * load, running_max=12 * load,
+                waiting_avg=rng.random() * 2, waiting_max=3, kv_cache_usage_avg=0.3 + 0.5 * load,
+                kv_cache_usage_max=0.9 * load, prompt_tokens=requests * 400, generation_tokens=requests * 180,
+                requests_by_reason={"stop": requests - 2, "length": 2},
+                ttft_buckets={"0.05": requests // 4, "0.1": requests // 2, "0.25": requests - 3, "0.5": requests,
+                              "+Inf": requests},
+                ttft_sum=0.12 * requests, ttft_count=requests,
+                itl_buckets={"0.01": requests * 100, "0.025": requests * 170, "+Inf": requests * 180},
+                itl_sum=requests * 180 * 0.012, itl_count=requests * 180,
+                e2e_buckets={"1": requests // 2, "2.5": requests, "+Inf": requests}, e2e_sum=requests * 1.2,
+                e2e_count=requests))
+    ReplicaMetricsMinute.objects.bulk_create(rows, batch_size=5000)
+
+    # Usage: events and their minute ledger. "chat" has a bad hour 6 h ago (30 % 503s) and slow
+    # first tokens for the last 2.5 h, so the SLOs burn and open alerts.
+    events, minutes = [], {}
+    for deployment in deployments:
+        for m in range(24 * 60):
+            at = start + timedelta(minutes=m)
+            bad_hour = deployment.name == "chat" and 17 * 60 <= m < 18 * 60
+            slow = deployment.name == "chat" and m >= 21 * 60 + 30  # the last 2.5 h
+            for e in range(EVENTS_PER_MINUTE):
+                tenant = TENANTS[(m + e) % len(TENANTS)]
+                failed = bad_hour and rng.random() < 0.3
+                ttft = rng.uniform(900, 2000) if slow and rng.random() < 0.5 else rng.uniform(40, 300)
+                prompt, completion = rng.randrange(100, 2000), rng.randrange(20, 400)
+                events.append(UsageEvent(
+                    request_id=f"{deployment.name}-{m}-{e}", time=at + timedelta(seconds=e * 9), tenant=tenant,
+                    key_prefix=tenant[:8].ljust(8, "0"), deployment=deployment.name, version=deployment.version.number,
+                    replica=replicas[deployments.index(deployment) * 2 + e % 2].pk, endpoint="chat", stream=True,
+                    prompt_tokens=prompt, completion_tokens=0 if failed else completion,
+                    ttft_ms=None if failed else ttft, tpot_ms=None if failed else 12.0, e2e_ms=ttft + 12 * completion,
+                    status=503 if failed else 200, finish_reason=None if failed else "stop",
+                    error_kind="upstream_error" if failed else None, ingested_at=at + timedelta(seconds=e * 9 + 2)))
+                row = minutes.setdefault((at, tenant, deployment.name), UsageMinute(
+                    minute=at, tenant=tenant, key_prefix=tenant[:8].ljust(8, "0"), deployment=deployment.name,
+                    version=deployment.version.number))
+                row.requests += 1
+                row.errors += failed
+                row.prompt_tokens += prompt
+                row.completion_tokens += 0 if failed else completion
+                if not failed:
+                    row.ttft_sum_ms += ttft
+                    row.ttft_count += 1
+                row.e2e_sum_ms += ttft + 12 * completion
+                row.e2e_count += 1
+    UsageEvent.objects.bulk_create(events, batch_size=5000)
+    UsageMinute.objects.bulk_create(minutes.values(), batch_size=5000)
+
+    for tenant in TENANTS:
+        made = tenant_services.tenant_create(name=tenant, actor=admin, display_name=tenant.title(), rpm_limit=600)
+        for k in range(2):
+            tenant_services.key_create(tenant=made, name=f"{tenant}-key-{k}", actor=admin)
+
+    slos = []
+    for deployment in deployments:
+        slos.append(Slo.objects.create(name=f"{deployment.name}-availability", deployment=deployment,
+                                       sli_kind="availability", objective=0.995, window="1d", created_by=admin))
+        slos.append(Slo.objects.create(name=f"{deployment.name}-ttft", deployment=deployment, sli_kind="latency",
+                                       ttft_ms=500, objective=0.99, window="1d", created_by=admin))
+    Slo.objects.update(created_at=start)
+    # The first evaluation backfills each SLO's minute rows from its creation (a day ago): the
+    # charts' history; later cycles fold only what was ingested since (nothing here).
+    moments = [now - timedelta(minutes=2), now]
+    for moment in moments:
+        evaluate_slos(now=moment)
+
+    integration = Integration.objects.create(name="prometheus", token_prefix="bench", token_hash="0" * 64,
+                                             created_by=admin)
+    for i in range(12):
+        labels = {"alertname": rng.choice(["NodeDiskFull", "GPUXidError", "HighMemory"]), "instance": f"gpu-node-{i}"}
+        at = start + timedelta(hours=2 * i)
+        alert = alert_raise(labels=labels, annotations={"summary": f"{labels['alertname']} on {labels['instance']}"},
+                            severity=rng.choice(["page", "ticket"]), now=at, integration=integration)
+        if i % 3 == 0:
+            alert_resolve(alert=alert, now=at + timedelta(minutes=40))
+        elif i % 3 == 1:
+            alert_acknowledge(alert=alert, actor=admin)
+
+    # A month of console changes in the audit log (deployments scaled, limits moved).
+    for i in range(400):
+        deployment = deployments[i % len(deployments)]
+        before = snapshot(deployment)
+        after = {**before, "replicas": 1 + i % 4}
+        audit_record(actor=admin, action="deployment.update", obj=deployment, before=before, after=after)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")  # what autovacuum keeps up to date on a live system
+    return {"model_versions": ModelVersion.objects.count(), "deployments": len(deployments),
+            "replicas": len(replicas), "replica_metric_minutes": len(rows), "usage_events": len(events),
+            "usage_minutes": len(minutes), "tenants": len(TENANTS), "slos": len(slos),
+            "slo_evaluations": len(moments), "alerts": Alert.objects.count(),
+            "open_alerts": Alert.objects.filter(ends_at__isnull=True).count(),
+            "audit_events": AuditEvent.objects.count()}
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+def start_console(port: int) -> subprocess.Popen:
+    env = {**os.environ, "DEBUG": "false", "DJANGO_SETTINGS_MODULE": "inferops.settings"}
+    env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
+    # As inferops/launcher.py `children` starts the web process.
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "inferops.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+         "--no-access-log"], cwd=ROOT, env=env, start_new_session=True)
+    wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200, 60,
+             "the console to answer /healthz")
+    return process
+
+
+# ---------------------------------------------------------------------------- the browser
+
+
+def blocking_plotly(html: str) -> str:
+    """The page with plotly.min.js as a plain blocking <script> in <head> instead of deferred."""
+    html, n = re.subn(r'<script defer src="(/assets/plotly\.min\.js)" onload="plotlyLoaded\(\)"></script>', "", html)
+    if n != 1:
+        raise SystemExit("the plotly partial changed: no deferred plotly tag to move")
+    return html.replace("</head>", '<script src="/assets/plotly.min.js"></script>\n</head>', 1)
+
+
+class RewritingProxy:
+    """A pass-through HTTP proxy in front of the console that rewrites one page's HTML.
+
+    Not Playwright's route interception: routing turns Chromium's HTTP cache off, and a warm load
+    without its cache is not a warm load. Both variants of a chart page go through the proxy, so
+    both pay its hop."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.rewrites: dict[str, object] = {}
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as against uvicorn directly
+
+            def do_GET(self):  # noqa: N802 - http.server's name
+                rewrite = proxy.rewrites.get(self.path)
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                if rewrite is not None:
+                    headers.pop("Accept-Encoding", None)
+                upstream = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=60)
+                try:
+                    upstream.request("GET", self.path, headers=headers)
+                    response = upstream.getresponse()
+                    body = response.read()
+                    passed = [(k, v) for k, v in response.getheaders()
+                              if k.lower() not in ("transfer-encoding", "connection", "content-length")]
+                finally:
+                    upstream.close()
+                if rewrite is not None and response.status == 200:
+                    body = rewrite(body.decode()).encode()
+                self.send_response(response.status)
+                for key, value in passed:
+                    self.send_header(key, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def measure(browser, storage, base: str, path: str, *, chart: bool, reps: int) -> dict:
+    runs = {"cold": [], "warm": []}
+    for _ in range(reps):
+        context = browser.new_context(viewport={"width": 1400, "height": 900}, storage_state=storage)
+        context.add_init_script(CHART_OBSERVER)
+        page = context.new_page()
+        for kind in ("cold", "warm"):
+            response = page.goto(base + path, wait_until="load", timeout=60000)
+            if response is None or response.status != 200 or "/login/" in page.url:
+                raise SystemExit(f"{path}: {response and response.status} at {page.url}")
+            if chart:
+                try:
+                    page.wait_for_function("window.__firstChart !== undefined", timeout=60000)
+                except Exception as error:  # noqa: BLE001 - name the page, then stop
+                    page.screenshot(path=f"/tmp/bench-pages-{kind}.png", full_page=True)
+                    raise SystemExit(f"{path}: no plotly chart drawn within 60 s ({kind})") from error
+            time.sleep(0.1)  # let the paint entries settle
+            runs[kind].append(page.evaluate(TIMINGS))
+            # The page's other chart requests finish before the next load: the single server
+            # process still busy with them would be charged to the next page's responseEnd.
+            try:
+                page.wait_for_load_state("networkidle", timeout=15000)
+            except Exception:  # noqa: BLE001 - a page that polls may never be idle for 500 ms
+                pass
+        context.close()
+    summary = {}
+    for kind, samples in runs.items():
+        summary[kind] = {}
+        for metric in METRICS + ["response_start", "transfer_kb"]:
+            values = [s[metric] for s in samples if s[metric] is not None]
+            if values:
+                summary[kind][metric] = {"median": round(statistics.median(values), 1),
+                                         "p90": round(percentile(values, 90), 1), "n": len(values)}
+    return {"path": path, "summary": summary, "samples": runs}
+
+
+def cpu_model() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def pages(seeded_ids: dict) -> list[tuple[str, str, bool, str]]:
+    """(name, path, has charts, group)."""
+    return [
+        ("home", "/", False, "console"),
+        ("deployment list", "/deployments/", False, "console"),
+        ("deployment page", "/deployments/chat/", True, "console"),
+        ("SLO page", f"/slos/{seeded_ids['slo']}/", True, "console"),
+        ("alert list", "/alerts/", False, "console"),
+        ("alert page", f"/alerts/{seeded_ids['alert']}/", True, "console"),
+        ("model list", "/models/", False, "console"),
+        ("tenant list", "/tenants/", False, "console"),
+        ("audit log", "/audit/", False, "console"),
+        ("admin: deployments", "/admin/deployments/deployment/", False, "peer: Django admin"),
+        ("admin: audit events", "/admin/inferops/auditevent/", False, "peer: Django admin"),
+    ]
+
+
+def cell(entry: dict, kind: str, metric: str) -> str:
+    figure = entry["summary"][kind].get(metric)
+    return "-" if figure is None else f"{figure['median']:.0f}/{figure['p90']:.0f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--database", default=SCRATCH_DB)
+    parser.add_argument("--keep", action="store_true", help="keep the scratch database")
+    parser.add_argument("--result-json", type=Path, help="default: bench/console/results-<date>.json")
+    args = parser.parse_args()
+    if os.environ.get("REDIS_URL", "").rstrip("/").split("/")[-1] != "5":
+        sys.exit("use REDIS_URL=redis://127.0.0.1:6379/5: the seeding enqueues tasks there")
+    os.environ.setdefault("INFEROPS_DATA_DIR", "/tmp/inferops-pages")
+    Path(os.environ["INFEROPS_DATA_DIR"]).mkdir(parents=True, exist_ok=True)
+    os.environ["DEBUG"] = "false"
+    load_before = os.getloadavg()
+    admin_url = django_on_scratch_database(args.database)
+    server = proxy = None
+    try:
+        from django.core.management import call_command
+        from django.utils import timezone
+
+        from alerts.models import Alert
+        from slo.models import Slo
+
+        call_command("migrate", interactive=False, verbosity=0)
+        now = timezone.now().replace(second=0, microsecond=0)
+        log("seeding")
+        started = time.monotonic()
+        seeded = seed(now)
+        log(f"seeded in {time.monotonic() - started:.0f} s: {seeded}")
+        ids = {"slo": Slo.objects.get(name="chat-availability").pk,
+               "alert": Alert.objects.filter(slo__isnull=False).order_by("starts_at").first().pk}
+        from django.db import connections
+
+        connections.close_all()
+        port = free_port()
+        server = start_console(port)
+        base = f"http://127.0.0.1:{port}"
+        proxy = RewritingProxy(port)
+        log(f"console on {base}, the peers' proxy on port {proxy.port}")
+
+        from playwright.sync_api import sync_playwright
+
+        results: dict = {
+            "date": datetime.now(UTC).date().isoformat(), "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "cpu": cpu_model(),
+            "cores": os.cpu_count(), "load_average_before": [round(v, 2) for v in load_before], "reps": args.reps,
+            "seeded": seeded, "units": "ms from navigation start; median/p90 over reps", "pages": {}}
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+            results["chromium"] = browser.version
+            context = browser.new_context()
+            page = context.new_page()
+            page.goto(f"{base}/login/")
+            page.fill("#id_username", USERNAME)
+            page.fill("#id_password", PASSWORD)
+            page.click("button[type=submit]")
+            page.wait_for_url(f"{base}/")
+            storage = context.storage_state()
+            context.close()
+            # One untimed pass so that every view's first-request costs (imports, template
+            # compilation, connection set-up) are out of the figures: a console that has been up.
+            for _, path, chart, _ in pages(ids):
+                measure(browser, storage, base, path, chart=chart, reps=1)
+            for name, path, chart, group in pages(ids):
+                log(f"{name} {path}")
+                entry = measure(browser, storage, base, path, chart=chart, reps=args.reps)
+                entry["group"] = group
+                entry["load_average_1m"] = round(os.getloadavg()[0], 2)
+                results["pages"][name] = entry
+                if chart:
+                    for variant, rewrite in (("as served, through the proxy", lambda html: html),
+                                             ("plotly blocking in <head>, through the proxy", blocking_plotly)):
+                        log(f"{name}: {variant}")
+                        proxy.rewrites = {path: rewrite}
+                        peer = measure(browser, storage, f"http://127.0.0.1:{proxy.port}", path, chart=True,
+                                       reps=args.reps)
+                        peer["group"] = f"peer: {variant}"
+                        peer["load_average_1m"] = round(os.getloadavg()[0], 2)
+                        results["pages"][f"{name} ({variant})"] = peer
+            browser.close()
+        results["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
+        out = args.result_json or HERE / f"results-{results['date']}.json"
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        print(f"\nmedian/p90 ms over {args.reps} reps; cold = fresh context, warm = loaded again in it")
+        header = f"{'page':<58} {'kind':<5} " + " ".join(f"{m:>11}" for m in METRICS) + f" {'KB':>7}"
+        print(header)
+        for name, entry in results["pages"].items():
+            for kind in ("cold", "warm"):
+                kb = entry["summary"][kind].get("transfer_kb", {}).get("median")
+                print(f"{name:<58} {kind:<5} " + " ".join(f"{cell(entry, kind, m):>11}" for m in METRICS)
+                      + f" {kb if kb is not None else '-':>7}")
+        print(f"\nwrote {out}; load average before {results['load_average_before']}, after "
+              f"{results['load_average_after']}")
+    finally:
+        if proxy is not None:
+            proxy.close()
+        if server is not None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+        if not args.keep:
+            from django.db import connections
+
+            connections.close_all()
+            recreate_scratch_database(admin_url, args.database, drop_only=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
