@@ -9,6 +9,7 @@ from costing.urls import api_urlpatterns as costing_api
 from degradation.urls import api_urlpatterns as degradation_api
 from deployments.urls import api_urlpatterns as deployments_api
 from inferops import api, user_views, views
+from inferops.metrics import ControlPlaneMetrics
 from registry.urls import api_urlpatterns as registry_api
 from slo.urls import api_urlpatterns as slo_api
 from tenants.urls import api_urlpatterns as tenants_api
@@ -31,6 +32,7 @@ urlpatterns = [
     path("users/<int:pk>/role/", user_views.user_role_change, name="user-role"),
     path("users/<int:pk>/deactivate/", user_views.user_deactivate_view, name="user-deactivate"),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", ControlPlaneMetrics.as_view(), name="metrics"),
     path("admin/", admin.site.urls),
     path("api/v1/audit/", api.AuditList.as_view(), name="api-audit-list"),
     path("api/v1/", include(registry_api)),
