@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
 import pytest
@@ -743,3 +744,58 @@ def test_the_reconcile_loop_drives_the_replica_count(fake_api, tiny_llama_dir, d
     reconcile_pass(10)
     assert path not in fake_api.objects
     assert not Replica.objects.filter(deployment=deployment, state__in=ReplicaState.live()).exists()
+
+
+# --- the worker's Role grants what the driver calls, and nothing else ---------------------------
+
+RBAC_MANIFEST = Path(__file__).resolve().parents[2] / "platform/kubernetes/base/rbac.yaml"
+
+
+def rbac_permission(request: Recorded) -> set[tuple[str, str, str]]:
+    """(API group, resource, verb) that RBAC checks for one request, as the API server derives it."""
+    parts = request.path.strip("/").split("/")
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    assert rest[0] == "namespaces", request.path  # the driver stays in its namespace
+    resource, name, subresource = rest[2], rest[3] if len(rest) > 3 else "", rest[4:]
+    if subresource:
+        resource = f"{resource}/{subresource[0]}"
+    verb = {("GET", True): "get", ("GET", False): "list", ("PATCH", True): "patch",
+            ("DELETE", True): "delete", ("DELETE", False): "deletecollection"}[
+        (request.method, bool(name))]
+    permissions = {(group, resource, verb)}
+    if request.content_type.startswith(APPLY_CONTENT_TYPE):
+        # Server-side apply of an object that does not exist yet is authorized as a create.
+        permissions.add((group, resource, "create"))
+    return permissions
+
+
+def test_the_worker_role_grants_exactly_the_driver_calls(fake_api, chat_rows, tiny_llama_dir):
+    deployment, version = chat_rows
+    config = KubernetesSettings(models_root=str(tiny_llama_dir.parent))
+    driver = KubernetesDriver(api_client=fake_api.api_client(), config=config)
+    spec = ReplicaSpec(deployment="chat", version=version.number, model_path=str(tiny_llama_dir),
+                       backend="builtin", engine_args={})
+    first, second = new_replica(deployment, version), new_replica(deployment, version)
+    # Every driver operation: start, status, pods, logs, scale down, delete, kill.
+    for row in (first, second):
+        started = driver.start(row, spec)
+        row.identity, row.state = started.identity, ReplicaState.READY
+        row.save()
+    labels = fake_api.objects[f"/apis/apps/v1/namespaces/inferops/deployments/{started.identity['deployment']}"][
+        "spec"]["template"]["metadata"]["labels"]
+    fake_api.pods = [pod("inferops-chat-aaa", False, "2026-11-30T10:00:00Z", labels, "CrashLoopBackOff")]
+    fake_api.logs = {"inferops-chat-aaa": "boom\n"}
+    assert driver.is_alive(first) and driver.log_tail(first) == "boom\n"
+    driver.exit_status(first)
+    driver.ready_pod_urls(first)
+    for row in (first, second):
+        row.state = ReplicaState.DRAINING
+        row.save()
+        driver.stop(row)
+    driver.kill(second)
+
+    used = set().union(*(rbac_permission(request) for request in fake_api.requests))
+    role = next(d for d in yaml.safe_load_all(RBAC_MANIFEST.read_text()) if d["kind"] == "Role")
+    granted = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert used == granted
