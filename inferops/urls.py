@@ -45,7 +45,3 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
 ]
-urlpatterns += [
-    path(f"{section}/", views.upcoming, {"section": section}, name=section)
-    for section in views.UPCOMING_SECTIONS if section != "costs"
-]
