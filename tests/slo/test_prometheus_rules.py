@@ -14,8 +14,13 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from deployments.prometheus_sd import gateway_targets, replica_targets
+from inferops.redis_client import redis_client
+from runtime.gateway.contract import GATEWAYS_KEY
+from runtime.gateway.heartbeat import gateway_entry
 from runtime.gateway.metrics import GatewayMetrics
 from slo.prometheus_rules import RulesUnavailable, render_rules, rule_groups
+from tests.deployments.metrics_helpers import deployment_with_replicas
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -161,14 +166,30 @@ def gateway_exposition() -> str:
     return generate_latest(metrics.registry).decode()
 
 
+def sd_target_labels(component: str) -> dict[str, str]:
+    """The labels Prometheus attaches to a target of the SD endpoint (the `__` ones are dropped)."""
+    groups = [*replica_targets(), *gateway_targets()]
+    labels = next(g["labels"] for g in groups if g["labels"]["component"] == component)
+    return {name: value for name, value in labels.items() if not name.startswith("__")}
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize(("kind", "source"), EXPRESSIBLE)
-def test_the_rules_read_series_the_gateway_and_vllm_really_expose(kind, source):
-    """Every selector names a sample the real exposition has, with label values it can carry."""
+def test_the_rules_read_series_the_gateway_and_vllm_really_expose(kind, source, tiny_llama_dir):
+    """Every selector names a sample the real exposition has, with the labels a Prometheus scraping
+    the SD endpoint's targets sees on it: the series' own plus the target's."""
+    deployment_with_replicas(tiny_llama_dir, replicas=1, name="chat")
+    redis_client().hset(GATEWAYS_KEY, "gw-rules", gateway_entry("gw-rules", "127.0.0.1:9"))
+    try:
+        targets = {component: sd_target_labels(component) for component in ("gateway", "replica")}
+    finally:
+        redis_client().hdel(GATEWAYS_KEY, "gw-rules")
     if source == "gateway":
         series = exposed_series(gateway_exposition())
     else:
-        # vLLM labels its series with model_name and engine; the scrape config adds `deployment`.
         series = exposed_series(VLLM_METRICS.read_text())
+    for name in series:
+        series[name] |= set(targets[source].items())
     groups = rule_groups(DEFINITIONS[kind], ["chat"], source)
     selectors = SELECTOR.findall(" ".join(rule["expr"] for rule in groups["groups"][0]["rules"]))
     assert selectors
@@ -177,8 +198,11 @@ def test_the_rules_read_series_the_gateway_and_vllm_really_expose(kind, source):
         labels = dict(series[name])
         for matcher in matchers.split(", "):
             label, value = re.match(r'(\w+)(?:=~|!~|!=|=)"(.*)"', matcher).groups()
-            if label == "deployment" and source == "replica":
-                continue
             assert label in labels, f"{name} has no label {label}"
+            if label == "deployment":
+                assert labels[label] == value == "chat"
             if label == "le":
                 assert (label, value) in series[name], f"{name} has no bucket le={value}"
+    # A gateway target label named like a series label would rename the series' own (exported_*).
+    gateway_labels = {label for pairs in exposed_series(gateway_exposition()).values() for label, _ in pairs}
+    assert not set(targets["gateway"]) & gateway_labels
