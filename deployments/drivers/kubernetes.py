@@ -89,6 +89,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # On the Deployment and Service only: the selector and pod template stay as they were, so adding
 # it to existing objects rolls no pod.
 INSTALLATION_LABEL = "inferops.dev/installation"
+IMAGE_UID = 10001  # the `inferops` user of platform/Dockerfile
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,8 @@ class ManifestRenderer:
             "readinessProbe": _health_probe(period_s=5, failure_threshold=3, initial_delay_s=5),
             "livenessProbe": _health_probe(period_s=10, failure_threshold=6),
             "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
+            "securityContext": {"allowPrivilegeEscalation": False,
+                                "capabilities": {"drop": ["ALL"]}},
             "volumeMounts": [
                 {"name": "models", "mountPath": self.config.models_mount, "readOnly": True},
             ],
@@ -314,7 +317,13 @@ class ManifestRenderer:
             # Service links would put *_PORT variables of every Service in the namespace into the
             # environment; vLLM reads VLLM_PORT and friends and breaks on them.
             "enableServiceLinks": False,
+            "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
         }
+        if spec.backend == "builtin":
+            # The inferops image has a non-root user; vLLM's image runs as root, so only the
+            # built-in engine's pods can promise it.
+            pod_spec["securityContext"].update(
+                {"runAsNonRoot": True, "runAsUser": IMAGE_UID, "runAsGroup": IMAGE_UID})
         if resources.node_selector:
             pod_spec["nodeSelector"] = resources.node_selector
         if resources.tolerations:

@@ -169,6 +169,20 @@ def test_gpu_pods_ask_for_whole_gpus_on_the_right_nodes(case):
     assert gpu_toleration in pod["tolerations"]
 
 
+def test_replica_pods_drop_privileges_and_builtin_ones_run_as_the_images_user():
+    for backend in ("builtin", "vllm"):
+        deployment = render(make_spec(backend))
+        container = only_container(deployment)
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                "capabilities": {"drop": ["ALL"]}}
+        pod_context = deployment["spec"]["template"]["spec"]["securityContext"]
+        assert pod_context["seccompProfile"] == {"type": "RuntimeDefault"}
+        # vLLM's image runs as root; asking it not to would stop the pod from starting.
+        assert pod_context.get("runAsNonRoot") is (True if backend == "builtin" else None)
+    builtin = render(make_spec("builtin"))["spec"]["template"]["spec"]["securityContext"]
+    assert builtin["runAsUser"] == 10001
+
+
 def test_cpu_only_and_unset_resources_ask_for_no_gpu():
     cpu_only = render(RENDER_CASES["builtin-cpu"])
     resources = only_container(cpu_only)["resources"]
