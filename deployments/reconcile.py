@@ -27,7 +27,7 @@ from deployments import rollout_machine, rollout_watch, routing
 from deployments.autoscale import autoscale
 from deployments.choices import ACTIVE_ROLLOUT, DeploymentStatus, ReplicaState, RolloutStatus, Strategy
 from deployments.drivers import DriverError, driver_for
-from deployments.drivers.base import ReplicaSpec
+from deployments.drivers.base import NoCapacity, ReplicaSpec
 from deployments.models import Deployment, Replica, Rollout
 from inferops.locks import LockId, try_advisory_lock
 from registry.checkpoint import CheckpointError, artifact_path
@@ -341,12 +341,19 @@ class Reconciler:
         self.save(replica, "state", "started_at", "ready_at", "identity", "restarts")
         try:
             started = self.driver.start(replica, replica_spec(self.deployment, replica))
+        except NoCapacity as exc:  # waiting is no failure: no backoff growth, no crash loop
+            replica.state, replica.started_at, replica.last_error = ReplicaState.PENDING, None, f"waiting: {exc}"
+            replica.not_before = self.now + timedelta(seconds=self.timings.backoff_base_s)
+            self.save(replica, "state", "started_at", "last_error", "not_before")
+            return
         except (DriverError, CheckpointError) as exc:
             self.fail(replica, f"could not start: {exc}")
             return
         replica.url, replica.port, replica.log_path = started.url, started.port, started.log_path
         replica.identity = started.identity
-        self.save(replica, "url", "port", "log_path", "identity")
+        if replica.last_error.startswith("waiting: "):
+            replica.last_error = ""  # it got what it waited for
+        self.save(replica, "url", "port", "log_path", "identity", "last_error")
 
     # -- reporting ----------------------------------------------------------------------------
 

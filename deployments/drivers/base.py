@@ -41,3 +41,7 @@ class Started:
 
 class DriverError(RuntimeError):
     """The driver could not act (no free port, binary missing, API refused); retried with backoff."""
+
+
+class NoCapacity(DriverError):
+    """Nothing is wrong but the node lacks room now (free GPUs): the replica waits, pending."""

@@ -32,7 +32,7 @@ from pathlib import Path
 from django.conf import settings
 
 from deployments import engine_args as engine_args_mod
-from deployments.drivers.base import DriverError, ReplicaSpec, Started
+from deployments.drivers.base import DriverError, NoCapacity, ReplicaSpec, Started
 from inferops.models import installation_id
 from runtime.replica_supervisor import describe_exit
 from runtime.vllm_preload import vllm_cpu_preload
@@ -167,7 +167,7 @@ def replica_command(spec: ReplicaSpec, host: str, port: int) -> list[str]:
             "--served-model-name", spec.deployment, "--host", host, "--port", str(port), *args]
 
 
-class NoFreeGpus(DriverError):
+class NoFreeGpus(NoCapacity):
     """Not enough of this node's GPUs are free for the replica; it waits, it has not failed."""
 
 

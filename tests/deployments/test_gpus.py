@@ -149,3 +149,30 @@ def test_replicas_on_one_node_get_their_own_gpus(settings, tmp_path):
     finally:
         for replica in (first, second, third):
             driver.kill(replica)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_replica_without_free_gpus_waits_pending_with_the_reason(settings, tmp_path, big_model, make_user):
+    from deployments import services as deployment_services
+    from deployments.choices import ReplicaState
+    from deployments.models import Replica
+    from deployments.reconcile import reconcile_deployment
+
+    ModelVersion.objects.filter(model=big_model).update(weight_bytes=4)  # fits one GPU, so it gets through
+    settings.INFEROPS_VLLM_PYTHON = str(sleeper(tmp_path))
+    settings.INFEROPS_DATA_DIR = tmp_path / "data"
+    settings.INFEROPS_NODE_GPUS = "0"
+    deployment = deployment_services.deployment_create(
+        name="chat", model=big_model, version=1, backend="vllm", replicas=2,
+        actor=make_user("operator", username="deployer"), engine_args={"max_num_seqs": 1},
+        resources={"gpu_type": "nvidia-h100", "gpu_count": 1})
+    try:
+        reconcile_deployment(deployment.pk)
+        running, waiting = Replica.objects.filter(deployment=deployment).order_by("pk")
+        assert running.state == ReplicaState.STARTING and running.identity["gpus"] == ["0"]
+        assert waiting.state == ReplicaState.PENDING and waiting.restarts == 0 and not waiting.crash_looping
+        assert waiting.last_error.startswith("waiting: needs 1 GPU(s) but node")
+        assert f"0 by replica {running.pk}" in waiting.last_error
+    finally:
+        for replica in Replica.objects.filter(deployment=deployment):
+            LocalProcessDriver().kill(replica)
