@@ -49,8 +49,13 @@ INT4 = (-(2**31), 2**31 - 1)
 INT8 = (-(2**63), 2**63 - 1)
 INT2 = (-(2**15), 2**15 - 1)
 # Column name -> (kind, required, bound): bound is max length for text, (low, high) for integers.
+# `request_id` is the gateway's own id (the idempotency key); `client_request_id` the client's
+# X-Request-Id when it sent a usable one. `ttft_source` says who measured ttft_ms/tpot_ms:
+# "gateway" (a stream, timed at the proxy), "server" (a whole answer, from the replica's
+# Server-Timing header), absent when nobody did (e.g. a vLLM replica's whole answer).
 EVENT_FIELDS: dict[str, tuple[str, bool, object]] = {
     "request_id": ("text", True, 64),
+    "client_request_id": ("text", False, 128),
     "time": ("float", True, None),
     "tenant": ("text", False, 63),
     "key_prefix": ("text", False, 8),
@@ -65,6 +70,7 @@ EVENT_FIELDS: dict[str, tuple[str, bool, object]] = {
     "completion_tokens": ("int", False, INT4),
     "ttft_ms": ("float", False, None),
     "tpot_ms": ("float", False, None),
+    "ttft_source": ("text", False, 16),
     "e2e_ms": ("float", True, None),
     "status": ("int", True, INT2),
     "finish_reason": ("text", False, 32),
@@ -121,8 +127,9 @@ def parse_event(raw: bytes | str) -> dict:
             continue
         value_type = type(value)
         if kind == "text":
-            if value_type is not str or not value or len(value) > bound:
-                raise InvalidEvent(f"{name}: expected a string of 1-{bound} characters")
+            # Postgres text cannot hold NUL: one such value would fail its whole batch forever.
+            if value_type is not str or not value or len(value) > bound or "\x00" in value:
+                raise InvalidEvent(f"{name}: expected a string of 1-{bound} characters (no NUL)")
         elif kind == "float":
             if value_type is int:
                 value = float(value)  # JSON may say 272 for 272.0; a batch's column must have one type
@@ -228,7 +235,9 @@ _UPSERT_MINUTES = (
 def store_events(events: list[dict]) -> int:
     """Write a batch of parsed events and their minute roll-ups in one transaction.
 
-    Returns how many events were new; events whose request id is already stored add nothing.
+    Returns how many events were new; events whose request id is already stored add nothing. An
+    optional field an event lacks (one from an older gateway, or built by hand) is stored as
+    parse_event would default it.
     """
     if not events:
         return 0
@@ -236,7 +245,7 @@ def store_events(events: list[dict]) -> int:
     # binds parameters client-side, escaping every array element in Python (the consumer's
     # largest CPU cost); this one sends the arrays as binary parameters (the %b placeholders).
     with transaction.atomic(), psycopg.Cursor(connection.connection) as cursor:
-        cursor.execute(_INSERT_EVENTS, [[event[c] for event in events] for c in COLUMNS])
+        cursor.execute(_INSERT_EVENTS, [[event.get(c, DEFAULTS.get(c)) for event in events] for c in COLUMNS])
         inserted = {row[0] for row in cursor.fetchall()}
         # A request id repeated inside the batch is inserted once; count it once too.
         fresh, seen = [], set()

@@ -110,7 +110,9 @@ class UsageEvent(models.Model):
     known", which an empty string would blur, and the ledger keeps that distinction.
     """
 
-    request_id = models.CharField(max_length=64)
+    request_id = models.CharField(max_length=64)  # the gateway's own id: the ledger's idempotency key
+    # The client's X-Request-Id, when it sent a usable one: what the client and the replica's logs know.
+    client_request_id = models.CharField(max_length=128, null=True, blank=True)  # noqa: DJ001
     time = models.DateTimeField(help_text="When the request started.")
     tenant = models.CharField(max_length=63, null=True, blank=True)  # noqa: DJ001
     key_prefix = models.CharField(max_length=KEY_PREFIX_LENGTH, null=True, blank=True)  # noqa: DJ001
@@ -127,6 +129,9 @@ class UsageEvent(models.Model):
     completion_tokens = models.IntegerField(default=0)
     ttft_ms = models.FloatField(null=True, blank=True)
     tpot_ms = models.FloatField(null=True, blank=True)
+    # Who measured ttft_ms/tpot_ms: "gateway" (a stream, timed at the proxy) or "server" (the
+    # replica's Server-Timing header on a whole answer); NULL when nobody did.
+    ttft_source = models.CharField(max_length=16, null=True, blank=True)  # noqa: DJ001
     e2e_ms = models.FloatField()
     status = models.SmallIntegerField()
     finish_reason = models.CharField(max_length=32, null=True, blank=True)  # noqa: DJ001

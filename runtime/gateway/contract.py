@@ -12,6 +12,10 @@ request to a stream that the control plane ingests. Both sides import these name
 - KEYS_KEY: sha256 hex of an API key -> JSON {prefix, name, tenant, deployments, priority,
   expires_at, limits: {key, tenant}}; replaced whole on every publish.
 - USAGE_STREAM: entries {"e": JSON event}, one per request (tenants/ingest.py says which fields).
+  `request_id` is always the gateway's own id (ingestion is idempotent by it, so a client that
+  reuses an id loses no usage); `client_request_id` is the client's X-Request-Id when usable.
+  `ttft_source` says who measured `ttft_ms`/`tpot_ms`: "gateway" (a stream), "server" (a whole
+  answer, from the replica's Server-Timing header), null when neither did.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 One JSON object per line: time (UTC, ISO 8601), level, logger, message, request_id where the
 line belongs to a request, and exception when there is one. Standard library only, so the
-replica (runtime.engine) and Django (inferops.logs) use this one formatter too.
+gateway and the replica (runtime.engine) share it, and Django's LOGGING can name it too
+(`"()": "runtime.gateway.jsonlog.JsonFormatter"`).
 """
 
 from __future__ import annotations

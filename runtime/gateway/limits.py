@@ -161,13 +161,19 @@ def _headers(unit: str, limit: int, remaining: int, reset_ms: int) -> list[tuple
 
 
 def openai_duration(seconds: float) -> str:
-    """A duration as OpenAI writes its reset headers (Go's format): `20ms`, `1s`, `1.5s`, `6m0s`."""
+    """A duration as OpenAI writes its reset headers (Go's format, to the millisecond): `0s`,
+    `20ms`, `1s`, `1.5s`, `6m0s`, `1h0m0s`."""
     ms = max(0, round(seconds * 1000))
+    if ms == 0:
+        return "0s"
     if ms < 1000:
         return f"{ms}ms"
-    minutes, rest_ms = divmod(ms, 60_000)
-    rest = f"{rest_ms / 1000:.3f}".rstrip("0").rstrip(".")
-    return f"{minutes}m{rest}s" if minutes else f"{rest}s"
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    rest = f"{ms / 1000:.3f}".rstrip("0").rstrip(".") + "s"
+    if hours:
+        return f"{hours}h{minutes}m{rest}"
+    return f"{minutes}m{rest}" if minutes else rest
 
 
 def _scopes(key: ApiKey) -> list[tuple[str, str, ScopeLimits]]:

@@ -193,26 +193,33 @@ def trace_headers(scope: dict) -> dict[str, str]:
             or (len(parent) > 55 and parent[55:56] != b"-"):
         return {}
     headers = {"traceparent": parent.decode("ascii")}
-    state = _header(scope, b"tracestate")
-    if state is not None and len(state) <= MAX_TRACESTATE and all(0x20 <= byte < 0x7f for byte in state):
+    # Several tracestate headers are one list (W3C Trace Context), passed on as one header.
+    state = b",".join(value for key, value in scope["headers"] if key == b"tracestate")
+    if state and len(state) <= MAX_TRACESTATE and all(0x20 <= byte < 0x7f for byte in state):
         headers["tracestate"] = state.decode("ascii")
     return headers
 
 
 def server_timing(value: bytes | None) -> tuple[float | None, float | None]:
-    """TTFT and TPOT in ms from a `Server-Timing: ttft;dur=12.3, tpot;dur=4.5` header."""
+    """TTFT and TPOT in ms from a `Server-Timing: ttft;dur=12.3, tpot;dur=4.5` header; a metric
+    without a usable `dur` (missing, not a number, negative, infinite) counts as not sent. Like
+    the Server Timing spec for parameters, the first occurrence of a name wins."""
     found: dict[str, float] = {}
     for metric in (value or b"").decode("latin-1").split(","):
         name, *params = (part.strip() for part in metric.split(";"))
+        name = name.lower()
+        if name in found:
+            continue
         for param in params:
             key, _, number = param.partition("=")
             if key.strip().lower() == "dur":
                 try:
                     duration = float(number.strip().strip('"'))
                 except ValueError:
-                    continue
+                    break
                 if 0 <= duration < float("inf"):
-                    found[name.lower()] = duration
+                    found[name] = duration
+                break
     return found.get("ttft"), found.get("tpot")
 
 
@@ -400,7 +407,7 @@ class Gateway:
                 record.status = 500
                 error = GatewayError(500, "Internal gateway error.", "InternalServerError", INTERNAL)
                 with contextlib.suppress(Exception):
-                    await self._respond(send, record, 500, error.body)
+                    await self._respond(send, record, 500, error.body, headers=record.response_headers())
         finally:
             if watcher is not None:
                 watcher.cancel()

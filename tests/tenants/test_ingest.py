@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import UTC, datetime
 
 import pytest
 from django.db.models import Sum
 
+from deployments.models import Deployment
 from tenants import ingest
 from tenants.ingest import UsageIngestor, histogram_quantile, latency_bucket, parse_event
 from tenants.models import UsageEvent, UsageMinute
@@ -109,6 +111,50 @@ def test_invalid_entries_are_moved_aside_and_do_not_block_the_batch(redis_conn):
     assert redis_conn.xpending(ingest.STREAM_KEY, ingest.GROUP)["pending"] == 0
 
 
+def test_the_client_request_id_and_who_measured_ttft_are_stored(redis_conn):
+    whole = usage_event(stream=False, client_request_id="ord-7", ttft_ms=31.5, tpot_ms=4.25, ttft_source="server")
+    streamed = usage_event(client_request_id="x" * 128, ttft_source="gateway")
+    bare = usage_event(stream=False, ttft_ms=None, tpot_ms=None, ttft_source=None)  # a vLLM replica: no header
+    older = usage_event()  # from a gateway that predates both fields
+    xadd_events(redis_conn, [whole, streamed, bare, older])
+    assert UsageIngestor(consumer="test").run(budget_s=10).inserted == 4
+    stored = {row[0]: row[1:] for row in UsageEvent.objects.values_list(
+        "request_id", "client_request_id", "ttft_source", "ttft_ms", "tpot_ms")}
+    assert stored == {whole["request_id"]: ("ord-7", "server", 31.5, 4.25),
+                      streamed["request_id"]: ("x" * 128, "gateway", 40.0, 8.0),
+                      bare["request_id"]: (None, None, None, None),
+                      older["request_id"]: (None, None, 40.0, 8.0)}
+
+
+def test_a_nul_in_a_text_field_is_refused_alone_instead_of_failing_its_batch(redis_conn):
+    good = usage_event()
+    xadd_events(redis_conn, [good, usage_event(client_request_id="ord\x007"), usage_event(tenant="ac\x00me")])
+    report = UsageIngestor(consumer="test").run(budget_s=10)
+    assert (report.read, report.inserted, report.rejected) == (3, 1, 2)
+    assert list(UsageEvent.objects.values_list("request_id", flat=True)) == [good["request_id"]]
+    assert redis_conn.xpending(ingest.STREAM_KEY, ingest.GROUP)["pending"] == 0
+
+
+def test_ttft_slos_judge_whole_answers_timed_by_the_replica_and_leave_out_unmeasured_ones(redis_conn, deployments):
+    from slo.evaluation import evaluate_slos
+    from slo.services import slo_create
+
+    at = time.time() - 300
+    xadd_events(redis_conn, [
+        usage_event(time=at, stream=True, ttft_ms=150.0, ttft_source="gateway"),
+        usage_event(time=at, stream=False, ttft_ms=120.0, tpot_ms=5.0, ttft_source="server"),
+        usage_event(time=at, stream=False, ttft_ms=450.0, tpot_ms=5.0, ttft_source="server"),
+        usage_event(time=at, stream=False, ttft_ms=None, tpot_ms=None, ttft_source=None),  # vLLM, no header
+    ])
+    assert UsageIngestor(consumer="test").run(budget_s=10).inserted == 4
+    slo = slo_create(actor=None, name="chat-ttft", deployment=Deployment.objects.get(name="chat"),
+                     sli_kind="latency", ttft_ms=200.0, objective=0.9, window="1d")
+    evaluate_slos()
+    slo.status.refresh_from_db()
+    # Both whole answers timed by the replica count (one too slow); the unmeasured one is left out.
+    assert (slo.status.good, slo.status.total) == (2, 3)
+
+
 def test_whole_numbers_where_floats_are_expected_mix_in_one_batch(redis_conn):
     xadd_events(redis_conn, [usage_event(time=int(MINUTE), e2e_ms=272, ttft_ms=40), usage_event(time=MINUTE + 0.5)])
     assert UsageIngestor(consumer="test").run(budget_s=10).inserted == 2
@@ -138,6 +184,13 @@ def test_histograms_merge_across_batches_and_give_percentiles(redis_conn):
     ({"stream": "yes"}, "stream: expected true or false"),
     ({"status": True}, "status: expected an integer"),
     ({"key_prefix": "toolong123"}, "key_prefix: expected a string"),
+    ({"client_request_id": 7}, "client_request_id: expected a string of 1-128 characters"),
+    ({"client_request_id": "x" * 129}, "client_request_id: expected a string of 1-128 characters"),
+    ({"client_request_id": ""}, "client_request_id: expected a string"),
+    ({"client_request_id": "ord\u00007"}, "client_request_id: expected a string .*no NUL"),
+    ({"ttft_source": ["server"]}, "ttft_source: expected a string of 1-16 characters"),
+    ({"ttft_source": True}, "ttft_source: expected a string"),
+    ({"ttft_source": "s" * 17}, "ttft_source: expected a string"),
 ])
 def test_parse_event_names_the_bad_field(change, fragment):
     with pytest.raises(ingest.InvalidEvent, match=fragment):

@@ -76,6 +76,11 @@ async def read_json_body(request: Request, limit: int) -> Any:
         raise bad_request(f"Malformed JSON body: {exc}", "body") from None
 
 
+def log_request_id(request: Request) -> None:
+    """The gateway's X-Request-Id on this request's log lines, so they match the gateway's."""
+    jsonlog.REQUEST_ID.set(request.headers.get("x-request-id", "")[:128] or None)
+
+
 def server_timing(timer: RequestTimer) -> str | None:
     """TTFT from arrival and TPOT between the first and last token, in ms, as vLLM defines them."""
     if timer.first_token_at is None:
@@ -224,6 +229,7 @@ class ReplicaServer:
         return await self._generate(request, parse_chat_request)
 
     async def embeddings(self, request: Request) -> Response:
+        log_request_id(request)
         body = await read_json_body(request, self.settings.max_body_bytes)
         parsed = parse_embedding_request(body)
         self._check_model(parsed.model)
@@ -244,8 +250,7 @@ class ReplicaServer:
                         parse: Callable[[Any, GenerationDefaults], GenerationRequest]
                         ) -> Response:
         timer = self.metrics.start_request()  # TTFT and E2E count from arrival
-        # The gateway's request id, so this replica's log lines match the gateway's.
-        jsonlog.REQUEST_ID.set(request.headers.get("x-request-id", "")[:128] or None)
+        log_request_id(request)
         body = await read_json_body(request, self.settings.max_body_bytes)
         parsed = parse(body, self.settings.generation_defaults)
         self._check_model(parsed.model)
