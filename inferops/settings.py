@@ -305,11 +305,17 @@ CELERY_BEAT_SCHEDULE |= {
     "close-cost-months": {"task": "costing.close_months", "schedule": 3600.0, "options": {"expires": 3500}},
 }
 
+# INFEROPS_LOG_FORMAT=json: one JSON object a line, the gateway's and the replicas' format too;
+# Celery then keeps Django's handler instead of installing its own plain one.
+LOG_JSON = env_str("INFEROPS_LOG_FORMAT", "").lower() == "json"
+CELERY_WORKER_HIJACK_ROOT_LOGGER = not LOG_JSON
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
+                   "json": {"()": "runtime.gateway.jsonlog.JsonFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler",
+                             "formatter": "json" if LOG_JSON else "plain"}},
     "root": {"handlers": ["console"], "level": env_str("INFEROPS_LOG_LEVEL", "INFO")},
     # One INFO line per HTTP request (health checks, scrapes) would drown everything else.
     "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},

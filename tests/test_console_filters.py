@@ -1,4 +1,4 @@
-"""The console's shared filters: mappings as key/value lists, and times in UTC with the local time on hover."""
+"""The console's shared pieces: key/value and UTC filters, the plotly asset, and the log format setting."""
 
 from __future__ import annotations
 
@@ -37,3 +37,28 @@ def test_plotly_is_served_gzipped_to_browsers_that_accept_it(client):
     assert "Content-Encoding" not in plain and packed["Content-Encoding"] == "gzip"
     assert gzip.decompress(packed.content) == plain.content and len(packed.content) < len(plain.content) / 2
     assert packed["Vary"] == "Accept-Encoding" and "max-age=604800" in packed["Cache-Control"]
+
+
+def test_control_plane_logs_are_json_lines_by_a_setting(tmp_path):
+    """web, worker and beat log through Django's LOGGING: INFEROPS_LOG_FORMAT=json makes each line one
+    JSON object, as the gateway's and the replicas' are (runtime/gateway/jsonlog.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import django, logging; django.setup(); from django.conf import settings; "
+             "logging.getLogger('inferops.probe').warning('hello %s', 'there'); "
+             "print(settings.CELERY_WORKER_HIJACK_ROOT_LOGGER)")
+    for form, hijack in (("json", "False"), ("", "True")):
+        env = {**os.environ, "INFEROPS_LOG_FORMAT": form, "DJANGO_SETTINGS_MODULE": "inferops.settings"}
+        result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == hijack
+        line = result.stderr.strip().splitlines()[-1]
+        if form == "json":
+            record = json.loads(line)
+            assert (record["level"], record["logger"], record["message"]) == (
+                "WARNING", "inferops.probe", "hello there")
+        else:
+            assert line.endswith("WARNING inferops.probe: hello there")
