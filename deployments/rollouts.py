@@ -25,6 +25,7 @@ from deployments.services import (
     request_reconcile,
     resolve_version,
     validate_engine_args,
+    validate_runnable,
 )
 from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
@@ -87,6 +88,9 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
                      if version is not None or alias else locked.version)
         candidate_args = (validate_engine_args(locked.backend, engine_args) if engine_args is not None
                           else locked.engine_args)
+        if not rollback:  # a rollback returns to what ran; never block it on a check added since
+            validate_runnable(version=candidate, backend=locked.backend, driver=locked.driver,
+                              engine_args=candidate_args, resources=locked.resources)
         if candidate.pk == locked.version_id and candidate_args == locked.engine_args:
             raise ValidationError({"version": [
                 f"The candidate (v{candidate.number} with the same engine args) is what {locked.name!r} "

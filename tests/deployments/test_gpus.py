@@ -176,3 +176,16 @@ def test_a_replica_without_free_gpus_waits_pending_with_the_reason(settings, tmp
     finally:
         for replica in Replica.objects.filter(deployment=deployment):
             LocalProcessDriver().kill(replica)
+
+
+@pytest.mark.django_db
+def test_a_rollout_to_a_version_that_does_not_fit_is_refused(api, big_model):
+    client = api("operator")
+    response = client.post("/api/v1/deployments/", {
+        "name": "chat", "model": "big", "version": 1, "backend": "vllm", "engine_args": {"max_num_seqs": 4},
+        "resources": {"gpu_type": "nvidia-l40s", "gpu_count": 1}}, format="json")
+    assert response.status_code == 201, response.content
+    response = client.post("/api/v1/deployments/chat/rollouts/", {"engine_args": {"max_num_seqs": 512}},
+                           format="json")
+    assert response.status_code == 400, response.content
+    assert "does not fit" in response.json()["resources"][0]
