@@ -14,9 +14,11 @@ replica started (or became ready) within the last minute, when its raw values ar
 
 A Kubernetes replica is scraped pod by pod, never through its Service (which reaches one pod at
 random, so two scrapes could read two pods and take the difference for an increase). Rows of a
-Kubernetes version are slots, not pods, so all of the version's ready pods are counted on one of
-its rows (the lowest id), each pod with its own previous sample; their deltas are summed into that
-row's minute row, their gauges combined as one replica's would be.
+Kubernetes version are slots, not pods: the version's ready pods are dealt over its ready rows
+(one each when the counts match, as they do between scalings), every pod counted on exactly one
+row, with its own previous sample; a row with two pods sums their deltas and combines their
+gauges. A pod dealt to another row than last time continues from its newest sample on any row of
+the version, so moves neither lose nor repeat an increase.
 """
 
 from __future__ import annotations
@@ -481,8 +483,8 @@ PodKey = tuple[int, int, str]  # (deployment id, version id, pod URL)
 def _version_pod_states(replicas: Iterable[Replica],
                         groups: dict[int, list[ScrapeResult]]) -> dict[PodKey, dict]:
     """The newest stored state of every pod of the versions scraped pod by pod, whichever of the
-    version's rows holds it: when the row that counts a version's pods changes (the old one
-    stopped), the new one continues each pod's deltas instead of counting them again."""
+    version's rows holds it: a pod dealt to another row (pods or rows came or went) continues
+    its deltas there instead of re-baselining, or counting twice when it comes back."""
     versions = {(r.deployment_id, r.version_id) for r in replicas
                 if any(result.pod for result in groups[r.pk])}
     if not versions:
@@ -609,17 +611,17 @@ def ready_targets(*, pod_urls: PodLister | None = None) -> list[ScrapeTarget]:
     """Ready replicas, those whose last scrape failed first: their timeouts then run beside the
     healthy replicas' fetches instead of after them, and the cycle ends sooner.
 
-    A Kubernetes version's ready pods are targets of their own, all on the version's lowest-id
-    ready row; `pod_urls` lists them (the Kubernetes driver's `ready_pod_urls` by default).
+    A Kubernetes version's ready pods are targets of their own, dealt over its ready rows;
+    `pod_urls` lists them (the Kubernetes driver's `ready_pod_urls` by default), once a version.
     """
     rows = (Replica.objects.filter(state=ReplicaState.READY).exclude(url="")
             .order_by("pk").values_list("pk", "url", "last_error", "driver", "version_id"))
     rows = sorted(rows, key=lambda row: not row[2].startswith(SCRAPE_ERROR_PREFIX))
-    counting_row: dict[int, int] = {}  # version id -> the row its pods are counted on
+    slots: dict[int, list[int]] = defaultdict(list)  # Kubernetes version id -> its ready rows
     for pk, _, _, driver, version_id in rows:
         if driver == DriverName.KUBERNETES:
-            counting_row[version_id] = min(pk, counting_row.get(version_id, pk))
-    pods = _pod_targets(set(counting_row.values()), pod_urls)
+            slots[version_id].append(pk)
+    pods = _pod_targets(slots, pod_urls)
     targets: list[ScrapeTarget] = []
     for pk, url, _, driver, _ in rows:
         if driver != DriverName.KUBERNETES:
@@ -629,18 +631,24 @@ def ready_targets(*, pod_urls: PodLister | None = None) -> list[ScrapeTarget]:
     return targets
 
 
-def _pod_targets(replica_ids: set[int], pod_urls: PodLister | None) -> dict[int, list[ScrapeTarget]]:
-    if not replica_ids:
+def _pod_targets(slots: dict[int, list[int]], pod_urls: PodLister | None) -> dict[int, list[ScrapeTarget]]:
+    if not slots:
         return {}
     if pod_urls is None:
         pod_urls = driver_for(DriverName.KUBERNETES).ready_pod_urls
-    targets: dict[int, list[ScrapeTarget]] = {}
-    for replica in Replica.objects.filter(pk__in=replica_ids).select_related("deployment", "version"):
+    listed_on = {min(row_ids): sorted(row_ids) for row_ids in slots.values()}
+    targets: dict[int, list[ScrapeTarget]] = defaultdict(list)
+    for replica in Replica.objects.filter(pk__in=listed_on).select_related("deployment", "version"):
+        row_ids = listed_on[replica.pk]
         try:
-            targets[replica.pk] = [ScrapeTarget(replica.pk, url, pod=url)
-                                   for url in pod_urls(replica)]
+            urls = sorted(pod_urls(replica))
         except DriverError as exc:
-            targets[replica.pk] = [ScrapeTarget(replica.pk, "", error=f"listing its pods: {exc}")]
+            targets[replica.pk].append(ScrapeTarget(replica.pk, "", error=f"listing its pods: {exc}"))
+            continue
+        # Sorted pods over sorted rows: the same pods land on the same rows from cycle to cycle.
+        for index, url in enumerate(urls):
+            row_id = row_ids[index % len(row_ids)]
+            targets[row_id].append(ScrapeTarget(row_id, url, pod=url))
     return targets
 
 

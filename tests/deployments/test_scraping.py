@@ -436,42 +436,58 @@ def cycle(listing: PodListing):
                         fetcher=MetricsFetcher(total_timeout=2.0, connect_timeout=1.0))
 
 
-def test_each_ready_pod_is_scraped_and_summed_into_one_row_of_the_version(kubernetes_rows, stubs):
-    counted, spare, local = kubernetes_rows
-    pod_a, pod_b = stubs(), stubs()
+def version_totals(*rows) -> dict:
+    totals = [minute_totals(row) for row in rows]
+    return {key: sum(t[key] or 0 for t in totals) for key in ("prompt", "generation", "ttft_count")}
+
+
+def test_each_ready_pod_is_scraped_on_one_row_of_the_version(kubernetes_rows, stubs):
+    first, second, local = kubernetes_rows
+    pod_a, pod_b = sorted((stubs(), stubs()), key=lambda stub: stub.url)
     pod_a.serve_requests(40, prompt=10, output=10, ttft_s=0.03)  # before the first look
-    listing = PodListing(pod_a.url, pod_b.url)
+    listing = PodListing(pod_b.url, pod_a.url)
 
     targets = scraping.ready_targets(pod_urls=listing)
+    # One pod per row when the counts match, the same pod on the same row every cycle.
     assert sorted((t.replica_id, t.url, t.pod) for t in targets) == sorted([
-        (counted.pk, pod_a.url, pod_a.url), (counted.pk, pod_b.url, pod_b.url),
+        (first.pk, pod_a.url, pod_a.url), (second.pk, pod_b.url, pod_b.url),
         (local.pk, local.url, "")])
-    assert listing.asked == [counted.pk]  # once per version, never per slot
+    assert listing.asked == [first.pk]  # once per version, never per row
 
     report = cycle(listing)
-    assert (report.replicas, report.targets, report.store.baselines) == (2, 3, 3)
+    assert (report.replicas, report.targets, report.store.baselines) == (3, 3, 3)
     pod_a.serve_requests(3, prompt=7, output=11, ttft_s=0.03)
     pod_b.serve_requests(2, prompt=5, output=1, ttft_s=0.03)
-    pod_a.stats.num_running, pod_b.stats.num_running = 2, 3
-    pod_a.stats.kv_cache_usage, pod_b.stats.kv_cache_usage = 0.2, 0.6
     cycle(listing)
     # Each pod's own increase, once; the Service's (another pod's) numbers never enter.
-    assert minute_totals(counted) == {"prompt": 3 * 7 + 2 * 5, "generation": 3 * 11 + 2 * 1,
-                                      "ttft_count": 5, "scrapes": 2}
-    assert minute_totals(spare)["scrapes"] is None
-    latest = ReplicaMetricsMinute.objects.filter(replica=counted).order_by("-start").first()
-    assert latest.running_max == 5  # running requests add up over pods
-    assert latest.kv_cache_usage_max == pytest.approx(0.4)  # a fraction averages
-    counted.refresh_from_db()
-    pods = counted.scrape_state["pods"]
-    assert pods[pod_a.url]["counters"]["prompt_tokens"] == 40 * 10 + 21
-    assert pods[pod_b.url]["counters"]["prompt_tokens"] == 10
+    assert minute_totals(first)["prompt"] == 3 * 7
+    assert minute_totals(second)["prompt"] == 2 * 5
+    assert version_totals(first, second) == {"prompt": 31, "generation": 35, "ttft_count": 5}
+    first.refresh_from_db()
+    assert first.scrape_state["pods"][pod_a.url]["counters"]["prompt_tokens"] == 40 * 10 + 21
     local.refresh_from_db()
     assert "counters" in local.scrape_state  # a local replica keeps its single flat state
 
+    # A third pod (a scale-up under way): one row counts two pods, summing their load.
+    pod_c = stubs()
+    listing.urls.append(pod_c.url)
+    pod_c.serve_requests(1, prompt=2, output=2, ttft_s=0.03)
+    for stub, running, kv in ((pod_a, 2, 0.2), (pod_b, 3, 0.6), (pod_c, 4, 0.4)):
+        stub.stats.num_running, stub.stats.kv_cache_usage = running, kv
+    targets = scraping.ready_targets(pod_urls=listing)
+    doubled = next(row for row in (first, second)
+                   if sum(t.replica_id == row.pk for t in targets) == 2)
+    cycle(listing)
+    latest = ReplicaMetricsMinute.objects.filter(replica=doubled).order_by("-start", "-scrapes").first()
+    on_row = [t.pod for t in targets if t.replica_id == doubled.pk]
+    stats = {pod_a.url: (2, 0.2), pod_b.url: (3, 0.6), pod_c.url: (4, 0.4)}
+    assert latest.running_max == sum(stats[url][0] for url in on_row)  # running adds up
+    assert latest.kv_cache_usage_max == pytest.approx(sum(stats[url][1] for url in on_row) / 2)
+    assert version_totals(first, second)["prompt"] == 31  # pod c's first look is its baseline
 
-def test_pod_restarts_leaves_and_a_new_counting_row_keep_every_delta_exact(kubernetes_rows, stubs):
-    counted, spare, _ = kubernetes_rows
+
+def test_pod_restarts_leaves_and_moves_keep_every_delta_exact(kubernetes_rows, stubs):
+    first, second, _ = kubernetes_rows
     pod_a, pod_b = stubs(), stubs()
     listing = PodListing(pod_a.url, pod_b.url)
     cycle(listing)  # baselines
@@ -482,28 +498,34 @@ def test_pod_restarts_leaves_and_a_new_counting_row_keep_every_delta_exact(kuber
     pod_a.serve_requests(4, prompt=1, output=1, ttft_s=0.03)
     pod_b.serve_requests(3, prompt=1, output=1, ttft_s=0.03)
     cycle(listing)
-    assert minute_totals(counted)["prompt"] == 50 + 5 + 4 + 3
+    assert version_totals(first, second)["prompt"] == 50 + 5 + 4 + 3
 
     listing.urls = [pod_a.url]  # pod b is no longer ready: only pod a counts
     pod_a.serve_requests(6, prompt=1, output=1, ttft_s=0.03)
     pod_b.serve_requests(100, prompt=1, output=1, ttft_s=0.03)
     cycle(listing)
-    assert minute_totals(counted)["prompt"] == 62 + 6
+    assert version_totals(first, second)["prompt"] == 62 + 6
 
-    # The counting row stops: the next row of the version continues from the pods' last
-    # samples, neither re-counting them nor losing an interval.
-    Replica.objects.filter(pk=counted.pk).update(state=ReplicaState.STOPPED)
+    # A row stops: the other one takes both pods and continues from their last samples on
+    # either row, neither re-counting them nor losing an interval.
+    Replica.objects.filter(pk=first.pk).update(state=ReplicaState.STOPPED)
     listing.urls = [pod_a.url, pod_b.url]
     pod_a.serve_requests(7, prompt=1, output=1, ttft_s=0.03)
     pod_b.serve_requests(2, prompt=1, output=1, ttft_s=0.03)
     cycle(listing)
-    assert listing.asked[-1] == spare.pk
-    assert minute_totals(counted)["prompt"] == 68
-    assert minute_totals(spare)["prompt"] == 7 + 100 + 2  # b's increase since its last sample
+    assert listing.asked[-1] == second.pk
+    assert version_totals(first, second)["prompt"] == 68 + 7 + 100 + 2
+    # It comes back: pods are dealt again, each continuing from its newest sample.
+    Replica.objects.filter(pk=first.pk).update(state=ReplicaState.READY)
+    pod_a.serve_requests(1, prompt=1, output=1, ttft_s=0.03)
+    pod_b.serve_requests(1, prompt=1, output=1, ttft_s=0.03)
+    cycle(listing)
+    assert version_totals(first, second)["prompt"] == 177 + 2
 
 
 def test_a_failing_pod_or_pod_listing_is_reported_on_the_row(kubernetes_rows, stubs):
-    counted, _, _ = kubernetes_rows
+    counted, spare, _ = kubernetes_rows
+    Replica.objects.filter(pk=spare.pk).update(state=ReplicaState.STOPPED)  # both pods on one row
     pod_a = stubs()
     dead = f"http://127.0.0.1:{free_port()}"
     listing = PodListing(pod_a.url, dead)
