@@ -144,13 +144,12 @@ def vllm_python() -> str | None:
 
 
 def vllm_missing() -> str | None:
-    """Why the local driver could not start a vLLM replica here, or None when it could."""
-    python = vllm_python()
-    if python is None:
-        return VLLM_MISSING
-    if not Path(python).is_file():
-        return f"INFEROPS_VLLM_PYTHON={python} does not exist; " + VLLM_MISSING.split(": ", 1)[1]
-    return None
+    """Why the local driver could not start a vLLM replica here, or None when it could.
+
+    An INFEROPS_VLLM_PYTHON that is set is trusted as it is: the web process that asks may run in
+    another container than the worker it names a path on (a wrong path fails the replica's start).
+    """
+    return VLLM_MISSING if vllm_python() is None else None
 
 
 def replica_command(spec: ReplicaSpec, host: str, port: int) -> list[str]:
