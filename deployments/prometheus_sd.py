@@ -18,7 +18,8 @@ from drf_spectacular.authentication import TokenScheme
 from drf_spectacular.utils import extend_schema, inline_serializer
 from redis.exceptions import RedisError
 from rest_framework import serializers
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
+from rest_framework.authentication import SessionAuthentication, TokenAuthentication, get_authorization_header
+from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -34,9 +35,22 @@ METRICS_PATH = "/metrics"
 
 
 class BearerTokenAuthentication(TokenAuthentication):
-    """The API token under the `Bearer` scheme, the only one Prometheus' `authorization` block sends."""
+    """The API token under the `Bearer` scheme, the only one Prometheus' `authorization` block sends.
+
+    A bare token (`Authorization: <token>`) is accepted too: that is what an `http_sd_config` whose
+    `authorization` leaves out `type` sends, although the documentation says Bearer is the default
+    (prometheus/prometheus#12762; seen with Debian's 2.42)."""
 
     keyword = "Bearer"
+
+    def authenticate(self, request):
+        parts = get_authorization_header(request).split()
+        if len(parts) == 1 and parts[0].lower() not in (b"bearer", b"token", b"basic"):
+            try:
+                return self.authenticate_credentials(parts[0].decode("ascii"))
+            except UnicodeError:
+                raise AuthenticationFailed("Invalid token header.") from None
+        return super().authenticate(request)
 
 
 class BearerTokenScheme(TokenScheme):

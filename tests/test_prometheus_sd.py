@@ -45,6 +45,18 @@ def test_a_viewer_token_as_bearer_reads_the_targets_and_nothing_else_does(make_u
     assert bearer(make_user(None)).get(URL).status_code == 403  # a user without a role
 
 
+def test_a_bare_token_as_http_sd_sends_it_without_a_type_is_accepted(make_user, db):
+    """Prometheus' http_sd_config leaves out `Bearer` when `authorization.type` is not written
+    (prometheus/prometheus#12762); tests/test_prometheus_real.py shows Debian's 2.42 doing it."""
+    token = Token.objects.create(user=make_user("viewer")).key
+    bare = APIClient()
+    bare.credentials(HTTP_AUTHORIZATION=token)
+    assert bare.get(URL).status_code == 200
+    wrong = APIClient()
+    wrong.credentials(HTTP_AUTHORIZATION="0" * 40)
+    assert wrong.get(URL).status_code == 401
+
+
 def test_every_ready_replica_with_the_labels_the_rules_select_on(make_user, tiny_llama_dir):
     deployment, versions, replicas = deployment_with_replicas(tiny_llama_dir, replicas=3, versions=2)
     replicas[0].url = "http://10.0.0.5:8101"
