@@ -242,7 +242,7 @@ def test_vllm_container_keeps_the_image_entrypoint_and_maps_engine_args():
     assert container["args"] == [
         "--model", "/models/llama-3-8b/v3", "--served-model-name", "chat", "--host", "0.0.0.0",
         "--port", "8000", "--max-model-len", "4096", "--gpu-memory-utilization", "0.9",
-        "--enforce-eager", "--kv-cache-dtype", "fp8",
+        "--enforce-eager", "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8",
     ]
     pod = deployment["spec"]["template"]["spec"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
