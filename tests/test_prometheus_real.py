@@ -1,6 +1,7 @@
 """A real Prometheus (Debian's package) discovers a real replica through the SD endpoint of a live
 control plane, scrapes it with the SD labels, and evaluates an SLO's exported rules unedited, one
-recording rule producing a series that only exists if the rules' `deployment` selector matches."""
+recording rule producing a series that only exists if the rules' `deployment` selector matches.
+It scrapes the control plane's own /metrics with the same viewer token."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -81,9 +83,14 @@ def test_prometheus_scrapes_the_sd_targets_and_evaluates_the_exported_rules(
         token = Token.objects.create(user=make_user("viewer")).key
         base = prometheus({
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "inferops", "http_sd_configs": [{
-                "url": f"{live_server.url}/api/v1/prometheus/sd/", "refresh_interval": "1s",
-                "authorization": {"credentials": token}}]}],
+            "scrape_configs": [
+                {"job_name": "inferops", "http_sd_configs": [{
+                    "url": f"{live_server.url}/api/v1/prometheus/sd/", "refresh_interval": "1s",
+                    "authorization": {"credentials": token}}]},
+                # The control plane's own /metrics, with the same viewer token.
+                {"job_name": "inferops-control-plane", "authorization": {"credentials": token},
+                 "static_configs": [{"targets": [urlsplit(live_server.url).netloc]}]},
+            ],
         }, render_rules(SLO, ["chat"], source="replica"))
         log = tmp_path / "prometheus.log"
         replica.wait_healthy()
@@ -115,6 +122,13 @@ def test_prometheus_scrapes_the_sd_targets_and_evaluates_the_exported_rules(
 
         (series,) = wait_for(recorded, "the recording rule produced no series", 20, log)
         assert float(series["value"][1]) == 0  # no traffic yet: an increase of zero, not an absent series
+
+        def control_plane_scraped():
+            query = 'inferops_alerts_open{job="inferops-control-plane", severity="page", status="firing"}'
+            return httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=2).json()["data"]["result"]
+
+        (alerts,) = wait_for(control_plane_scraped, "the control plane's /metrics was not scraped", 20, log)
+        assert float(alerts["value"][1]) == 0
     finally:
         replica.stop()
 
