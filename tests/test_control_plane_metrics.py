@@ -4,7 +4,11 @@ equal to what the API says about the same SLO, alert, deployment and stream."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +25,7 @@ from runtime.gateway.contract import USAGE_STREAM
 from slo.budget import MINUTE
 from slo.evaluation import evaluate_slos
 from slo.models import SloMinute
+from tests.services import database_url
 from tests.slo.conftest import NOW, event, insert_events, make_deployment
 
 pytestmark = pytest.mark.django_db
@@ -145,10 +150,33 @@ def fail(kind: str) -> None:
     raise RuntimeError(kind)
 
 
-def test_celery_task_failures_are_counted_across_processes(make_user, db):
+def test_celery_task_failures_are_counted_in_redis(make_user, db):
     # apply() runs the task here through Celery's tracer, which sends task_failure as a worker does.
     for _ in range(3):
         fail.apply(args=["boom"])
     assert redis_client().hget(TASK_FAILURES_KEY, fail.name) == b"3"
     samples = [s for s in scrape(make_user("viewer"))["inferops_celery_task_failures"] if s.name.endswith("_total")]
     assert values(samples) == {(fail.name,): 3}
+
+
+@pytest.mark.timeout(120)
+def test_a_real_worker_process_counts_its_failures_where_web_reads_them(make_user, db, tmp_path):
+    """The reason for Redis: the failure happens in a worker process, the scrape in web."""
+    log = open(tmp_path / "worker.log", "wb")
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "inferops.celery", "worker", "--concurrency", "1", "--pool", "solo",
+         "--loglevel", "INFO", "--hostname", "metrics-test@%h", "-I", __name__],
+        cwd=Path(__file__).resolve().parents[1], env={**os.environ, "DATABASE_URL": database_url()}, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        fail.delay("in a worker")
+        deadline = time.monotonic() + 90
+        while redis_client().hget(TASK_FAILURES_KEY, fail.name) is None:
+            assert worker.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+            time.sleep(0.5)
+    finally:
+        worker.terminate()
+        worker.wait(30)
+        log.close()
+    samples = [s for s in scrape(make_user("viewer"))["inferops_celery_task_failures"] if s.name.endswith("_total")]
+    assert values(samples) == {(fail.name,): 1}
