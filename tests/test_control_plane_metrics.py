@@ -166,8 +166,8 @@ def test_a_real_worker_process_counts_its_failures_where_web_reads_them(make_use
     worker = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "inferops.celery", "worker", "--concurrency", "1", "--pool", "solo",
          "--loglevel", "INFO", "--hostname", "metrics-test@%h", "-I", __name__],
-        cwd=Path(__file__).resolve().parents[1], env={**os.environ, "DATABASE_URL": database_url()}, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
+        cwd=Path(__file__).resolve().parents[1], env={**os.environ, "DATABASE_URL": database_url()}, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
     try:
         fail.delay("in a worker")
         deadline = time.monotonic() + 90
