@@ -14,12 +14,9 @@ import time
 from urllib.parse import urlsplit
 
 from django.utils import timezone
-from drf_spectacular.authentication import TokenScheme
 from drf_spectacular.utils import extend_schema, inline_serializer
 from redis.exceptions import RedisError
 from rest_framework import serializers
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication, get_authorization_header
-from rest_framework.exceptions import AuthenticationFailed
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -27,39 +24,12 @@ from deployments.choices import ACTIVE_ROLLOUT, ReplicaState
 from deployments.models import Replica
 from deployments.reconcile import plan_tracks
 from inferops.api import ERRORS
+from inferops.prometheus_auth import SCRAPER_AUTHENTICATION
 from inferops.redis_client import redis_client
 from inferops.roles import VIEWER
 from runtime.gateway.contract import GATEWAY_STALE_S, GATEWAYS_KEY
 
 METRICS_PATH = "/metrics"
-
-
-class BearerTokenAuthentication(TokenAuthentication):
-    """The API token under the `Bearer` scheme, the only one Prometheus' `authorization` block sends.
-
-    A bare token (`Authorization: <token>`) is accepted too: that is what an `http_sd_config` whose
-    `authorization` leaves out `type` sends, although the documentation says Bearer is the default
-    (prometheus/prometheus#12762; seen with Debian's 2.42)."""
-
-    keyword = "Bearer"
-
-    def authenticate(self, request):
-        parts = get_authorization_header(request).split()
-        if len(parts) == 1 and parts[0].lower() not in (b"bearer", b"token", b"basic"):
-            try:
-                return self.authenticate_credentials(parts[0].decode("ascii"))
-            except UnicodeError:
-                raise AuthenticationFailed("Invalid token header.") from None
-        return super().authenticate(request)
-
-
-class BearerTokenScheme(TokenScheme):
-    """Its own OpenAPI security scheme: DRF's token scheme would claim the subclass under its name."""
-
-    target_class = BearerTokenAuthentication
-    name = "bearerTokenAuth"
-    match_subclasses = False
-    priority = 0
 
 
 def replica_targets() -> list[dict]:
@@ -119,7 +89,7 @@ TARGET_GROUPS = inline_serializer("PrometheusTargetGroup", many=True, fields={
                            "gateway that sent a heartbeat recently. Authenticate as Prometheus does: "
                            "`authorization: {credentials: <viewer API token>}`.")
 class PrometheusTargets(APIView):
-    authentication_classes = [BearerTokenAuthentication, TokenAuthentication, SessionAuthentication]
+    authentication_classes = SCRAPER_AUTHENTICATION
     read_role = VIEWER
 
     def get(self, request):

@@ -27,7 +27,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
-from rest_framework.authentication import SessionAuthentication, TokenAuthentication
 from rest_framework.views import APIView
 
 from alerts.choices import AlertStatus, Severity
@@ -35,9 +34,9 @@ from alerts.models import Alert
 from degradation.models import DegradationState
 from deployments.choices import ACTIVE_ROLLOUT, RolloutStatus
 from deployments.models import Deployment, Rollout
-from deployments.prometheus_sd import BearerTokenAuthentication
 from inferops.api import ERRORS
 from inferops.celery import TASK_FAILURES_KEY
+from inferops.prometheus_auth import SCRAPER_AUTHENTICATION
 from inferops.redis_client import redis_client
 from inferops.roles import VIEWER
 from runtime.gateway.contract import USAGE_STREAM
@@ -207,7 +206,7 @@ def registry() -> CollectorRegistry:
                            "`authorization: {credentials: <viewer API token>}`.",
                responses={(200, "text/plain"): OpenApiResponse(OpenApiTypes.STR), **ERRORS})
 class ControlPlaneMetrics(APIView):
-    authentication_classes = [BearerTokenAuthentication, TokenAuthentication, SessionAuthentication]
+    authentication_classes = SCRAPER_AUTHENTICATION
     read_role = VIEWER
 
     def get(self, request):
