@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,20 @@ def test_provisioning_points_the_dashboards_at_their_datasource():
         assert {(ref["type"], ref["uid"]) for ref in refs} == {("prometheus", source["uid"])}, path.name
         ids = [panel["id"] for panel in dashboard["panels"]]
         assert len(ids) == len(set(ids)), path.name
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is absent: apt-get install prometheus")
+def test_every_panel_query_is_valid_promql(tmp_path):
+    """promtool parses each query as a recording rule's expression, Grafana's variables filled in."""
+    rules = []
+    for path in DASHBOARDS:
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$__rate_interval", "5m")
+                rules.append({"record": f"dashboard:{path.stem}:{panel['id']}{target['refId']}",
+                              "expr": re.sub(r"\$\w+", ".*", expr)})
+    (tmp_path / "panels.yml").write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    checked = subprocess.run(["promtool", "check", "rules", "panels.yml"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{len(rules)} rules found" in checked.stdout
