@@ -39,10 +39,9 @@ from inferops.celery import TASK_FAILURES_KEY
 from inferops.prometheus_auth import SCRAPER_AUTHENTICATION
 from inferops.redis_client import redis_client
 from inferops.roles import VIEWER
-from runtime.gateway.contract import USAGE_STREAM
 from slo.models import Slo, SloMinute
-
-USAGE_GROUP = "ingest"  # tenants.ingest.GROUP; read here without importing the ingestion worker
+from tenants.ingest import GROUP as USAGE_GROUP
+from tenants.ingest import STREAM_KEY as USAGE_STREAM
 
 
 def gauge(name: str, help_text: str, labels: tuple[str, ...] = ()) -> GaugeMetricFamily:

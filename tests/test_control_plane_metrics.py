@@ -19,12 +19,12 @@ from degradation.models import DegradationState
 from deployments.models import Rollout
 from inferops.celery import TASK_FAILURES_KEY
 from inferops.celery import app as celery_app
-from inferops.metrics import USAGE_GROUP
 from inferops.redis_client import redis_client
 from runtime.gateway.contract import USAGE_STREAM
 from slo.budget import MINUTE
 from slo.evaluation import evaluate_slos
 from slo.models import SloMinute
+from tenants.ingest import GROUP as USAGE_GROUP
 from tests.services import database_url
 from tests.slo.conftest import NOW, event, insert_events, make_deployment
 
