@@ -10,7 +10,6 @@ import json
 import logging
 import re
 import sys
-import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,7 +24,7 @@ from runtime.gateway.contract import KEYS_KEY, hash_api_key
 from runtime.gateway.limits import openai_duration
 from runtime.gateway.server import client_request_id, server_timing, trace_headers
 from tests.conftest import free_port
-from tests.gateway.conftest import REDIS_URL, FakeReplica
+from tests.gateway.conftest import REDIS_URL, FakeReplica, wait_until
 from tests.gateway.test_real_replica import Process
 
 pytestmark = pytest.mark.timeout(60)
@@ -41,15 +40,6 @@ def _auth(secret: str, **headers: str | bytes) -> dict:
 
 def _chat(content: str = "hi", **extra) -> dict:
     return {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
-
-
-def _wait_until(condition, timeout: float = 5.0) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if condition():
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 class RecordingReplica(FakeReplica):
@@ -217,7 +207,7 @@ def _ratelimit(response: httpx.Response) -> dict[str, str]:
 def _clear_of_the_window_edge(control) -> None:
     """The limits count in 60 s windows of Redis's clock: start a sequence of requests that
     expects one window early enough in it."""
-    _wait_until(lambda: control.redis.time()[0] % 60 < 50, timeout=15)
+    wait_until(lambda: control.redis.time()[0] % 60 < 50, timeout=15)
 
 
 def test_ratelimit_headers_on_answers_and_on_a_429(control, replicas, gateways):
@@ -295,7 +285,7 @@ def test_a_key_unknown_to_an_instance_works_at_once_and_its_revocation_reaches_i
         return all(HTTP.post(f"{url}/chat/completions", json=_chat(), headers=_auth(secret)).status_code == 401
                    for url in (first_url, second_url))
 
-    assert _wait_until(refused_everywhere, timeout=5.0) < 5.0
+    assert wait_until(refused_everywhere, timeout=5.0) < 5.0
 
 
 # -- Server-Timing -----------------------------------------------------------------------------------
@@ -447,7 +437,7 @@ def test_json_logs_of_a_real_gateway_and_replica_carry_the_clients_request_id(
         def logged(process: Process, request_id: str) -> list[dict]:
             return [line for line in _json_lines(process.log_path) if line.get("request_id") == request_id]
 
-        _wait_until(lambda: logged(replica, "ord-json-1") and logged(gateway, "ord-gone-2"))
+        wait_until(lambda: logged(replica, "ord-json-1") and logged(gateway, "ord-gone-2"))
         (access, *_) = logged(replica, "ord-json-1")
         assert access["logger"] == "uvicorn.access" and "/v1/chat/completions" in access["message"]
         (ejected,) = logged(gateway, "ord-gone-2")

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from tests.conftest import free_port
-from tests.gateway.conftest import Control
+from tests.gateway.conftest import Control, wait_until
 
 pytestmark = [pytest.mark.timeout(90),
               pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")]
@@ -58,14 +58,6 @@ def private_redis(tmp_path):
     server.stop()
 
 
-def _wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
-
-
 def _metric(http: httpx.Client, base_url: str, name: str) -> float:
     for line in http.get(base_url.removesuffix("/v1") + "/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -92,25 +84,25 @@ def test_redis_stopped_serving_goes_on_and_every_usage_event_arrives_after_it_re
         return http.post(f"{url}/chat/completions", json=body, headers=headers).status_code
 
     assert [call(open_url) for _ in range(3)] == [200] * 3
-    _wait_until(lambda: control.redis.xlen("inferops:usage") == 3)
+    wait_until(lambda: control.redis.xlen("inferops:usage") == 3, timeout=10.0)
 
     private_redis.stop()
     assert [call(open_url) for _ in range(6)] == [200] * 6  # keys and routes from memory, limits open
     assert call(closed_url) == 503  # the other policy refuses instead
     spool = tmp_path / "spool" / "test-0.jsonl"
-    _wait_until(lambda: spool.exists() and len(spool.read_text().splitlines()) == 6)
+    wait_until(lambda: spool.exists() and len(spool.read_text().splitlines()) == 6, timeout=10.0)
     assert _metric(http, open_url, "inferops_gateway_redis_up") == 0
     assert _metric(http, open_url, "inferops_gateway_usage_spool_depth") == 6
     assert _metric(http, open_url, "inferops_gateway_limits_bypassed_total") == 6
     assert http.get(open_url.removesuffix("/v1") + "/health").json()["redis"] == "down"
 
     private_redis.start()
-    _wait_until(lambda: control.redis.xlen("inferops:usage") == sent, timeout=10)
+    wait_until(lambda: control.redis.xlen("inferops:usage") == sent, timeout=10)
     events = control.events()
     assert len({e["request_id"] for e in events}) == sent == 10
     assert [e["status"] for e in events].count(200) == 9 and events[-1]["status"] == 503
     assert spool.read_text() == "" and _metric(http, open_url, "inferops_gateway_usage_spool_depth") == 0
-    _wait_until(lambda: _metric(http, open_url, "inferops_gateway_redis_up") == 1)
+    wait_until(lambda: _metric(http, open_url, "inferops_gateway_redis_up") == 1, timeout=10.0)
 
     # A flushed Redis (the control plane republishes within 30 s) does not empty the gateway.
     control.redis.flushall()
@@ -136,10 +128,10 @@ def test_a_gateway_started_before_redis_serves_once_redis_and_the_control_plane_
         control = Control(server.url)
         control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])])
         secret, _ = control.publish_key("acme")
-        _wait_until(lambda: http.post(f"{base_url}/chat/completions", json=body,
+        wait_until(lambda: http.post(f"{base_url}/chat/completions", json=body,
                                       headers={"Authorization": f"Bearer {secret}"}).status_code == 200, timeout=5)
         # The refusal from before Redis was up reached the stream first (spooled, then replayed).
-        _wait_until(lambda: any(e["status"] == 200 for e in control.events()))
+        wait_until(lambda: any(e["status"] == 200 for e in control.events()), timeout=10.0)
         assert control.events()[0]["status"] == 401
         control.redis.close()
     finally:
