@@ -1,14 +1,22 @@
-"""Connection URLs for processes a test starts: the test database and Redis, or other ones
-on the same servers (a second installation)."""
+"""Processes a test starts (`inferops` CLI commands) and their connection URLs: the test database
+and Redis, or other ones on the same servers (a second installation)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 from urllib.parse import urlparse
 
+import httpx
 from django.conf import settings
 from django.db import connection
 
 from inferops.embedded import postgres_url_for_socket_dir
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def database_url(name: str | None = None) -> str:
@@ -34,3 +42,36 @@ def redis_db() -> int:
     if parsed.scheme == "unix":
         return int(dict(part.split("=", 1) for part in parsed.query.split("&") if "=" in part).get("db", 0))
     return int(parsed.path.lstrip("/") or 0)
+
+
+class Process:
+    def __init__(self, args: list[str], log_path: Path, health_url: str) -> None:
+        self.log_path = log_path
+        self.health_url = health_url
+        self.log = open(log_path, "w")
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "inferops.cli", *args], cwd=REPO_ROOT, env=env,
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited early:\n{self.log_path.read_text()}")
+            try:
+                if httpx.get(self.health_url, timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"not healthy in {timeout} s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()

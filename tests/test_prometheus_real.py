@@ -20,7 +20,7 @@ from deployments.models import Replica
 from slo.prometheus_rules import render_rules
 from tests.conftest import free_port
 from tests.deployments.metrics_helpers import deployment_with_replicas
-from tests.gateway.test_real_replica import Process
+from tests.services import Process
 
 PROMETHEUS = "/usr/bin/prometheus"
 pytestmark = [

@@ -25,7 +25,7 @@ from runtime.gateway.limits import openai_duration
 from runtime.gateway.server import client_request_id, server_timing, trace_headers
 from tests.conftest import free_port
 from tests.gateway.conftest import REDIS_URL, FakeReplica, wait_until
-from tests.gateway.test_real_replica import Process
+from tests.services import Process
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,54 +3,14 @@ tiny checkpoint, with the official openai client: the usage event carries the re
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import httpx
 import openai
 import pytest
 
 from tests.conftest import free_port
 from tests.gateway.conftest import REDIS_URL
+from tests.services import Process
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(180)
-
-
-class Process:
-    def __init__(self, args: list[str], log_path: Path, health_url: str) -> None:
-        self.log_path = log_path
-        self.health_url = health_url
-        self.log = open(log_path, "w")
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "inferops.cli", *args], cwd=REPO_ROOT, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"exited early:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.health_url, timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"not healthy in {timeout} s:\n{self.log_path.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.log.close()
 
 
 def test_openai_client_through_the_gateway_to_a_real_replica(tiny_llama_dir, control, tmp_path):
