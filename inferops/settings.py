@@ -14,7 +14,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlparse
 
 from inferops import embedded
-from inferops.env import env_bool, env_float, env_int, env_list, env_str
+from inferops.env import ImproperlyConfiguredEnv, env_bool, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -29,16 +29,19 @@ def database_from_url(url: str) -> dict:
     host = query.pop("host", None) or unquote(parsed.hostname or "")
     if parsed.netloc and "%2F" in parsed.netloc.upper():
         host = unquote(parsed.netloc.rsplit("@", 1)[-1])
+    name = unquote(parsed.path.lstrip("/")) or "postgres"
     return {
         "ENGINE": "django.db.backends.postgresql",
-        "NAME": unquote(parsed.path.lstrip("/")) or "postgres",
+        "NAME": name,
         "USER": unquote(parsed.username or "postgres"),
         "PASSWORD": unquote(parsed.password or ""),
         "HOST": host,
         "PORT": str(parsed.port or ""),
         "CONN_MAX_AGE": env_int("DATABASE_CONN_MAX_AGE", 0),
         "OPTIONS": {**query, "connect_timeout": env_int("DATABASE_CONNECT_TIMEOUT", 5)},
-        "TEST": {"NAME": env_str("DATABASE_TEST_NAME", "test_inferops")},
+        # Named after the database, as Django does: checkouts testing against other databases of one
+        # server do not share (and flush) one test database.
+        "TEST": {"NAME": env_str("DATABASE_TEST_NAME", "test_inferops" if name == "postgres" else f"test_{name}")},
     }
 
 
@@ -209,6 +212,12 @@ INFEROPS_VLLM_PYTHON = env_str("INFEROPS_VLLM_PYTHON")  # a Python with vLLM ins
 INFEROPS_VLLM_LD_PRELOAD = env_str("INFEROPS_VLLM_LD_PRELOAD", "auto")
 INFEROPS_RECONCILE_INTERVAL_S = env_float("INFEROPS_RECONCILE_INTERVAL_S", 2)
 INFEROPS_K8S_NAMESPACE = env_str("INFEROPS_K8S_NAMESPACE", "inferops")
+# During the watch after a rollout, the percent of traffic kept on the previous version so the new
+# one is judged against it at the same time (a rollout's `holdback` overrides it; 0: none).
+INFEROPS_ROLLOUT_HOLDBACK_PERCENT = env_int("INFEROPS_ROLLOUT_HOLDBACK_PERCENT", 5)
+if not 0 <= INFEROPS_ROLLOUT_HOLDBACK_PERCENT <= 50:
+    raise ImproperlyConfiguredEnv(
+        f"INFEROPS_ROLLOUT_HOLDBACK_PERCENT={INFEROPS_ROLLOUT_HOLDBACK_PERCENT}: expected a percent from 0 to 50")
 CELERY_BEAT_SCHEDULE["reconcile-replicas"] = {
     "task": "deployments.reconcile_all",
     "schedule": INFEROPS_RECONCILE_INTERVAL_S,
