@@ -7,7 +7,7 @@ from django.template.loader import render_to_string
 
 from deployments.choices import ACTIVE_ROLLOUT, ReplicaState
 from deployments.models import Deployment
-from deployments.views import undo_text
+from deployments.views import undo_offer
 
 RECENT_ROLLOUTS = 5
 
@@ -27,5 +27,5 @@ def deployment_panel(request, alert) -> str:
         active = deployment.rollouts.filter(status__in=ACTIVE_ROLLOUT).first()
     return render_to_string("deployments/_alert_panel.html", {
         "deployment": deployment, "replicas": replicas, "rollouts": rollouts, "active_rollout": active,
-        "undo": undo_text(deployment, active), "back": request.get_full_path(),
+        "undo": undo_offer(deployment, active), "back": request.get_full_path(),
     }, request=request)

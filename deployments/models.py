@@ -90,6 +90,10 @@ class Rollout(Authored):
     watch_s = models.FloatField(default=600, help_text="Watch after success, in seconds; 0: none.")
     auto_rollback = models.BooleanField(default=True, help_text="Roll back by itself during the watch.")
     watch_until = models.DateTimeField(null=True, blank=True, help_text="Set on success; rollbacks are not watched.")
+    # During the watch this percent of traffic stays on the previous spec, so the new one is judged
+    # against it at the same time, under the same load (deployments/rollout_watch.py).
+    holdback_percent = models.PositiveSmallIntegerField(default=5, help_text=(
+        "During the watch, percent of traffic kept on the previous version to compare with; 0: none."))
     rolled_back_by = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
                                        help_text="The rollback rollout the platform started during the watch.")
 
@@ -122,6 +126,10 @@ class Rollout(Authored):
     def watching(self) -> bool:
         """The platform watches it now, ready to roll it back."""
         return self.auto_rollback and self.in_watch()
+
+    def holding_back(self, now: datetime | None = None) -> bool:
+        """Watched now with part of the traffic kept on the previous spec to compare with."""
+        return self.auto_rollback and not self.rollback and self.holdback_percent > 0 and self.in_watch(now)
 
 
 class RolloutMeasurement(models.Model):

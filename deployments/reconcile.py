@@ -80,15 +80,25 @@ class Track:
 
 
 def plan_tracks(deployment: Deployment, rollout: Rollout | None, now: datetime) -> list[Track]:
-    """The stable track first, then a running rollout's candidate or a blue-green's warm old set."""
+    """The stable track first, then a running rollout's candidate, the previous spec held back during a
+    watch, or a blue-green's warm old set."""
     stable = Track("stable", deployment.version_id, deployment.engine_args, deployment.replicas, None)
     if rollout is not None:
         return [stable, Track("candidate", rollout.candidate_version_id, rollout.candidate_engine_args,
                               rollout_machine.candidate_size(rollout, deployment.replicas), rollout.weight, rollout.pk)]
     kept = (deployment.rollouts.filter(status=RolloutStatus.SUCCEEDED, strategy=Strategy.BLUE_GREEN,
                                        scale_down_at__gt=now).order_by("-id").first())
-    if kept is not None and (kept.stable_version_id, kept.stable_engine_args) != (stable.version_id,
+    if kept is not None and (kept.stable_version_id, kept.stable_engine_args) == (stable.version_id,
                                                                                    stable.engine_args):
+        kept = None
+    watched = rollout_watch.holdback(deployment, now)
+    if watched is not None:
+        # A blue-green's whole warm old set takes the holdback share; else the holdback's own replicas.
+        desired = None if kept is not None and kept.pk == watched.pk else rollout_watch.holdback_replicas(
+            watched, deployment.replicas)
+        return [stable, Track("holdback", watched.stable_version_id, watched.stable_engine_args, desired,
+                              watched.holdback_percent)]
+    if kept is not None:
         return [stable, Track("previous", kept.stable_version_id, kept.stable_engine_args, None, 0)]
     return [stable]
 

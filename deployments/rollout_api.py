@@ -78,6 +78,10 @@ class RolloutCreateSerializer(StrictSerializer):
         "an SLO the previous version did not, the platform rolls it back by itself. Rollbacks are not watched."))
     auto_rollback = serializers.BooleanField(default=True, help_text=(
         "Roll back by itself during the watch; can be turned off later (PATCH the rollout)."))
+    holdback = serializers.IntegerField(min_value=0, max_value=50, required=False, allow_null=True, help_text=(
+        "During the watch, percent of traffic kept on the previous version so the new one is judged against "
+        "it at the same time (default INFEROPS_ROLLOUT_HOLDBACK_PERCENT, 5; 0: none, then the new version is "
+        "compared with the previous one's past, at a comparable load, and a failure must persist)."))
 
 
 class PromoteSerializer(StrictSerializer):
@@ -93,7 +97,11 @@ class RetrySerializer(StrictSerializer):
 
 
 class UndoSerializer(StrictSerializer):
-    pass
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000, help_text=(
+        "Why: required when the undo redeploys a version the platform rolled back during its watch."))
+    override_reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000, help_text=(
+        "Such a redeploy is a rollout like any other: go ahead although an SLO's error budget is exhausted "
+        "(audited)."))
 
 
 class RolloutPatchSerializer(StrictSerializer):
@@ -171,7 +179,7 @@ class RolloutSerializer(serializers.ModelSerializer):
         fields = ["id", "deployment", "strategy", "status", "rollback", "stable", "candidate", "steps", "current_step",
                   "weight", "message", "timeline", "scale_down_delay_s", "scale_down_at", "promote_alias",
                   "override_reason", "created_by", "created_at", "updated_at", "finished_at", "frozen_since",
-                  "watch_s", "auto_rollback", "watch_until", "watching", "rolled_back_by"]
+                  "watch_s", "auto_rollback", "holdback_percent", "watch_until", "watching", "rolled_back_by"]
         read_only_fields = fields
 
     @extend_schema_field(RolloutSpecSerializer)
@@ -311,13 +319,16 @@ class RolloutUndo(APIView):
         request=UndoSerializer,
         responses={200: OpenApiResponse(RolloutDetailSerializer, description="The active rollout, now aborted."),
                    201: OpenApiResponse(RolloutDetailSerializer, description="A blue-green rollback rollout to "
-                                        "the version and engine args before the last successful rollout."),
+                                        "the version and engine args before the last successful rollout, or the "
+                                        "redeploy of a version the platform rolled back."),
                    **ROLLOUT_ERRORS, **ROLLOUT_CONFLICT},
         description="Back to the previous version: aborts the active rollout if there is one, else rolls back "
-                    "the last successful rollout (allowed while an error budget is exhausted).")
+                    "the last successful rollout (allowed while an error budget is exhausted). When that was the "
+                    "platform's own rollback during a watch, undo redeploys the version it rejected: a rollout "
+                    "like the rejected one, under the budget policy, which needs a `reason`.")
     def post(self, request, name: str):
         deployment = get_object_or_404(Deployment, name=name)
-        validated(UndoSerializer, request)
-        rollout = rollouts.rollout_undo(deployment=deployment, actor=request.user)
+        data = validated(UndoSerializer, request)
+        rollout = rollouts.rollout_undo(deployment=deployment, actor=request.user, **data)
         created = rollout.status != RolloutStatus.ABORTED
         return rollout_response(rollout, status.HTTP_201_CREATED if created else status.HTTP_200_OK)

@@ -52,7 +52,9 @@ class RolloutGate(Protocol):
     def watch(self, rollout, limits: dict, end: datetime) -> Measurement:
         """The new version since the rollout finished (until `end`) against the previous one: FAIL when
         it burns an SLO above limits["max_burn_rate"] over at least limits["min_requests"] requests while
-        the previous version did not, else RUNNING."""
+        the previous version, at a comparable load, did not, else RUNNING. A failing check has ok False
+        only then. `stable["concurrent"]` is true when the previous version is its holdback at the same
+        time; otherwise the watch asks a failure to persist before it acts."""
 
 
 def min_events(check_kind: str, config: dict, limit: float, objective: float | None = None) -> int:

@@ -11,6 +11,7 @@ then all traffic at once, then an optional analysis while the old set stays warm
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.core.exceptions import ValidationError
 
 from deployments.choices import Strategy
@@ -149,6 +150,20 @@ def watch_seconds(value) -> float:
         return parse_duration(value, "watch")
     except ValueError as exc:
         raise ValidationError({"watch": [str(exc)]}) from None
+
+
+MAX_HOLDBACK_PERCENT = 50
+
+
+def holdback_percent(value) -> int:
+    """The holdback during the watch in percent (default INFEROPS_ROLLOUT_HOLDBACK_PERCENT); ValidationError
+    on `holdback`."""
+    if value is None:
+        return settings.INFEROPS_ROLLOUT_HOLDBACK_PERCENT
+    if type(value) is not int or not 0 <= value <= MAX_HOLDBACK_PERCENT:
+        raise ValidationError({"holdback": [
+            f"Expected an integer percent from 0 (no holdback) to {MAX_HOLDBACK_PERCENT}."]})
+    return value
 
 
 def watch_limits(steps: list) -> dict:

@@ -7,6 +7,12 @@ most every WATCH_EVERY_S through the SLO module's gate, stores each look as a Ro
 look starts the existing undo path (`rollouts.rollout_undo`, by the platform), marks the watched
 rollout rolled_back with the reason, and raises a ticket alert that links it.
 
+Like with like: while it is watched, the rollout keeps `holdback_percent` of the traffic on the previous
+spec (a holdback track the reconcile pass plans, `holdback()`), and the gate compares the two at the same
+time, so a change of load or of the machine is not blamed on the new version. Without a holdback the
+gate compares with the previous version's past, at a comparable load only, and a failure must persist
+for WATCH_PERSIST_S. Every look records both versions' load beside the verdict.
+
 Only the rollout that brought the deployment to what it serves now (`rollouts.undo_target`) is
 watched: a later rollout that succeeds, or a direct change of the deployment, ends its watch.
 While another rollout runs the watch waits: that one is judged by its own analysis.
@@ -15,13 +21,15 @@ While another rollout runs the watch waits: that one is judged by its own analys
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import replace
 from datetime import datetime
 
 from django.db import transaction
 
 from deployments.choices import ACTIVE_ROLLOUT, RolloutStatus, Verdict
 from deployments.models import Deployment, Rollout, RolloutMeasurement
-from deployments.rollout_gate import gate
+from deployments.rollout_gate import Measurement, gate
 from deployments.rollout_machine import MEASURE_EVERY_S, ROLLED_BACK_ALERT, add_timeline, raise_alert
 from deployments.rollout_spec import watch_limits
 from deployments.rollouts import rollout_undo, undo_target
@@ -30,6 +38,8 @@ from inferops.audit import audit_record, snapshot
 log = logging.getLogger(__name__)
 
 WATCH_EVERY_S = MEASURE_EVERY_S
+# Without a holdback to compare with at the same time, a failure must be seen this long.
+WATCH_PERSIST_S = 30.0
 
 
 def watch(deployment: Deployment, now: datetime) -> Rollout | None:
@@ -53,6 +63,8 @@ def watch(deployment: Deployment, now: datetime) -> Rollout | None:
                 deployment.rollouts.filter(status__in=ACTIVE_ROLLOUT).exists():
             return None
         result = gate().watch(rollout, watch_limits(rollout.steps), now)
+        if result.verdict == Verdict.FAIL and not result.stable.get("concurrent"):
+            result = _persisting(rollout, result, now)
         RolloutMeasurement.objects.create(
             rollout=rollout, attempt=rollout.attempt, step_index=len(rollout.steps), taken_at=now,
             window_start=rollout.finished_at, window_end=now, verdict=result.verdict,
@@ -61,6 +73,21 @@ def watch(deployment: Deployment, now: datetime) -> Rollout | None:
         if result.verdict != Verdict.FAIL:
             return None
         return roll_back(rollout, deployment, now, result.reason)
+
+
+def holdback(deployment: Deployment, now: datetime) -> Rollout | None:
+    """The watched rollout that keeps part of the traffic on the previous spec now, if any."""
+    candidates = deployment.rollouts.filter(status=RolloutStatus.SUCCEEDED, watch_until__gt=now, auto_rollback=True,
+                                            rollback=False, holdback_percent__gt=0)
+    if not candidates.exists():
+        return None
+    target = undo_target(deployment)
+    return target if target is not None and target.holding_back(now) else None
+
+
+def holdback_replicas(rollout: Rollout, replicas: int) -> int:
+    """Replicas of the previous spec for the holdback: its share of the deployment's, at least one."""
+    return max(1, math.ceil(replicas * rollout.holdback_percent / 100))
 
 
 def roll_back(rollout: Rollout, deployment: Deployment, now: datetime, reason: str) -> Rollout:
@@ -79,6 +106,22 @@ def roll_back(rollout: Rollout, deployment: Deployment, now: datetime, reason: s
                 f"Rollout {rollout.pk} of {deployment.name} was rolled back by the platform", reason)
     log.warning("rollout %s rolled back during its watch: %s", rollout.pk, reason)
     return rollback
+
+
+def _persisting(rollout: Rollout, result: Measurement, now: datetime) -> Measurement:
+    """A failure judged against the previous version's past stands only once every look has found it for
+    WATCH_PERSIST_S: a short burst of slow requests or of load says little about the version."""
+    since = now
+    for look in (RolloutMeasurement.objects.filter(rollout=rollout, step_index=len(rollout.steps))
+                 .order_by("-taken_at").only("taken_at", "checks")):
+        if not any(check.get("ok") is False for check in look.checks):
+            break
+        since = look.taken_at
+    held = (now - since).total_seconds()
+    if held >= WATCH_PERSIST_S:
+        return replace(result, reason=f"{result.reason} Persisted for {held:.0f}s.")
+    return replace(result, verdict=Verdict.RUNNING, reason=(
+        f"{result.reason} Rolled back if it persists for {WATCH_PERSIST_S:.0f}s (seen for {held:.0f}s)."))
 
 
 def _looked_recently(rollout: Rollout, now: datetime) -> bool:

@@ -17,7 +17,7 @@ from deployments.choices import ACTIVE_ROLLOUT, DriverName, RolloutStatus, Strat
 from deployments.models import Deployment, Rollout
 from deployments.rollout_gate import gate
 from deployments.rollout_machine import abort, add_timeline, enter_step, resolve_abort_alerts
-from deployments.rollout_spec import normalise, watch_seconds
+from deployments.rollout_spec import holdback_percent, normalise, watch_seconds
 from deployments.services import (
     check_frozen,
     frozen_by,
@@ -64,12 +64,15 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
                    engine_args: dict | None = None, strategy: str = Strategy.CANARY, steps=None,
                    scale_down_delay=None, preview=None, analysis=None, rollback: bool = False,
                    override_reason: str = "", promote_alias: str = "champion", watch=None,
-                   auto_rollback: bool = True) -> Rollout:
+                   auto_rollback: bool = True, holdback: int | None = None, redeploys: Rollout | None = None,
+                   reason: str = "") -> Rollout:
     """Validate everything, then start a rollout; 409 while another runs, a budget is spent or a
-    degradation level freezes rollouts."""
+    degradation level freezes rollouts. `redeploys` names a rollout the platform rolled back whose
+    candidate this one brings back, for `reason` (see rollout_undo)."""
     normalised_steps, delay = normalise(strategy, steps=steps, scale_down_delay=scale_down_delay,
                                         preview=preview, analysis=analysis)
     watch_s = watch_seconds(watch)
+    holdback_pct = holdback_percent(holdback)
     if promote_alias:  # checked now: a bad name would otherwise fail the finalizing transaction every pass
         try:
             slug_validator(promote_alias)
@@ -108,7 +111,7 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
         _check_budget(locked, rollback=rollback, override_reason=override_reason)
         rollout = Rollout(
             deployment=locked, strategy=strategy, steps=normalised_steps, scale_down_delay_s=delay,
-            watch_s=watch_s, auto_rollback=auto_rollback,
+            watch_s=watch_s, auto_rollback=auto_rollback, holdback_percent=holdback_pct,
             rollback=rollback, override_reason=override_reason, stable_version=locked.version,
             stable_engine_args=locked.engine_args, candidate_version=candidate, candidate_engine_args=candidate_args,
             candidate_alias=alias or "", promote_alias=promote_alias, step_started_at=now,
@@ -116,7 +119,11 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
         )
         rollout.full_clean(exclude=["deployment", "stable_version", "candidate_version", "created_by"])
         add_timeline(rollout, now, "created", f"v{locked.version.number} → v{candidate.number} ({strategy})"
-                  + (f"; budget policy overridden: {override_reason}" if override_reason else ""))
+                     + (f"; budget policy overridden: {override_reason}" if override_reason else ""))
+        if redeploys is not None:
+            add_timeline(rollout, now, "redeploys a rejected version",
+                         f"v{candidate.number} was rolled back by the platform in rollout {redeploys.pk}; "
+                         f"{_who(actor)} brings it back: {reason}")
         enter_step(rollout, 0, now)
         try:
             with transaction.atomic():
@@ -124,6 +131,9 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
         except IntegrityError:  # a concurrent request created one between our check and insert
             raise Conflict(f"Another rollout of {locked.name!r} started at the same time.") from None
         audit_record(actor=actor, action="rollout.create", obj=rollout, after=snapshot(rollout))
+        if redeploys is not None:
+            audit_record(actor=actor, action="rollout.redeploy_rejected", obj=rollout,
+                         after={"rejected_by_platform_in": redeploys.pk, "reason": reason})
         if override_reason and (exhausted := gate().exhausted_slos(locked)):
             audit_record(actor=actor, action="rollout.budget_override", obj=rollout,
                          after={"reason": override_reason, "exhausted": exhausted})
@@ -226,22 +236,57 @@ def undo_target(deployment: Deployment) -> Rollout | None:
     return last if last is not None and last.candidate_engine_args == deployment.engine_args else None
 
 
-def rollout_undo(*, deployment: Deployment, actor) -> Rollout:
+def rejected_by_platform(rollback: Rollout) -> Rollout | None:
+    """The rollout the platform rolled back during its watch by starting `rollback`, if that is what it is."""
+    if not rollback.rollback:
+        return None
+    return Rollout.objects.filter(rolled_back_by=rollback).select_related("candidate_version").first()
+
+
+def rollout_undo(*, deployment: Deployment, actor, reason: str = "", override_reason: str = "") -> Rollout:
     """Back to the previous spec: aborts a running rollout, else rolls back the last one that succeeded.
 
     The rollback is blue-green with no analysis: when the old set is still warm (a blue-green's
     scale-down delay) traffic moves on the next pass; otherwise the old spec is started at full
     size first and takes all traffic once ready.
+
+    Undoing the platform's own rollback brings back the version it rejected: that is a new rollout
+    like any other (the rejected one's strategy, steps and watch; budget policy, freeze and checks
+    apply), and it needs a `reason`.
     """
     active = deployment.rollouts.filter(status__in=ACTIVE_ROLLOUT).first()
     if active is not None:
-        return rollout_abort(rollout=active, actor=actor, reason="undo")
+        return rollout_abort(rollout=active, actor=actor, reason=reason or "undo")
     deployment.refresh_from_db()
     last = undo_target(deployment)
     if last is None:
         raise Conflict(f"Nothing to undo: no succeeded rollout brought {deployment.name!r} to what it serves now.")
+    rejected = rejected_by_platform(last)
+    if rejected is not None:
+        if not reason.strip():
+            raise ValidationError({"reason": [
+                f"Undo would redeploy v{rejected.candidate_version.number}, which the platform rolled back in "
+                f"rollout {rejected.pk} ({rejected.message}). Say why it should serve again."]})
+        return rollout_create(
+            deployment=deployment, actor=actor, version=rejected.candidate_version.number,
+            engine_args=rejected.candidate_engine_args, strategy=rejected.strategy,
+            **_strategy_args(rejected), watch=rejected.watch_s, holdback=rejected.holdback_percent,
+            promote_alias=rejected.promote_alias, override_reason=override_reason, redeploys=rejected,
+            reason=reason.strip(),
+        )
     return rollout_create(
         deployment=deployment, actor=actor, version=last.stable_version.number,
         engine_args=last.stable_engine_args, strategy=Strategy.BLUE_GREEN, rollback=True,
         promote_alias=last.promote_alias,
     )
+
+
+def _strategy_args(rollout: Rollout) -> dict:
+    """A rollout's normalised steps as rollout_create takes them, to run the same strategy again."""
+    if rollout.strategy == Strategy.CANARY:
+        return {"steps": rollout.steps}  # normalised steps read back as they are
+    pauses = [step["pause"] for step in rollout.steps if "pause" in step]
+    analyses = [step["analysis"] for step in rollout.steps if "analysis" in step]
+    preview = None if not pauses else {} if pauses[0] is None else pauses[0]  # {}: until promoted
+    return {"scale_down_delay": rollout.scale_down_delay_s, "preview": preview,
+            "analysis": analyses[0] if analyses else None}

@@ -1,6 +1,7 @@
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django import forms
@@ -328,7 +329,7 @@ def render_detail(request, deployment, *, rollout_form=None, status=200):
         "deployment": deployment, "summary": DeploymentSerializer(deployment).data, "replicas": rows,
         "show_all": show_all, "charts": CHARTS, "units": SERIES_UNITS,
         "range": request.GET.get("range", "1h"),
-        "rollouts": history, "active_rollout": active, "undo": undo_text(deployment, active),
+        "rollouts": history, "active_rollout": active, "undo": undo_offer(deployment, active),
         "rollout_form": rollout_form or RolloutForm(deployment, prefix="rollout"),
         "panels": render_panels(request, deployment),
     }, status=status)
@@ -372,6 +373,9 @@ class RolloutForm(forms.Form):
     scale_down_delay = forms.CharField(required=False, max_length=32, help_text='blue-green: e.g. "10m"')
     override_reason = forms.CharField(required=False, max_length=500, label="Budget override reason",
                                       help_text="only while an SLO's error budget is exhausted; audited")
+    holdback = forms.IntegerField(required=False, min_value=0, max_value=50, label="Holdback during the watch (%)",
+                                  help_text="traffic kept on the current version after success, to compare with; "
+                                            "empty = the default, 0 = none")
 
     def __init__(self, deployment, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -392,7 +396,7 @@ class RolloutForm(forms.Form):
     def service_kwargs(self) -> dict:
         data = self.cleaned_data
         kwargs = {"version": data["version"], "engine_args": data["engine_args"], "strategy": data["strategy"],
-                  "override_reason": data["override_reason"].strip()}
+                  "override_reason": data["override_reason"].strip(), "holdback": data["holdback"]}
         if data["strategy"] == Strategy.BLUE_GREEN:  # each strategy reads its own fields
             kwargs["scale_down_delay"] = data["scale_down_delay"].strip() or None
         else:
@@ -417,15 +421,26 @@ def flash_errors(request, call):
     return None
 
 
-def undo_text(deployment, active) -> str | None:
-    """What the Undo button would do (see rollouts.rollout_undo), or None when there is nothing to undo."""
+@dataclass(frozen=True)
+class UndoOffer:
+    """What the Undo button would do (see rollouts.rollout_undo): its words, and the rollout whose version
+    the platform rejected when undo would bring that version back (the form then asks why)."""
+
+    text: str
+    rejected: Rollout | None = None
+
+
+def undo_offer(deployment, active) -> UndoOffer | None:
     if active is not None:
-        return f"abort rollout {active.pk}"
+        return UndoOffer(f"abort rollout {active.pk}")
     last = rollouts.undo_target(deployment)
     if last is None:
         return None
-    return f"roll back to v{last.stable_version.number}" + (
-        " with its engine args" if last.stable_engine_args != last.candidate_engine_args else "")
+    rejected = rollouts.rejected_by_platform(last)
+    if rejected is not None:
+        return UndoOffer(f"redeploy v{rejected.candidate_version.number}, which the platform rolled back", rejected)
+    return UndoOffer(f"roll back to v{last.stable_version.number}" + (
+        " with its engine args" if last.stable_engine_args != last.candidate_engine_args else ""))
 
 
 def duration_text(seconds: float) -> str:
@@ -471,11 +486,20 @@ def measurement_row(measurement, steps: list) -> dict:
                "stable": number_text(check.get("stable")), "limit": number_text(check.get("limit")),
                "ok": {True: "ok", False: "fail"}.get(check.get("ok"), "not judged")}
               for check in measurement.checks]
+    def load(track: dict) -> str:
+        figures = track.get("load") or {}
+        rate, queue = figures.get("requests_per_s_per_replica"), figures.get("queue_depth")
+        if rate is None:
+            return "—"
+        waiting = f", {number_text(queue)} waiting" if queue is not None else ""
+        return f"{number_text(rate)} req/s per replica{waiting}"
+
     index = measurement.step_index
     return {"m": measurement, "step": index + 1,
             "step_text": step_text(steps[index])[1] if index < len(steps) else "",
             "candidate_requests": requests(measurement.candidate), "stable_requests": requests(measurement.stable),
-            "checks": checks}
+            "candidate_load": load(measurement.candidate), "stable_load": load(measurement.stable),
+            "baseline": measurement.stable.get("baseline", ""), "checks": checks}
 
 
 def get_rollout(name: str, pk: int) -> Rollout:
@@ -508,6 +532,7 @@ def rollout_detail(request, name: str, pk: int):
     return render(request, "deployments/rollout.html", {
         "rollout": rollout, "deployment": rollout.deployment, "steps": steps, "final_state": final_state,
         "stable_weight": 100 - rollout.weight, "measurements": measurements,
+        "holding_back": rollout.holding_back(now) and rollouts.undo_target(rollout.deployment) == rollout,
         "preview_route": rollout.deployment.name + PREVIEW_SUFFIX,
         "timeline": [{**entry, "at": datetime.fromisoformat(entry["at"])} for entry in rollout.timeline],
         "chart_data": {"series": series, "timeline": rollout.timeline}, "chart_clipped": start > rollout.created_at,
@@ -590,11 +615,19 @@ def rollout_undo(request, name: str):
     require_operator(request, "Changing deployments")
     deployment = get_object_or_404(deployment_queryset(), name=name)
     back = safe_next(request)  # the page the form sat on (an alert's), else the deployment's or the rollout's
-    result = flash_errors(request, lambda: rollouts.rollout_undo(deployment=deployment, actor=request.user))
+    reason, override_reason = (request.POST.get(field, "").strip() for field in ("reason", "override_reason"))
+    if len(reason) > 500 or len(override_reason) > 500:
+        messages.error(request, "The reason is too long (at most 500 characters).")
+        return redirect(back or reverse("deployments:detail", args=[name]))
+    result = flash_errors(request, lambda: rollouts.rollout_undo(
+        deployment=deployment, actor=request.user, reason=reason, override_reason=override_reason))
     if result is None:
         return redirect(back or reverse("deployments:detail", args=[name]))
     if result.status == RolloutStatus.ABORTED:
         messages.success(request, f"Rollout {result.pk} aborted: traffic is back on v{result.stable_version.number}.")
+    elif not result.rollback:
+        messages.success(request, f"Redeploying v{result.candidate_version.number}, which the platform had rolled "
+                                  f"back (rollout {result.pk}, {result.strategy}).")
     else:
         messages.success(request, f"Rolling back to v{result.candidate_version.number} (rollout {result.pk}).")
     return redirect(back or reverse("deployments:rollout", args=[name, result.pk]))

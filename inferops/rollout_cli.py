@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--watch", metavar="DURATION",
                         help="after success, how long the platform watches the new version and rolls it back by "
                              "itself if it burns an SLO the previous version did not (default 10m; 0 = no watch)")
+    parser.add_argument("--holdback", type=int, metavar="PERCENT",
+                        help="during the watch, percent of traffic kept on the previous version to compare the new "
+                             "one with at the same time (default: the server's, 5; 0 = none)")
     parser.add_argument("--no-auto-rollback", action="store_true",
                         help="watch without rolling back by itself (the watch's looks are still recorded)")
     parser.add_argument("--wait", action="store_true",
@@ -107,6 +110,8 @@ def build_body(args, current_engine_args: dict | None = None) -> dict:
         body["override_reason"] = args.override_reason
     if args.watch is not None:
         body["watch"] = parse_value(args.watch)
+    if args.holdback is not None:
+        body["holdback"] = args.holdback
     if args.no_auto_rollback:
         body["auto_rollback"] = False
     return body

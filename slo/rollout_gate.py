@@ -13,7 +13,7 @@ from django.db.models import Q
 
 from deployments.choices import Verdict
 from deployments.models import Deployment, Rollout
-from deployments.rollout_gate import CANDIDATE_REPLICA_SQL, Measurement, candidate_params
+from deployments.rollout_gate import CANDIDATE_REPLICA_SQL, Measurement, candidate_params, not_enough_text
 from slo.choices import Scope, SliKind, SloState
 from slo.models import Slo
 from slo.sli import REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SERVER_FAILURE_SQL
@@ -24,6 +24,15 @@ IMPLIED_OBJECTIVE = 0.99
 BOTH_BURNING_RATIO = 1.2
 # The watch reads the previous version's figures from at most this much of the rollout's span.
 WATCH_BASELINE_MAX = timedelta(hours=1)
+# The watch compares with the held-back previous version at the same time once it served this many.
+HOLDBACK_MIN_REQUESTS = 10
+# ... and blames the new version only when it fails worse than that with this little chance of luck
+# (one-sided Fisher exact test on bad and good events).
+WORSE_P_VALUE = 0.01
+# A version is blamed only at a load like its reference's: at most this many times its requests per
+# replica, unless its replicas kept no queue (fewer waiting requests than QUEUE_FREE on average).
+LOAD_TOLERANCE = 1.5
+QUEUE_FREE = 1.0
 
 
 def _spent_budgets(deployment: Deployment):
@@ -60,8 +69,16 @@ _TRACK_STATS = f"""
            percentile_cont(0.5) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
            percentile_cont(0.95) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
            percentile_cont(0.95) WITHIN GROUP (ORDER BY e.tpot_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.e2e_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL})
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.e2e_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
+           count(DISTINCT e.replica)
     FROM ({_TRACKED_EVENTS}) e GROUP BY e.track
+"""
+# Queue depth and running requests per replica, averaged over the minutes the scraper recorded.
+_TRACK_QUEUES = f"""
+    SELECT CASE WHEN {CANDIDATE_REPLICA_SQL} THEN 'candidate' ELSE 'stable' END, avg(m.waiting_avg), avg(m.running_avg)
+    FROM runtime_replicametricsminute m JOIN runtime_replica r ON r.id = m.replica_id
+    WHERE m.deployment_id = %(deployment_id)s AND m.start >= date_trunc('minute', %(start)s) AND m.start < %(end)s
+    GROUP BY 1
 """
 # Attempts a replica failed before the gateway retried the request elsewhere (the client never
 # saw them): bad events of the track that failed them.
@@ -81,18 +98,25 @@ RATIO_CHECKS = {"ttft_p95_ratio": "ttft_p95_ms", "tpot_p95_ratio": "tpot_p95_ms"
 
 
 def _empty_track() -> dict:
-    return {"requests": 0, "failures": 0, "failed_attempts": 0, **dict.fromkeys(_PERCENTILES), "slos": {}}
+    return {"requests": 0, "failures": 0, "failed_attempts": 0, **dict.fromkeys(_PERCENTILES), "slos": {},
+            "load": {"replicas": 0, "requests_per_s_per_replica": None, "queue_depth": None, "running": None}}
 
 
 def _track_stats(rollout: Rollout, slos: list[Slo], start: datetime, end: datetime) -> dict[str, dict]:
     params = {**candidate_params(rollout), "deployment": rollout.deployment.name, "start": start, "end": end,
-              "slos": [slo.pk for slo in slos]}
+              "slos": [slo.pk for slo in slos], "deployment_id": rollout.deployment_id}
     tracks = {"candidate": _empty_track(), "stable": _empty_track()}
+    seconds = max((end - start).total_seconds(), 1e-9)
     with connection.cursor() as cursor:
         cursor.execute(_TRACK_STATS, params)
-        for track, requests, failures, *percentiles in cursor.fetchall():
+        for track, requests, failures, *percentiles, replicas in cursor.fetchall():
             rounded = {k: None if v is None else round(v, 2) for k, v in zip(_PERCENTILES, percentiles, strict=True)}
             tracks[track].update(requests=requests, failures=failures, **rounded)
+            tracks[track]["load"].update(replicas=replicas,
+                                         requests_per_s_per_replica=round(requests / seconds / max(replicas, 1), 3))
+        cursor.execute(_TRACK_QUEUES, params)
+        for track, waiting, running in cursor.fetchall():
+            tracks[track]["load"].update(queue_depth=round(waiting, 2), running=round(running, 2))
         cursor.execute(_FAILED_ATTEMPTS, params)
         for track, count in cursor.fetchall():
             tracks[track]["failed_attempts"] = count
@@ -191,33 +215,110 @@ def measure(rollout: Rollout, config: dict, start: datetime, end: datetime, *, f
 
 
 def watch(rollout: Rollout, limits: dict, end: datetime) -> Measurement:
-    """The new version since the rollout finished against the previous one: FAIL when it burns an SLO
-    above the limit while the previous version did not, else RUNNING.
+    """The new version since the rollout finished (until `end`) against the previous one, like with like:
+    FAIL when it burns an SLO above the limit and the previous one, at a comparable load, did not.
 
-    The previous version is measured over the rollout's own span (it served beside the candidate
-    there; the last hour of it at most), or the same length before the rollout when that span has
-    too few of its requests.
+    The previous version is its held-back share at the same time, once that served HOLDBACK_MIN_REQUESTS:
+    the new version fails only when it fails significantly worse (a change of load or of the machine
+    hits both alike). Without a holdback, it is the previous version over the rollout's own span (the
+    last hour of it at most), or the same length before the rollout when that span has too few of its
+    requests; the caller then asks the failure to persist before acting on it.
+    Either way the new version is blamed only at a load like its reference's (`comparable_load`).
     """
     slos = _judged_slos(rollout.deployment)
     start = rollout.finished_at
-    span_start = max(rollout.created_at, start - WATCH_BASELINE_MAX)
-    new = _track_stats(rollout, slos, start, end)["candidate"]
-    previous = _baseline(rollout, slos, _track_stats(rollout, slos, span_start, start)["stable"], span_start, start,
-                         limits["min_requests"], "the same length before the rollout")
-    # A previous version that burned above the limit too is never blamed on the new one.
-    checks = _burn_checks(new, previous, limits["max_burn_rate"], math.inf)
+    tracks = _track_stats(rollout, slos, start, end)
+    new, held = tracks["candidate"], tracks["stable"]
+    held_n = held["requests"] + held["failed_attempts"]
+    concurrent = rollout.holdback_percent > 0 and held_n >= HOLDBACK_MIN_REQUESTS
+    if concurrent:
+        previous = {**held, "concurrent": True,
+                    "baseline": f"held back beside it ({rollout.holdback_percent}% of traffic, same time)"}
+        checks = _held_back_checks(new, previous, limits["max_burn_rate"])
+    else:
+        span_start = max(rollout.created_at, start - WATCH_BASELINE_MAX)
+        before = _track_stats(rollout, slos, span_start, start)["stable"]
+        previous = _baseline(rollout, slos, before, span_start, start, limits["min_requests"],
+                             "the same length before the rollout")
+        previous.setdefault("baseline", "the previous version during the rollout")
+        # A previous version that burned above the limit too is never blamed on the new one.
+        checks = _burn_checks(new, previous, limits["max_burn_rate"], math.inf)
+    comparable, load_note = comparable_load(new["load"], previous["load"])
+    if not comparable:
+        for check in checks:
+            if check["ok"] is False:
+                check.update(ok=None, note=load_note)
     failed = [c for c in checks if c["ok"] is False]
     new_n = new["requests"] + new["failed_attempts"]
-    since = f"{new_n} requests on the new version since it took all traffic"
+    since = f"{new_n} requests on the new version since it took over"
+    load = "load: " + load_text(new["load"], previous["load"])
     if new_n < limits["min_requests"]:
-        verdict, reason = Verdict.RUNNING, f"{since}; judging needs {limits['min_requests']}."
+        for check in failed:
+            check.update(ok=None, note=not_enough_text(new_n, limits["min_requests"]))
+        verdict, reason = Verdict.RUNNING, f"{since}; judging needs {limits['min_requests']}. {load}."
     elif failed:
         verdict = Verdict.FAIL
-        reason = ("the new version burns an SLO the previous one did not: "
-                  + "; ".join(_describe(c, "new", "previous") for c in failed))
+        against = "at the same time" if concurrent else "before it"
+        reason = (f"the new version burns an SLO the previous one did not {against}: "
+                  + "; ".join(_describe(c, "new", "previous") for c in failed) + f". {load}.")
+    elif not comparable and any(c.get("note") == load_note for c in checks):
+        verdict, reason = Verdict.RUNNING, f"{since}; not judged: {load_note}. {load}."
     else:
-        verdict, reason = Verdict.RUNNING, f"{since}; every SLO within its limit."
+        verdict = Verdict.RUNNING
+        reason = f"{since}; every SLO within its limit or burning as the previous one. {load}."
     return Measurement(verdict, new, previous, checks, reason)
+
+
+def _held_back_checks(new: dict, held: dict, limit: float) -> list[dict]:
+    """One check per SLO: the new version fails when it burns above `limit` and fails significantly more
+    often than the held-back previous version at the same time; burning as much as that is not judged."""
+    checks = []
+    for name, figures in new["slos"].items():
+        theirs = held["slos"].get(name, {"good": 0, "total": 0, "burn_rate": None})
+        burn = figures["burn_rate"]
+        check = {"name": f"{name} burn rate", "candidate": burn, "stable": theirs["burn_rate"], "limit": limit,
+                 "ok": burn is None or burn <= limit}
+        if not check["ok"]:
+            p_value = worse_p_value(figures["total"] - figures["good"], figures["total"],
+                                    theirs["total"] - theirs["good"], theirs["total"])
+            check["p_value"] = round(p_value, 4)
+            if p_value >= WORSE_P_VALUE:
+                check.update(ok=None, note=f"not worse than the held-back version beside it (p = {p_value:.2g})")
+        checks.append(check)
+    return checks
+
+
+def worse_p_value(bad: int, total: int, other_bad: int, other_total: int) -> float:
+    """One-sided Fisher exact test: the chance that `bad` of `total` events or more would be bad if both
+    groups failed alike, given all bad events of the two (small: the first group fails more often)."""
+    everything, all_bad = total + other_total, bad + other_bad
+
+    def log_comb(n: int, k: int) -> float:
+        return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+    denominator = log_comb(everything, total)
+    tail = sum(math.exp(log_comb(all_bad, x) + log_comb(everything - all_bad, total - x) - denominator)
+               for x in range(bad, min(all_bad, total) + 1))
+    return min(1.0, tail)
+
+
+def comparable_load(new: dict, reference: dict) -> tuple[bool, str]:
+    """Whether the new version ran at a load like its reference's: at most LOAD_TOLERANCE times its requests
+    per replica, or without a queue of its own; else why not (more load alone makes any version slower)."""
+    rate, base, queue = new["requests_per_s_per_replica"], reference["requests_per_s_per_replica"], new["queue_depth"]
+    if not base or rate is None or rate <= LOAD_TOLERANCE * base or (queue is not None and queue < QUEUE_FREE):
+        return True, ""
+    queued = f" with {queue:g} requests waiting per replica" if queue is not None else ""
+    return False, (f"the new version carried {rate / base:.1f}× the previous one's requests per replica{queued}, "
+                   "so load, not the version, may explain the burn")
+
+
+def load_text(new: dict, reference: dict) -> str:
+    def one(load: dict) -> str:
+        rate = load["requests_per_s_per_replica"]
+        text = "no requests" if rate is None else f"{rate:g} req/s per replica on {load['replicas']}"
+        return text + (f", {load['queue_depth']:g} waiting" if load["queue_depth"] is not None else "")
+    return f"new {one(new)}; previous {one(reference)}"
 
 
 def _describe(check: dict, candidate: str = "candidate", stable: str = "stable") -> str:

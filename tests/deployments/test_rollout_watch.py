@@ -50,24 +50,32 @@ def set_degradation(world, degradation):  # noqa: F811
     world.deployment.refresh_from_db()
 
 
-def test_new_version_that_burns_during_the_watch_is_rolled_back_by_the_platform(world):  # noqa: F811
+def test_new_version_that_burns_beside_its_holdback_is_rolled_back_by_the_platform(world):  # noqa: F811
     ttft_slo(world)
     rollout = succeed(world, watch="5m")
     assert rollout.watch_until == rollout.finished_at + timedelta(minutes=5) and rollout.watching
+    assert rollout.holdback_percent == 5 and world.weights() == {"stable": 95, "holdback": 5}
+    held = world.live(1)
+    assert len(held) == 1  # one v1 replica of the two serves the holdback
     world.tick(10)  # a look with nothing to judge yet
     look = RolloutMeasurement.objects.get(rollout=rollout, step_index=len(rollout.steps))
     assert look.verdict == "running" and "judging needs 10" in look.reason
 
-    world.events(world.live(2), 25, ttft_ms=400)  # v2 turns slow after it took all traffic
+    world.events(world.live(2), 25, ttft_ms=400)  # v2 turns slow after it took over...
+    world.events(held, 12)  # ... while v1 beside it, at the same time, stays fast
     world.tick(4)
     assert RolloutMeasurement.objects.filter(rollout=rollout, step_index=2).count() == 1  # one look per 10 s
     world.tick(6)
     rollout.refresh_from_db()
     assert rollout.status == "rolled_back" and not rollout.watching
+    assert "burns an SLO the previous one did not at the same time" in rollout.message
     assert "chat-ttft burn rate: new 100.0, previous 0.0, limit 2.0" in rollout.message
+    assert "load: new " in rollout.message and "req/s per replica on 2" in rollout.message
     assert rollout.timeline[-1]["event"] == "rolled back"
     failed = RolloutMeasurement.objects.get(rollout=rollout, verdict="fail")
-    assert failed.candidate["requests"] == 25 and failed.stable["requests"] == 30  # v1 over the rollout's span
+    assert failed.candidate["requests"] == 25 and failed.stable["requests"] == 12  # v1 at the same time
+    assert failed.stable["concurrent"] is True and failed.checks[0]["p_value"] < 0.01
+    assert failed.candidate["load"]["replicas"] == 2 and failed.stable["load"]["replicas"] == 1
     rollback = rollout.rolled_back_by
     assert (rollback.rollback, rollback.strategy, rollback.candidate_version.number) == (True, "blue-green", 1)
     assert rollback.created_by is None and rollback.watch_until is None
@@ -77,10 +85,10 @@ def test_new_version_that_burns_during_the_watch_is_rolled_back_by_the_platform(
     assert alert.status == "firing" and alert.severity == "ticket" and alert.labels["rollout"] == str(rollout.pk)
     assert alert.annotations["rollout_url"].endswith(f"/deployments/chat/rollouts/{rollout.pk}/")
 
-    # The undo path: v1 warms at full size, takes the traffic back, then v2 drains.
-    assert world.weights() == {"stable": 100}
+    # The undo path: the held-back v1 replica is warm already; one more starts, then v1 takes it all back.
+    assert world.weights() == {"stable": 100, "candidate": 0}
     world.tick()
-    assert len(world.live(1)) == 2 and world.weights() == {"stable": 100}  # v2 still serves while v1 warms
+    assert len(world.live(1)) == 2 and held[0].pk in {r.pk for r in world.live(1)}
     world.tick()
     assert world.rollout().pk == rollback.pk and world.rollout().status == "succeeded"
     assert Deployment.objects.get(pk=world.deployment.pk).version.number == 1
@@ -97,8 +105,7 @@ def test_turned_off_during_the_watch_the_platform_leaves_a_burning_version_alone
     rollout = succeed(world, watch="1m")
     world.events(world.live(2), 20)
     world.tick(10)
-    assert RolloutMeasurement.objects.get(rollout=rollout, step_index=2).reason.endswith(
-        "every SLO within its limit.")
+    assert "every SLO within its limit" in RolloutMeasurement.objects.get(rollout=rollout, step_index=2).reason
 
     rollouts.rollout_set_auto_rollback(rollout=rollout, actor=world.user, auto_rollback=False)
     world.events(world.live(2), 40, ttft_ms=400)
@@ -106,6 +113,7 @@ def test_turned_off_during_the_watch_the_platform_leaves_a_burning_version_alone
     rollout.refresh_from_db()
     assert rollout.status == "succeeded" and not rollout.watching and rollout.in_watch(world.now)
     assert RolloutMeasurement.objects.filter(rollout=rollout, step_index=2).count() == 1  # no look while off
+    assert world.live(1) == [] and world.weights() == {"stable": 100}  # nothing to compare with: no holdback
     assert rollout.timeline[-1]["event"] == "auto-rollback off"
     assert AuditEvent.objects.filter(action="rollout.update", object_id=str(rollout.pk)).exists()
 

@@ -160,7 +160,8 @@ def test_good_canary_goes_through_every_step_and_moves_the_champion(world):
     assert rollout.status == "succeeded" and rollout.weight == 100
     deployment = Deployment.objects.get(pk=world.deployment.pk)
     assert deployment.version.number == 2
-    assert world.live(1) == [] and world.weights() == {"stable": 100}
+    # During the watch one v1 replica keeps 5% of the traffic (the default holdback) to compare v2 with.
+    assert len(world.live(1)) == 1 and world.weights() == {"stable": 95, "holdback": 5}
     assert "chat--preview" not in routing.read_table()
     assert Alias.objects.get(model=deployment.model, name="champion").version.number == 2
     assert AuditEvent.objects.filter(action="alias.set").exists()
@@ -207,7 +208,7 @@ def test_blue_green_promotion_then_instant_rollback_within_the_delay(world):
     world.tick()  # both ready: preview route then the switch in one pass
     rollout = world.rollout()
     assert rollout.status == "succeeded" and rollout.scale_down_at is not None
-    assert world.weights() == {"stable": 100, "previous": 0}
+    assert world.weights() == {"stable": 95, "holdback": 5}  # the warm old set is the watch's holdback
     old = world.live(1)
     assert len(old) == 2 and all(r.state == ReplicaState.READY for r in old)  # kept warm
 
@@ -228,8 +229,20 @@ def test_blue_green_old_set_goes_after_the_scale_down_delay(world):
     world.tick(299)
     assert len(world.live(1)) == 2
     world.tick(2)
+    # The delay is over: the old set goes but for the holdback, which stays until the watch (10m) ends.
+    assert len(world.live(1)) == 1 and world.weights() == {"stable": 95, "holdback": 5}
+    world.tick(300)
     assert world.live(1) == [] and world.weights() == {"stable": 100}
     assert not Alias.objects.filter(name="champion").exists()
+
+
+def test_blue_green_without_a_watch_keeps_its_old_set_warm_with_no_traffic(world):
+    start(world, version=2, strategy="blue-green", scale_down_delay="5m", watch=0)
+    world.tick()
+    world.tick()
+    assert len(world.live(1)) == 2 and world.weights() == {"stable": 100, "previous": 0}
+    world.tick(301)
+    assert world.live(1) == [] and world.weights() == {"stable": 100}
 
 
 def test_refused_while_an_error_budget_is_exhausted(world):

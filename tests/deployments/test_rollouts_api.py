@@ -67,13 +67,14 @@ def test_create_and_the_shape_ci_polls(api, deployment):
         "id", "deployment", "strategy", "status", "rollback", "stable", "candidate", "steps", "current_step",
         "weight", "message", "timeline", "scale_down_delay_s", "scale_down_at", "promote_alias",
         "override_reason", "created_by", "created_at", "updated_at", "finished_at", "measurements", "frozen_since",
-        "watch_s", "auto_rollback", "watch_until", "watching", "rolled_back_by"}
+        "watch_s", "auto_rollback", "holdback_percent", "watch_until", "watching", "rolled_back_by"}
     assert {k: body[k] for k in ("deployment", "strategy", "status", "rollback", "weight", "promote_alias",
                                  "created_by", "finished_at", "measurements", "watch_s", "auto_rollback",
-                                 "watch_until", "watching", "rolled_back_by")} == {
+                                 "holdback_percent", "watch_until", "watching", "rolled_back_by")} == {
         "deployment": "chat", "strategy": "canary", "status": "progressing", "rollback": False, "weight": 0,
         "promote_alias": "champion", "created_by": "operator-api", "finished_at": None, "measurements": [],
-        "watch_s": 600.0, "auto_rollback": True, "watch_until": None, "watching": False, "rolled_back_by": None}
+        "watch_s": 600.0, "auto_rollback": True, "holdback_percent": 5, "watch_until": None, "watching": False,
+        "rolled_back_by": None}
     assert body["stable"] == {"version": 1, "engine_args": {"max_num_seqs": 8}}
     assert body["candidate"] == {"version": 2, "engine_args": {"max_num_seqs": 8}, "alias": ""}
     assert body["steps"] == [{"set_weight": 20}, {"pause": 60.0}, {"analysis": {
