@@ -33,6 +33,9 @@ WORSE_P_VALUE = 0.01
 # replica, unless its replicas kept no queue (fewer waiting requests than QUEUE_FREE on average).
 LOAD_TOLERANCE = 1.5
 QUEUE_FREE = 1.0
+# Without a holdback, a failure since the rollout must also show in the new version's latest requests:
+# this long, or its latest `min_requests` when those go further back (as multiwindow burn alerts do).
+WATCH_RECENT_S = 10.0
 
 
 def _spent_budgets(deployment: Deployment):
@@ -222,7 +225,8 @@ def watch(rollout: Rollout, limits: dict, end: datetime) -> Measurement:
     the new version fails only when it fails significantly worse (a change of load or of the machine
     hits both alike). Without a holdback, it is the previous version over the rollout's own span (the
     last hour of it at most), or the same length before the rollout when that span has too few of its
-    requests; the caller then asks the failure to persist before acting on it.
+    requests. The failure must then show in the new version's latest requests too (`_recent_start`), and
+    the caller asks it to persist before acting on it.
     Either way the new version is blamed only at a load like its reference's (`comparable_load`).
     """
     slos = _judged_slos(rollout.deployment)
@@ -243,6 +247,15 @@ def watch(rollout: Rollout, limits: dict, end: datetime) -> Measurement:
         previous.setdefault("baseline", "the previous version during the rollout")
         # A previous version that burned above the limit too is never blamed on the new one.
         checks = _burn_checks(new, previous, limits["max_burn_rate"], math.inf)
+        recent_start = _recent_start(rollout, start, end, limits["min_requests"])
+        recent = _track_stats(rollout, slos, recent_start, end)["candidate"]
+        new["recent"] = {"since": recent_start.isoformat(), "requests": recent["requests"],
+                         "slos": recent["slos"]}
+        for check, latest in zip(checks, _burn_checks(recent, previous, limits["max_burn_rate"], math.inf),
+                                 strict=True):
+            if check["ok"] is False and latest["ok"] is not False:
+                check.update(ok=None, note=f"burns {latest['candidate']} over its latest {recent['requests']} "
+                                           "requests: no longer failing")
     comparable, load_note = comparable_load(new["load"], previous["load"])
     if not comparable:
         for check in checks:
@@ -267,6 +280,24 @@ def watch(rollout: Rollout, limits: dict, end: datetime) -> Measurement:
         verdict = Verdict.RUNNING
         reason = f"{since}; every SLO within its limit or burning as the previous one. {load}."
     return Measurement(verdict, new, previous, checks, reason)
+
+
+_LATEST_CANDIDATE_EVENT = f"""
+    SELECT e.time FROM tenants_usageevent e JOIN runtime_replica r ON r.id = e.replica
+    WHERE e.deployment = %(deployment)s AND e.time >= %(start)s AND e.time < %(end)s AND {CANDIDATE_REPLICA_SQL}
+    ORDER BY e.time DESC OFFSET %(skip)s LIMIT 1
+"""
+
+
+def _recent_start(rollout: Rollout, start: datetime, end: datetime, min_requests: int) -> datetime:
+    """Where the new version's latest requests begin: WATCH_RECENT_S before `end`, or earlier to hold
+    `min_requests` of them, never before `start`."""
+    with connection.cursor() as cursor:
+        cursor.execute(_LATEST_CANDIDATE_EVENT, {**candidate_params(rollout), "deployment": rollout.deployment.name,
+                                                 "start": start, "end": end, "skip": min_requests - 1})
+        row = cursor.fetchone()
+    recent = end - timedelta(seconds=WATCH_RECENT_S)
+    return max(start, min(recent, row[0]) if row else start)
 
 
 def _held_back_checks(new: dict, held: dict, limit: float) -> list[dict]:
