@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import models
+from django.urls import reverse
 
 from alerts.choices import (
     OPEN_STATUSES,
@@ -70,9 +72,23 @@ class Alert(models.Model):
     def __str__(self) -> str:
         return f"{self.labels.get('alertname', 'alert')} {self.labels.get('slo', '')} {self.severity} {self.status}"
 
+    def get_absolute_url(self) -> str:
+        return reverse("alerts:detail", args=[self.pk])
+
     @property
     def is_open(self) -> bool:
         return self.status in OPEN_STATUSES
+
+    def source_link(self) -> str:
+        """Where it was raised, or "": its SLO's console page (by id, looked up now, so rows stored
+        with an older link still point somewhere live), else the http(s) generatorURL its integration
+        posted (anything else, a relative path or a javascript: link, is not a link to send)."""
+        if self.slo_id:
+            return reverse("slo:detail", args=[self.slo_id])
+        posted = urlsplit(self.generator_url)
+        if self.integration_id and posted.scheme in ("http", "https") and posted.netloc:
+            return self.generator_url
+        return ""
 
 
 class AlertEvent(models.Model):

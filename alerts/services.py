@@ -18,6 +18,7 @@ from django.conf import settings
 from django.core import signing
 from django.db import IntegrityError, transaction
 from django.db.models import Q
+from django.urls import reverse
 from django.utils import timezone
 
 from alerts import routing
@@ -161,7 +162,7 @@ def alert_open(*, slo, severity: str, evaluation, now: datetime) -> Alert:
         alert = Alert.objects.create(
             fingerprint=fingerprint_of(labels), labels=labels, severity=severity, status=AlertStatus.FIRING,
             annotations=alert_annotations(slo, evaluation, severity), starts_at=now, slo=slo,
-            generator_url=f"{settings.INFEROPS_EXTERNAL_URL}/slos/{slo.name}/",
+            generator_url=f"{settings.INFEROPS_EXTERNAL_URL}{reverse('slo:detail', args=[slo.pk])}",
         )
         _opened(alert, now)
     log.warning("alert opened: %s", alert)

@@ -8,6 +8,8 @@ permanent. The email receiver raises the same error for SMTP failures.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 import httpx
 
 from alerts.choices import AlertStatus
@@ -25,6 +27,11 @@ class DeliveryError(Exception):
 def rfc3339(moment) -> str:
     # Alertmanager writes the zero time for an alert that has not ended.
     return moment.isoformat().replace("+00:00", "Z") if moment else "0001-01-01T00:00:00Z"
+
+
+def absolute(link: str, base: str) -> str:
+    """A console path under the external URL; a link that is already absolute as it is."""
+    return link if urlsplit(link).scheme else f"{base}{link}"
 
 
 def _common(dicts: list[dict]) -> dict:
@@ -59,7 +66,7 @@ def alertmanager_payload(*, alerts: list, receiver: str, status: str, external_u
                 "annotations": alert.annotations,
                 "startsAt": rfc3339(alert.starts_at),
                 "endsAt": rfc3339(alert.ends_at if status == AlertStatus.RESOLVED else None),
-                "generatorURL": alert.generator_url or f"{base}/slos/{alert.labels.get('slo', '')}/",
+                "generatorURL": absolute(alert.source_link() or alert.get_absolute_url(), base),
                 "fingerprint": alert.fingerprint,
             }
             for alert in alerts

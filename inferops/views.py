@@ -45,6 +45,18 @@ def audit_log(request):
     })
 
 
+# Paths whose clients read JSON: the REST API, and OpenAI-style clients pointed at the console's port.
+JSON_PREFIXES = ("/api/", "/v1/")
+
+
+def page_not_found(request, exception):
+    """The 404 handler: console pages get one in the console's layout, like its 403; the API and
+    any client that does not take HTML get DRF's shape (`{"detail": ...}`)."""
+    if request.path.startswith(JSON_PREFIXES) or not request.accepts("text/html"):
+        return JsonResponse({"detail": f"Not found: nothing at {request.path}."}, status=404)
+    return render(request, "404.html", {"request_path": request.path}, status=404)
+
+
 def healthz(request):
     facts = health.status()
     ok = facts["database"] == "ok" and facts["redis"] == "ok"

@@ -10,6 +10,8 @@ urlpatterns = [
     path("new/", views.slo_create, name="create"),
     path("<int:pk>/", views.slo_detail, name="detail"),
     path("<int:pk>/edit/", views.slo_edit, name="edit"),
+    # Links sent before SLO pages were addressed by id (alerts' generatorURL) named the SLO.
+    path("<slug:name>/", views.slo_by_name, name="by-name"),
 ]
 
 api_urlpatterns = [

@@ -155,6 +155,12 @@ def slo_detail(request, pk: int):
 
 
 @login_required
+def slo_by_name(request, name: str):
+    # Not permanent: a name deleted and reused names another SLO.
+    return redirect("slo:detail", pk=get_object_or_404(Slo, name=name).pk)
+
+
+@login_required
 def slo_create(request):
     require_operator(request, "Changing SLOs")
     form = SloForm(request.POST or None)

@@ -139,8 +139,10 @@ def test_webhook_delivers_an_alertmanager_v4_payload(ttft_slo, webhook_receiver)
     assert body["alerts"] == [{
         "status": "firing", "labels": alert.labels, "annotations": alert.annotations,
         "startsAt": "2026-03-10T12:00:30Z", "endsAt": "0001-01-01T00:00:00Z",
-        "generatorURL": alert.generator_url, "fingerprint": alert.fingerprint,
+        "generatorURL": f"https://inferops.example/slos/{ttft_slo.pk}/", "fingerprint": alert.fingerprint,
     }]
+    # The SLO's console page is addressed by id (its name answered 404 once).
+    assert alert.generator_url.endswith(f"/slos/{ttft_slo.pk}/")
     delivery = Delivery.objects.get()
     assert (delivery.attempt, delivery.outcome, delivery.http_status) == (1, "ok", 200)
     # A redelivered task finds the row already sent: nothing is sent twice.
