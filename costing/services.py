@@ -14,7 +14,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from costing.choices import FIXED_RESOURCES, Tier
-from costing.ledger import LOCK_NAMESPACE, ledger_sync, ledger_through
+from costing.ledger import LOCK_NAMESPACE, SyncReport, ledger_sync, ledger_through
 from costing.models import Adjustment, Budget, ClosedMonth, ListPrice, Price
 from costing.report import (
     Cell,
@@ -320,44 +320,66 @@ def months_to_close(now: datetime) -> list[date]:
     return months
 
 
+def ledger_sync_and_book(*, now: datetime) -> dict:
+    """The minute's ledger sync, then the adjustments it found, in one hold of the ledger lock:
+    a second sync at once skips, so it can neither book what this one books nor change the ledger
+    under the booking. The beat job."""
+    with try_advisory_lock(LOCK_NAMESPACE) as acquired:
+        if not acquired:
+            return SyncReport(skipped=True).as_dict()
+        report = ledger_sync(now)  # takes the lock again: a session's advisory locks nest
+        result = report.as_dict()
+        if report.earliest_change is not None:
+            result["adjustments"] = adjustments_book(since=report.earliest_change, now=now)
+    return result
+
+
 def adjustments_book(*, since: datetime, now: datetime) -> int:
     """Compare each closed month ending after `since` with its frozen figures (plus adjustments
     already booked for it) and book the difference in the open month. Running it twice books
-    nothing the second time."""
+    nothing the second time, at once included: it books under the ledger lock."""
     booked = 0
     open_month = month_start(now.date()).date()
-    for closed in ClosedMonth.objects.filter(month__gte=month_start(since.date()).date()):
-        start, end = month_range(closed.month)
-        known: dict[tuple, Cell] = {}
-        for cell in [Cell.from_json(c) for c in closed.cells]:
-            known[cell.key()] = cell
-        for adj in Adjustment.objects.filter(source_month=closed.month):
-            cell = known.setdefault((adj.tenant, adj.deployment, adj.version), Cell(
-                tenant=adj.tenant or None, deployment=adj.deployment, version=adj.version, model=adj.model))
-            cell.usd += adj.usd
-            cell.prompt_tokens += adj.prompt_tokens
-            cell.completion_tokens += adj.completion_tokens
-            cell.compliant_tokens += adj.compliant_tokens
-        now_cells = {cell.key(): cell for cell in compute_cells(start, end)}
-        rows = []
-        for key in set(known) | set(now_cells):
-            new = now_cells.get(key)
-            old = known.get(key)
-            template = new or old
-            delta = Adjustment(
-                booked_month=open_month, source_month=closed.month, tenant=template.tenant or "",
-                deployment=template.deployment, version=template.version, model=template.model,
-                usd=(new.usd if new else Decimal(0)) - (old.usd if old else Decimal(0)),
-                prompt_tokens=(new.prompt_tokens if new else 0) - (old.prompt_tokens if old else 0),
-                completion_tokens=(new.completion_tokens if new else 0) - (old.completion_tokens if old else 0),
-                compliant_tokens=(new.compliant_tokens if new else 0) - (old.compliant_tokens if old else 0),
-            )
-            if delta.usd or delta.prompt_tokens or delta.completion_tokens or delta.compliant_tokens:
-                rows.append(delta)
-        if rows:
-            with transaction.atomic():
-                Adjustment.objects.bulk_create(rows)
-                audit_record(actor=None, action="cost-month.adjust", obj=closed,
-                             after={"booked_month": open_month.isoformat(), "rows": len(rows)})
-            booked += len(rows)
+    with transaction.atomic():
+        # Read, compare and write as one holder of the ledger: two bookers that both read the
+        # adjustments before either wrote would book the same correction twice.
+        advisory_xact_lock(LOCK_NAMESPACE)
+        for closed in ClosedMonth.objects.filter(month__gte=month_start(since.date()).date()):
+            booked += _adjustments_book_month(closed, open_month)
     return booked
+
+
+def _adjustments_book_month(closed: ClosedMonth, open_month: date) -> int:
+    """Book, in `open_month`, what one closed month's figures moved by since they were frozen."""
+    start, end = month_range(closed.month)
+    known: dict[tuple, Cell] = {}
+    for cell in [Cell.from_json(c) for c in closed.cells]:
+        known[cell.key()] = cell
+    for adj in Adjustment.objects.filter(source_month=closed.month):
+        cell = known.setdefault((adj.tenant, adj.deployment, adj.version), Cell(
+            tenant=adj.tenant or None, deployment=adj.deployment, version=adj.version, model=adj.model))
+        cell.usd += adj.usd
+        cell.prompt_tokens += adj.prompt_tokens
+        cell.completion_tokens += adj.completion_tokens
+        cell.compliant_tokens += adj.compliant_tokens
+    now_cells = {cell.key(): cell for cell in compute_cells(start, end)}
+    rows = []
+    for key in set(known) | set(now_cells):
+        new = now_cells.get(key)
+        old = known.get(key)
+        template = new or old
+        delta = Adjustment(
+            booked_month=open_month, source_month=closed.month, tenant=template.tenant or "",
+            deployment=template.deployment, version=template.version, model=template.model,
+            usd=(new.usd if new else Decimal(0)) - (old.usd if old else Decimal(0)),
+            prompt_tokens=(new.prompt_tokens if new else 0) - (old.prompt_tokens if old else 0),
+            completion_tokens=(new.completion_tokens if new else 0) - (old.completion_tokens if old else 0),
+            compliant_tokens=(new.compliant_tokens if new else 0) - (old.compliant_tokens if old else 0),
+        )
+        if delta.usd or delta.prompt_tokens or delta.completion_tokens or delta.compliant_tokens:
+            rows.append(delta)
+    if rows:
+        Adjustment.objects.bulk_create(rows)
+        audit_record(actor=None, action="cost-month.adjust", obj=closed,
+                     after={"booked_month": open_month.isoformat(), "rows": len(rows)})
+    return len(rows)

@@ -8,19 +8,14 @@ from celery import shared_task
 from django.utils import timezone
 
 from costing import services
-from costing.ledger import floor_hour, ledger_sync
+from costing.ledger import floor_hour
 
 
 @shared_task(name="costing.sync_ledger", ignore_result=True)
 def sync_ledger() -> dict:
     """Beat (every minute): record replica runs, price them, roll up usage; then book late data
     for closed months as adjustments. Under an advisory lock: a second run at once is skipped."""
-    now = timezone.now()
-    report = ledger_sync(now)
-    result = report.as_dict()
-    if not report.skipped and report.earliest_change is not None:
-        result["adjustments"] = services.adjustments_book(since=report.earliest_change, now=now)
-    return result
+    return services.ledger_sync_and_book(now=timezone.now())
 
 
 @shared_task(name="costing.rebuild_costs", bind=True, ignore_result=True, max_retries=20)
