@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django import forms
+from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.shortcuts import get_object_or_404, redirect, render
 
@@ -150,8 +151,23 @@ def slo_detail(request, pk: int):
         "slo": slo, "status": status, "target": target_of(slo), "sli_text": sli_text(slo),
         "alerts": alerts, "thresholds": alert_thresholds(slo), "rules": rule_texts(slo),
         "budget_text": budget_text(status), "traffic": traffic_text(slo, status),
-        "exhaustion": exhaustion_text(status),
+        "exhaustion": exhaustion_text(status), "evaluation": evaluation_facts(slo, status),
+        # The page re-reads itself as often as the SLO is evaluated (and every few seconds until its
+        # first evaluation, which creating it has just queued).
+        "refresh_ms": round(max(settings.INFEROPS_SLO_EVALUATE_INTERVAL_S, 1) * 1000),
     })
+
+
+def evaluation_facts(slo: Slo, status) -> dict:
+    """What the charts need of the evaluation the header shows, in ISO 8601 to the microsecond: the
+    budget chart ends at exactly that evaluation."""
+    def iso(moment):
+        return moment.isoformat() if moment else None
+
+    evaluated = status is not None and status.evaluated_at is not None
+    return {"evaluated_at": iso(status.evaluated_at) if evaluated else None,
+            "window_start": iso(status.window_start) if evaluated else None,
+            "backfilled_from": iso(slo.backfilled_from)}
 
 
 @login_required
