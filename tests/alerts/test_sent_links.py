@@ -179,6 +179,8 @@ def test_every_link_in_every_notification_sent_resolves(endpoints, api, make_use
     assert generators[("NodeDown", "critical")] == PROMETHEUS_GRAPH
     assert generators[("DiskFilling", "critical")] == f"{EXTERNAL}/alerts/{alert_of['DiskFilling'].pk}/"
     assert generators[("ClockSkew", "critical")] == f"{EXTERNAL}/alerts/{alert_of['ClockSkew'].pk}/"
+    # Nor does the alert's page offer a posted generatorURL that is no link as "where it was raised".
+    assert 'href="javascript:' not in viewer.get(f"/alerts/{alert_of['ClockSkew'].pk}/").content.decode()
     assert f"{EXTERNAL}/deployments/chat/rollouts/{rollout.pk}/" in found
     assert f"{EXTERNAL}/deployments/chat/" in found
     # The signed acknowledgement link went out, to every receiver kind that carries one.
