@@ -190,7 +190,12 @@ import runtime.gateway.server  # gateway
 from deployments import engine_args
 
 # Creating a builtin deployment validates its options against the engine's own parser.
-assert engine_args.validate("builtin", {"max_num_seqs": 8}) is not None
+assert engine_args.validate("builtin", {"max_num_seqs": 8}) == {"max_num_seqs": 8}
+try:
+    engine_args.validate("builtin", {"max_num_seqs": "many"})
+    raise SystemExit("a bad built-in engine option was accepted")
+except engine_args.EngineArgsError as refused:
+    assert set(refused.errors) == {"max_num_seqs"}, refused.errors
 print(json.dumps(sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED)))
 """
 

@@ -207,7 +207,7 @@ def test_blue_green_promotion_then_instant_rollback_within_the_delay(world):
     assert len(world.live(2)) == 2 and world.weights() == {"stable": 100}  # candidate at full size, no traffic
     world.tick()  # both ready: preview route then the switch in one pass
     rollout = world.rollout()
-    assert rollout.status == "succeeded" and rollout.scale_down_at is not None
+    assert rollout.status == "succeeded" and rollout.scale_down_at == world.now + timedelta(minutes=10)
     assert world.weights() == {"stable": 95, "holdback": 5}  # the warm old set is the watch's holdback
     old = world.live(1)
     assert len(old) == 2 and all(r.state == ReplicaState.READY for r in old)  # kept warm

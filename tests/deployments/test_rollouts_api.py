@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 from django.core.exceptions import ValidationError
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 
 from deployments import rollout_machine, rollout_watch, rollouts
 from deployments.models import Deployment, Rollout, RolloutMeasurement
@@ -359,9 +360,10 @@ def test_the_watch_is_set_on_create_shown_and_turned_off_or_on(api, deployment):
     assert response.status_code == 200 and response.json()["auto_rollback"] is True
     assert response.json()["timeline"][-1]["event"] == "auto-rollback on"
 
-    done = finish(deployment, body["id"], client)
+    finished_at = timezone.now()
+    done = finish(deployment, body["id"], client, now=finished_at)
     assert (done["status"], done["watching"]) == ("succeeded", True)
-    assert done["watch_until"] is not None
+    assert parse_datetime(done["watch_until"]) == finished_at + timedelta(minutes=2)
     response = client.patch(url, {"auto_rollback": False}, format="json")
     assert response.status_code == 200 and response.json()["watching"] is False
     assert [e.action for e in AuditEvent.objects.filter(action="rollout.update")] == ["rollout.update"] * 2

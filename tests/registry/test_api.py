@@ -91,7 +91,10 @@ def test_alias_move_returns_previous_and_is_audited(api, tiny_llama_dir):
 
     events = api("admin").get("/api/v1/audit/?action=alias.set").json()["results"]
     assert [e["after"]["version_number"] for e in events] == [2, 1]
-    assert events[0]["before"] is not None and events[0]["actor_name"] == "operator-api"
+    # The move records where the alias pointed before it; the first set had nothing before it.
+    first_version = ModelVersion.objects.get(model__name="llama-tiny", number=1)
+    assert events[0]["before"]["version"] == first_version.pk and events[1]["before"] is None
+    assert events[0]["actor_name"] == "operator-api"
 
     assert client.delete("/api/v1/models/llama-tiny/aliases/champion/").status_code == 204
     assert client.get("/api/v1/models/llama-tiny/aliases/champion/").status_code == 404

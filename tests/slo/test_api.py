@@ -45,7 +45,7 @@ def test_create_get_list_and_status_contract(api, deployment):
     assert status["burn_rates"]["5m"] == pytest.approx(0.5 / 0.005)
     assert status["budget_remaining"] == pytest.approx(1 - 40 / (0.005 * 80))
     assert sorted((a["severity"], a["status"]) for a in status["alerts"]) == [("page", "firing"), ("ticket", "firing")]
-    assert status["backfilled_from"] is not None
+    assert status["backfilled_from"] == "2026-03-10T11:59:00Z"  # the first minute with events (NOW - 1 min)
     assert status["alert_thresholds"][0] == {"severity": "page", "factor": 14.4, "long_window_minutes": 2,
                                              "short_window_minutes": 1, "long_window": "2m", "short_window": "1m"}
     assert status["min_events"] == 20 and status["total"] == 80
