@@ -18,6 +18,20 @@ torch.set_num_threads(2)
 os.environ["INFEROPS_ALERT_GROUP_WAIT_S"] = "0"
 
 
+def pytest_runtest_setup(item):
+    """Tests marked `vllm` need vLLM (`make vllm`): skipped, saying so, where it is missing, unless
+    INFEROPS_TEST_REQUIRE_VLLM=1 (.ci/run sets it), where a missing vLLM fails the test instead."""
+    if item.get_closest_marker("vllm") is None:
+        return
+    from deployments.drivers.local import vllm_missing
+
+    missing = vllm_missing()
+    if missing and os.environ.get("INFEROPS_TEST_REQUIRE_VLLM") == "1":
+        pytest.fail(f"vLLM is required here (INFEROPS_TEST_REQUIRE_VLLM=1) and missing: {missing}", pytrace=False)
+    if missing:
+        pytest.skip(missing)
+
+
 @pytest.fixture(autouse=True)
 def _alerts_notify_at_once(settings):
     settings.INFEROPS_ALERT_GROUP_WAIT_S = 0
