@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
 TORCH_SOURCE := $(if $(wildcard $(TORCH_WHEELS)/torch-2.13.0*),--find-links $(TORCH_WHEELS),)
 
-.PHONY: install run test lint clean vllm
+.PHONY: install run test test-deps lint clean vllm
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -25,7 +25,12 @@ install: $(STAMP)
 run: install
 	$(BIN)/inferops run
 
-test: install
+# Chromium, promtool and docker-compose: installed when missing (as root), else a one-line stop
+# before anything else runs. .ci/run uses the same script.
+test-deps:
+	@.ci/deps
+
+test: test-deps install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/python manage.py check --fail-level WARNING
