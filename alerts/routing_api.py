@@ -19,6 +19,7 @@ from rest_framework.views import APIView
 
 from alerts import route_services
 from alerts.choices import MatchOp
+from alerts.matchers import matcher_problem
 from alerts.models import EscalationPolicy, Receiver, Route, Schedule
 from alerts.routing import default_route
 from inferops.api import ERRORS, ErrorSerializer, RejectUnknownFields
@@ -32,9 +33,16 @@ def as_drf(exc: DjangoValidationError) -> serializers.ValidationError:
 
 
 class RouteMatcherSerializer(RejectUnknownFields, serializers.Serializer):
-    name = serializers.CharField(max_length=200)
+    name = serializers.CharField(max_length=200, allow_blank=True, trim_whitespace=False)
     value = serializers.CharField(max_length=1000, allow_blank=True, trim_whitespace=False)
-    op = serializers.ChoiceField(choices=MatchOp.choices, default=MatchOp.EQUAL)
+    op = serializers.ChoiceField(choices=MatchOp.choices, default=MatchOp.EQUAL, error_messages={
+        "invalid_choice": '"{input}" is not an operator: use one of = != =~ !~.'})
+
+    def validate(self, attrs):
+        # .get: a PATCH makes nested fields optional too, and the default op is then not filled in.
+        if problem := matcher_problem(attrs.get("name"), attrs.get("op", MatchOp.EQUAL), attrs.get("value")):
+            raise serializers.ValidationError({problem[0]: [problem[1]]})
+        return attrs
 
 
 class StrictBooleanField(serializers.BooleanField):

@@ -23,11 +23,10 @@ from django.views.decorators.http import require_POST
 
 from alerts import route_services
 from alerts.choices import OPEN_STATUSES
+from alerts.matchers import parse_lines
 from alerts.models import AlertGroup, EscalationPolicy, Receiver, Route, Schedule
 from alerts.routing import GROUP_BY_ALL, Tree
 from alerts.routing_api import EscalationPolicySerializer, RouteSerializer
-from alerts.silence_views import OPERATORS
-from alerts.silence_views import parse_matchers as parse_silence_matchers
 from inferops.api import Conflict
 from inferops.roles import require_operator
 
@@ -46,23 +45,9 @@ def matcher_text(matcher: dict) -> str:
 
 
 def parse_route_matchers(text: str) -> list[dict]:
-    """amtool's matcher lines as route matchers [{"name", "value", "op"}]; each line is checked as
-    the service checks it (a regex must compile), and an error names the line."""
-    if not text.strip():
-        return []
-    op_of = {flags: op for op, flags in OPERATORS.items()}
-    numbers = [n for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
-    matchers = []
-    for number, parsed in zip(numbers, parse_silence_matchers(text), strict=True):
-        op = op_of[(parsed["isRegex"], parsed["isEqual"])]
-        matcher = {"name": parsed["name"], "value": parsed["value"], "op": op}
-        try:
-            route_services.clean_matchers([matcher])
-        except ValidationError as exc:
-            raise ValidationError([f"Line {number}: {SERVICE_PREFIX.sub('', m)}"
-                                   for m in exc.message_dict["matchers"]]) from None
-        matchers.append(matcher)
-    return matchers
+    """amtool's matcher lines (alerts/matchers.py) as route matchers [{"name", "value", "op"}];
+    every bad line is named."""
+    return [{"name": name, "value": value, "op": op} for name, op, value in parse_lines(text)]
 
 
 def parse_group_by(text: str, *, default_route_: bool) -> list[str] | None:

@@ -8,8 +8,6 @@ would silence every alert), a start in the past becomes now, and ids are strings
 
 from __future__ import annotations
 
-import re
-
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
@@ -19,6 +17,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from alerts import inbound
+from alerts.matchers import OPERATORS, matcher_problem
 from alerts.models import Silence
 from alerts.silences import matcher_holds
 from inferops.api import ERRORS, ErrorSerializer, RejectUnknownFields
@@ -26,6 +25,7 @@ from inferops.timeparse import parse_time
 
 STATES = ("active", "pending", "expired")
 MAX_MATCHERS = 50
+OPERATOR_OF = {flags: op for op, flags in OPERATORS.items()}
 
 
 class StrictBoolean(serializers.BooleanField):
@@ -54,17 +54,15 @@ class TimeField(serializers.Field):
 
 
 class MatcherSerializer(RejectUnknownFields, serializers.Serializer):
-    name = serializers.CharField(max_length=200)
+    name = serializers.CharField(max_length=200, allow_blank=True, trim_whitespace=False)
     value = serializers.CharField(max_length=1000, allow_blank=True, trim_whitespace=False)
     isRegex = StrictBoolean()  # noqa: N815 (Alertmanager's names)
     isEqual = StrictBoolean(required=False, default=True)  # noqa: N815
 
     def validate(self, attrs):
-        if attrs["isRegex"]:
-            try:
-                re.compile(attrs["value"])
-            except re.error as exc:
-                raise serializers.ValidationError({"value": [f"Not a valid regular expression: {exc}."]}) from None
+        op = OPERATOR_OF[(attrs["isRegex"], attrs["isEqual"])]
+        if problem := matcher_problem(attrs["name"], op, attrs["value"]):
+            raise serializers.ValidationError({problem[0]: [problem[1]]})
         return {"name": attrs["name"], "value": attrs["value"], "isRegex": attrs["isRegex"],
                 "isEqual": attrs["isEqual"]}
 

@@ -9,7 +9,6 @@ and `POST /api/v1/silences/` refuse the same silences with the same messages.
 from __future__ import annotations
 
 import json
-import re
 from datetime import timedelta
 
 from django import forms
@@ -22,36 +21,23 @@ from django.views.decorators.http import require_POST
 
 from alerts import inbound
 from alerts.choices import OPEN_STATUSES
+from alerts.matchers import OPERATORS, parse_lines
 from alerts.models import Alert, Silence
 from alerts.silence_api import STATES, SilenceCreateSerializer, silences_in_state
 from inferops.api import Conflict
 from inferops.roles import require_operator
 from inferops.timeparse import DURATION_HINT, parse_duration, parse_time
 
-MATCHER_LINE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(=~|!~|!=|=)\s*(.*?)\s*$")
-OPERATORS = {"=": (False, True), "!=": (False, False), "=~": (True, True), "!~": (True, False)}
 EXPIRED_SHOWN = 50
 # Where the form's fields are in the serializer's errors.
 API_FIELDS = {"matchers": "matchers", "startsAt": "starts", "endsAt": "ends", "comment": "comment"}
 
 
 def parse_matchers(text: str) -> list[dict]:
-    """amtool's matcher lines as API v2 matchers; a value may be double-quoted."""
+    """amtool's matcher lines (alerts/matchers.py) as API v2 matchers; every bad line is named."""
     matchers = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        match = MATCHER_LINE.match(line)
-        if not match:
-            raise ValidationError(f"Line {number}: {line.strip()!r} is not name=value, name!=value, name=~regex "
-                                  f"or name!~regex.")
-        name, operator, value = match.groups()
-        if len(value) >= 2 and value.startswith('"') and value.endswith('"'):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError:
-                raise ValidationError(f"Line {number}: the quoted value is not a valid string.") from None
-        is_regex, is_equal = OPERATORS[operator]
+    for name, op, value in parse_lines(text):
+        is_regex, is_equal = OPERATORS[op]
         matchers.append({"name": name, "value": value, "isRegex": is_regex, "isEqual": is_equal})
     if not matchers:
         raise ValidationError("Give at least one matcher, e.g. alertname=HighLatency.")
@@ -66,7 +52,8 @@ def matcher_text(matcher: dict) -> str:
 class SilenceForm(forms.Form):
     matchers = forms.CharField(
         widget=forms.Textarea(attrs={"rows": 5, "cols": 60, "class": "mono", "spellcheck": "false"}),
-        help_text="one per line: name=value, name!=value, name=~regex, name!~regex (regexes match the whole value)")
+        help_text='one per line: name=value, name!=value, name=~regex, name!~regex (a value may be quoted: '
+                  'severity="page"; regexes match the whole value)')
     starts = forms.CharField(required=False, max_length=64, help_text="blank: now; or an ISO 8601 time (UTC)")
     ends = forms.CharField(initial="2h", max_length=64,
                            help_text='a duration from the start ("2h", "1d") or an ISO 8601 end time (UTC)')

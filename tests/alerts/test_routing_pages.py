@@ -125,7 +125,7 @@ def test_operator_adds_edits_and_deletes_a_route(operator):
 
 @pytest.mark.parametrize(("fields", "field", "message"), [
     ({"matchers": "severity=page\nthis is not a matcher"}, "matchers", "Line 2: 'this is not a matcher' is not"),
-    ({"matchers": "tenant=~ac(\n"}, "matchers", "Line 1: not a valid regular expression"),
+    ({"matchers": "tenant=~ac(\n"}, "matchers", "Line 1: tenant=~ac(: 'ac(' is not a valid regular expression"),
     ({"receiver": "pager", "escalation_policy": "db"}, "receiver", "a receiver or an escalation policy, not both"),
     ({"group_by": "alertname, ..."}, "group_by", "it stands alone"),
     ({"group_wait_s": "soon"}, "group_wait_s", "Enter a whole number"),
