@@ -40,16 +40,6 @@ from tests.conftest import free_port
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/13")
 
 
-def wait_until(condition, timeout: float = 5.0) -> float:
-    """Poll until condition() is true; the seconds it took. AssertionError after timeout."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if condition():
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout} s")
-
-
 class ThreadedServer:
     """Any ASGI app under uvicorn in a daemon thread (its own event loop)."""
 

@@ -24,8 +24,9 @@ from runtime.gateway.contract import KEYS_KEY, hash_api_key
 from runtime.gateway.limits import openai_duration
 from runtime.gateway.server import client_request_id, server_timing, trace_headers
 from tests.conftest import free_port
-from tests.gateway.conftest import REDIS_URL, FakeReplica, wait_until
+from tests.gateway.conftest import REDIS_URL, FakeReplica
 from tests.services import Process
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -207,7 +208,7 @@ def _ratelimit(response: httpx.Response) -> dict[str, str]:
 def _clear_of_the_window_edge(control) -> None:
     """The limits count in 60 s windows of Redis's clock: start a sequence of requests that
     expects one window early enough in it."""
-    wait_until(lambda: control.redis.time()[0] % 60 < 50, timeout=15)
+    wait_until(lambda: control.redis.time()[0] % 60 < 50, "10 s clear of a window's end", timeout=15)
 
 
 def test_ratelimit_headers_on_answers_and_on_a_429(control, replicas, gateways):
@@ -285,7 +286,7 @@ def test_a_key_unknown_to_an_instance_works_at_once_and_its_revocation_reaches_i
         return all(HTTP.post(f"{url}/chat/completions", json=_chat(), headers=_auth(secret)).status_code == 401
                    for url in (first_url, second_url))
 
-    assert wait_until(refused_everywhere, timeout=5.0) < 5.0
+    wait_until(refused_everywhere, "the revocation to reach both instances", timeout=5.0)  # the 5 s under test
 
 
 # -- Server-Timing -----------------------------------------------------------------------------------
@@ -437,7 +438,8 @@ def test_json_logs_of_a_real_gateway_and_replica_carry_the_clients_request_id(
         def logged(process: Process, request_id: str) -> list[dict]:
             return [line for line in _json_lines(process.log_path) if line.get("request_id") == request_id]
 
-        wait_until(lambda: logged(replica, "ord-json-1") and logged(gateway, "ord-gone-2"))
+        wait_until(lambda: logged(replica, "ord-json-1") and logged(gateway, "ord-gone-2"), "both access lines logged",
+                   timeout=5)
         (access, *_) = logged(replica, "ord-json-1")
         assert access["logger"] == "uvicorn.access" and "/v1/chat/completions" in access["message"]
         (ejected,) = logged(gateway, "ord-gone-2")

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.gateway.router import _rendezvous_score, affinity_key
 from runtime.gateway.state import Replica
-from tests.gateway.conftest import wait_until
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -184,7 +184,8 @@ def test_rate_limits_answer_429_with_retry_after_and_name_the_limit(control, rep
     # would exceed the tenant's 100 (the first one's real usage, 7 + 4, is reconciled after).
     big = _chat("x" * 400)
     assert HTTP.post(f"{base_url}/chat/completions", json=big, headers=_auth(tpm_key)).status_code == 200
-    wait_until(lambda: int(control.redis.get(_tpm_key(control, "tpm-tenant")) or 0) == 11)
+    wait_until(lambda: int(control.redis.get(_tpm_key(control, "tpm-tenant")) or 0) == 11,
+               "the replica's token count charged to the tenant", timeout=5)
     second = HTTP.post(f"{base_url}/chat/completions", json=big, headers=_auth(tpm_key))
     assert second.status_code == 429 and second.json()["error"]["message"] == "tenant tpm-tenant tpm limit 100 exceeded"
     assert HTTP.post(f"{base_url}/chat/completions", json=_chat("x" * 40), headers=_auth(tpm_key)).status_code == 200
@@ -225,7 +226,8 @@ def test_two_gateways_sharing_a_concurrency_limit_never_exceed_it(control, repli
     assert replica.max_in_flight <= 3 + _bypassed(started)
     assert statuses.count(200) >= 3 and statuses.count(429) >= 1 and set(statuses) == {200, 429}
     # Every slot came back: a new wave is admitted again.
-    wait_until(lambda: control.redis.zcard("inferops:rl:tenant:shared:conc") == 0)
+    wait_until(lambda: control.redis.zcard("inferops:rl:tenant:shared:conc") == 0, "every concurrency slot back",
+               timeout=5)
     assert call(0) == 200
 
 
@@ -257,8 +259,11 @@ def test_a_revoked_key_stops_within_5_seconds_even_without_the_pubsub_message(co
     for key, announce in ((secret, True), (other, False)):
         assert HTTP.post(f"{base_url}/chat/completions", json=_chat(), headers=_auth(key)).status_code == 200
         control.revoke(key, announce=announce)
-        took = wait_until(lambda key=key: HTTP.post(f"{base_url}/chat/completions", json=_chat(),
-                                                      headers=_auth(key)).status_code == 401, timeout=5)
+        revoked_at = time.monotonic()
+        wait_until(lambda key=key: HTTP.post(f"{base_url}/chat/completions", json=_chat(),
+                                             headers=_auth(key)).status_code == 401,
+                   "the revoked key refused", timeout=5)
+        took = time.monotonic() - revoked_at
         # The pub/sub message acts at once; without it the 1 s generation poll still does.
         assert took < (1.0 if announce else 4.0)
 
@@ -376,26 +381,28 @@ def test_a_client_that_disconnects_cancels_the_upstream_and_frees_its_slot(contr
         iterator = r.iter_raw()
         next(iterator)
         next(iterator)
-    wait_until(lambda: replica.cancelled == 1, timeout=3)
+    wait_until(lambda: replica.cancelled == 1, "the replica to see the cancel", timeout=3)
     assert replica.completed == 0
     (event,) = control.wait_events(1)
     assert (event["status"], event["error_kind"]) == (200, "client_disconnect")
     assert 1 <= event["completion_tokens"] < 100
-    wait_until(lambda: control.redis.zcard(f"inferops:rl:key:{prefix}:conc") == 0, timeout=3)
+    wait_until(lambda: control.redis.zcard(f"inferops:rl:key:{prefix}:conc") == 0, "the key's slot back",
+               timeout=3)
 
     # Gone while waiting for the first token: no answer was sent, 499 in the ledger.
     replica.behaviour.first_delay_s = 5
     with pytest.raises(httpx.ReadTimeout):
         HTTP.post(f"{base_url}/chat/completions", json=_chat(stream=True), headers=_auth(secret), timeout=0.5)
-    wait_until(lambda: replica.cancelled == 2, timeout=3)
+    wait_until(lambda: replica.cancelled == 2, "the replica to see the second cancel", timeout=3)
     assert control.wait_events(2)[-1]["status"] == 499
 
     # The same for a whole (non-streamed) answer.
     with pytest.raises(httpx.ReadTimeout):
         HTTP.post(f"{base_url}/chat/completions", json=_chat(), headers=_auth(secret), timeout=0.5)
-    wait_until(lambda: len(control.events()) == 3, timeout=3)
+    wait_until(lambda: len(control.events()) == 3, "the third usage event", timeout=3)
     assert (control.events()[-1]["status"], control.events()[-1]["error_kind"]) == (499, "client_disconnect")
-    wait_until(lambda: control.redis.zcard(f"inferops:rl:key:{prefix}:conc") == 0, timeout=3)
+    wait_until(lambda: control.redis.zcard(f"inferops:rl:key:{prefix}:conc") == 0, "the key's slot back",
+               timeout=3)
 
 
 def test_metrics_exposition(demo, control):
