@@ -31,6 +31,7 @@ from runtime.engine.async_engine import AsyncEmbedder, AsyncEngine, EngineUnavai
 from runtime.engine.config import GenerationDefaults
 from runtime.engine.sampling import TokenLogprob
 from runtime.engine.server import FaultSettings, ReplicaServer, ServerSettings
+from tests.waiting import wait_until
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
@@ -49,17 +50,7 @@ def make_client(load, **settings) -> tuple[TestClient, ReplicaServer]:
 
 
 def wait_ready(client: TestClient) -> None:
-    deadline = time.monotonic() + 10
-    while client.get("/health").status_code != 200:
-        assert time.monotonic() < deadline, "engine never became ready"
-        time.sleep(0.01)
-
-
-def wait_until(condition, what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+    wait_until(lambda: client.get("/health").status_code == 200, "the engine to become ready", interval=0.01)
 
 
 @pytest.fixture
@@ -555,7 +546,7 @@ def test_failed_load_reports_the_error(tiny_llama_dir, tmp_path):
     args, settings = parse_serve_args("--cpu-threads", "1", model=str(tmp_path))
     replica = ReplicaServer(build_backend(args), settings)
     with TestClient(replica.build_app(), raise_server_exceptions=False) as test_client:
-        wait_until(lambda: replica.backend.state != "loading", "the load never ended")
+        wait_until(lambda: replica.backend.state != "loading", "the load to end", interval=0.01)
         health = test_client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
         assert "no complete safetensors weights" in health.json()["error"]
@@ -618,12 +609,12 @@ def test_interrupted_requests_end_cleanly_and_are_aborted(engine):
 
         worker = threading.Thread(target=stream)
         worker.start()
-        wait_until(engine.has_unfinished_requests, "the request never reached the engine")
+        wait_until(engine.has_unfinished_requests, "the request to reach the engine", interval=0.01)
         interrupted = test_client.portal.call(
             replica.backend.interrupt_all, EngineUnavailableError("stopped"))
         worker.join(10)
         # The loop thread applies the abort between two steps.
-        wait_until(lambda: not engine.has_unfinished_requests(), "the engine never aborted it")
+        wait_until(lambda: not engine.has_unfinished_requests(), "the engine to abort it", interval=0.01)
         metrics = test_client.get("/metrics").text
     assert interrupted == 1
     events = sse_events(result["text"])
@@ -723,12 +714,12 @@ def test_concurrent_embedding_requests_share_a_batch(minilm):
 
         first = threading.Thread(target=post, args=("a", "a"))
         first.start()
-        wait_until(lambda: encoder.calls, "the first request never reached the encoder")
+        wait_until(lambda: encoder.calls, "the first request to reach the encoder", interval=0.01)
         others = [threading.Thread(target=post, args=item) for item in (
             ("bb", "bb"), ("ccc", "ccc"), ("ids", [101, 7592, 102]), ("bad", out_of_vocabulary))]
         for thread in others:
             thread.start()
-        wait_until(lambda: replica.backend.stats().num_waiting == 4, "requests never queued")
+        wait_until(lambda: replica.backend.stats().num_waiting == 4, "four requests to queue", interval=0.01)
         encoder.release.set()
         for thread in [first, *others]:
             thread.join(10)
