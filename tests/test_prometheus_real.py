@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -21,6 +20,7 @@ from slo.prometheus_rules import render_rules
 from tests.conftest import free_port
 from tests.deployments.metrics_helpers import deployment_with_replicas
 from tests.services import Process
+from tests.waiting import wait_until
 
 PROMETHEUS = "/usr/bin/prometheus"
 pytestmark = [
@@ -32,17 +32,12 @@ SLO = {"name": "chat-availability", "scope": "deployment", "sli_kind": "availabi
        "window": "1d", "budgeting": "occurrences", "min_requests": 20, "description": "", "runbook_url": ""}
 
 
-def wait_for(check, what: str, timeout: float, log: Path):
-    """Poll `check` until it returns something truthy; fail with Prometheus' log otherwise."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        try:
-            if result := check():
-                return result
-        except httpx.TransportError as exc:
-            last = exc
-        time.sleep(0.5)
-    pytest.fail(f"{what} within {timeout} s (last error: {last}); prometheus log:\n{log.read_text()[-4000:]}")
+STARTING = (httpx.TransportError,)  # Prometheus refuses connections while it starts
+
+
+def logged(what: str, log: Path):
+    """A wait's description with the tail of Prometheus' log, read if the wait fails."""
+    return lambda: f"{what}; prometheus log:\n{log.read_text()[-4000:]}"
 
 
 @pytest.fixture
@@ -100,7 +95,7 @@ def test_prometheus_scrapes_the_sd_targets_and_evaluates_the_exported_rules(
             return next((t for t in active if t["labels"].get("component") == "replica"
                          and t["health"] == "up"), None)
 
-        target = wait_for(replica_target_up, "the replica target was not up", 45, log)
+        target = wait_until(replica_target_up, logged("the replica target to be up", log), 45, 0.5, ignore=STARTING)
         assert {k: target["labels"][k] for k in ("deployment", "version", "replica", "track", "backend")} == {
             "deployment": "chat", "version": "1", "replica": str(row.pk), "track": "stable", "backend": "builtin"}
         assert target["scrapeUrl"] == f"http://127.0.0.1:{port}/metrics"
@@ -111,7 +106,8 @@ def test_prometheus_scrapes_the_sd_targets_and_evaluates_the_exported_rules(
             evaluated = rules and all(rule["health"] == "ok" and rule["lastEvaluation"] > "2000" for rule in rules)
             return rules if evaluated else None
 
-        rules = wait_for(rules_evaluated, "the rules were not all evaluated with health ok", 20, log)
+        rules = wait_until(rules_evaluated, logged("every rule evaluated with health ok", log), 20, 0.5,
+                           ignore=STARTING)
         assert {rule["type"] for rule in rules} == {"recording", "alerting"}
 
         # The events recording sums vllm:request_success_total{deployment="chat"}: a series only when
@@ -120,14 +116,15 @@ def test_prometheus_scrapes_the_sd_targets_and_evaluates_the_exported_rules(
             query = 'slo:sli_events:increase1m{slo="chat-availability"}'
             return httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=2).json()["data"]["result"]
 
-        (series,) = wait_for(recorded, "the recording rule produced no series", 20, log)
+        (series,) = wait_until(recorded, logged("the recording rule's series", log), 20, 0.5, ignore=STARTING)
         assert float(series["value"][1]) == 0  # no traffic yet: an increase of zero, not an absent series
 
         def control_plane_scraped():
             query = 'inferops_alerts_open{job="inferops-control-plane", severity="page", status="firing"}'
             return httpx.get(f"{base}/api/v1/query", params={"query": query}, timeout=2).json()["data"]["result"]
 
-        (alerts,) = wait_for(control_plane_scraped, "the control plane's /metrics was not scraped", 20, log)
+        (alerts,) = wait_until(control_plane_scraped, logged("the control plane's /metrics to be scraped", log), 20,
+                               0.5, ignore=STARTING)
         assert float(alerts["value"][1]) == 0
     finally:
         replica.stop()
