@@ -13,7 +13,6 @@ import ctypes.util
 import logging
 import os
 import signal
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +22,7 @@ from deployments.drivers.base import ReplicaSpec
 from deployments.drivers.local import LocalProcessDriver, process_start_time, replica_env
 from inferops.models import installation_id
 from runtime.vllm_preload import vllm_cpu_preload
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db  # the installation id lives in the database
 
@@ -56,14 +56,6 @@ def no_worker_preload(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
 
 
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-    return value
-
-
 def server_pid(supervisor: int) -> int:
     """The replica's server: the one child of its supervisor, once it has exec'd the command."""
     def child():
@@ -72,7 +64,7 @@ def server_pid(supervisor: int) -> int:
         if pids and "replica_supervisor" not in open(f"/proc/{pids[0]}/cmdline").read():
             return int(pids[0])
         return None
-    return wait_for(child)
+    return wait_until(child, f"supervisor {supervisor} to start the server")
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -183,14 +175,14 @@ def test_how_a_replica_ended_is_recorded_and_whether_we_sent_the_signal(settings
 
     replica = start_sleeper(driver, tmp_path)
     os.kill(server_pid(replica.identity["pid"]), signal.SIGTERM)  # someone else's signal
-    wait_for(lambda: not driver.is_alive(replica))
+    wait_until(lambda: not driver.is_alive(replica), "the replica to end")
     assert driver.exit_status(replica) == "killed by signal 15 (SIGTERM), not sent by this installation"
     assert "killed by signal 15 (SIGTERM)" in Path(replica.log_path).read_text()
 
     replica = start_sleeper(driver, tmp_path)
     server = server_pid(replica.identity["pid"])
     driver.stop(replica, why="drain")
-    wait_for(lambda: not driver.is_alive(replica))
+    wait_until(lambda: not driver.is_alive(replica), "the replica to end")
     assert driver.exit_status(replica) == "killed by signal 15 (SIGTERM), sent by inferops (drain)"
     log_text = Path(replica.log_path).read_text()
     assert f"--- inferops sent SIGTERM to pid {replica.identity['pid']}: drain" in log_text
@@ -198,7 +190,7 @@ def test_how_a_replica_ended_is_recorded_and_whether_we_sent_the_signal(settings
 
     replica = start_sleeper(driver, tmp_path)
     driver.kill(replica, why="not ready 300s after start")
-    wait_for(lambda: not driver.is_alive(replica))
+    wait_until(lambda: not driver.is_alive(replica), "the replica to end")
     assert driver.exit_status(replica) == "killed by inferops with SIGKILL (not ready 300s after start)"
 
 
@@ -208,8 +200,8 @@ def test_a_server_never_outlives_its_supervisor(settings, tmp_path):
     replica = start_sleeper(driver, tmp_path)
     server = server_pid(replica.identity["pid"])
     os.kill(replica.identity["pid"], signal.SIGKILL)  # the supervisor alone, as the OOM killer might
-    wait_for(lambda: not driver.is_alive(replica))
-    wait_for(lambda: process_start_time(server) is None)
+    wait_until(lambda: not driver.is_alive(replica), "the replica to end")
+    wait_until(lambda: process_start_time(server) is None, "the orphaned server to end")
     assert "ended without recording its exit status" in driver.exit_status(replica)
 
 
