@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 import httpx
@@ -21,6 +20,7 @@ from deployments.drivers.local import LocalProcessDriver
 from deployments.models import Replica, ReplicaMetricsMinute
 from registry import services as registry_services
 from tests.services import database_url
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -32,16 +32,6 @@ def start_worker(env, tmp_path, name):
          "--concurrency", "2", "--hostname", f"{name}@%h", "--schedule", str(tmp_path / "beat-schedule")],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
-
-
-def wait_for(predicate, timeout, message):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(message())
 
 
 @pytest.fixture
@@ -63,12 +53,12 @@ def test_worker_deploys_serves_scrapes_and_survives_a_restart(api, tiny_llama_di
         response = operator.post("/api/v1/deployments/", {"name": "e2e", "model": "tiny", "version": 1},
                                  format="json")
         assert response.status_code == 201
-        wait_for(lambda: operator.get("/api/v1/deployments/e2e/").json()["up_to_date"], 90,
-                 lambda: f"not ready: {operator.get('/api/v1/deployments/e2e/replicas/').json()} "
-                         f"{(tmp_path / 'first.log').read_text()[-3000:]}")
+        wait_until(lambda: operator.get("/api/v1/deployments/e2e/").json()["up_to_date"],
+                   lambda: f"the deployment to be ready: {operator.get('/api/v1/deployments/e2e/replicas/').json()} "
+                           f"{(tmp_path / 'first.log').read_text()[-3000:]}", 90, 0.5)
         replica = Replica.objects.get(deployment__name="e2e", state=ReplicaState.READY)
         # Wait for the scraper's baseline, so every request below lands in a counted delta.
-        wait_for(lambda: Replica.objects.get(pk=replica.pk).scrape_state, 30, lambda: "never scraped")
+        wait_until(lambda: Replica.objects.get(pk=replica.pk).scrape_state, "the first scrape", 30, 0.5)
 
         sent = 6
         for _ in range(sent):
@@ -81,8 +71,9 @@ def test_worker_deploys_serves_scrapes_and_survives_a_restart(api, tiny_llama_di
             tokens = sum(row.generation_tokens for row in rows)
             requests = sum(sum(row.requests_by_reason.values()) for row in rows)
             return (tokens, requests) == (sent * 5, sent)
-        wait_for(stored, 30, lambda: list(ReplicaMetricsMinute.objects.filter(replica=replica).values(
-            "generation_tokens", "requests_by_reason")))
+        wait_until(stored, lambda: "the scraped metrics of every request: " + str(list(
+            ReplicaMetricsMinute.objects.filter(replica=replica).values("generation_tokens", "requests_by_reason"))),
+            30, 0.5)
 
         # SIGKILL the worker (and its beat) mid-flight; a new worker re-adopts the running replica.
         os.killpg(worker.pid, signal.SIGKILL)
@@ -92,14 +83,16 @@ def test_worker_deploys_serves_scrapes_and_survives_a_restart(api, tiny_llama_di
         restarted = timezone.now()
         worker = start_worker(worker_env, tmp_path, "second")
         # Several reconcile passes of the new worker: each health-checks the ready replica.
-        wait_for(lambda: Replica.objects.filter(pk=replica.pk, last_health_at__gt=restarted + timedelta(seconds=3))
-                 .exists(), 60, lambda: f"no reconcile pass\n{(tmp_path / 'second.log').read_text()[-3000:]}")
+        wait_until(lambda: Replica.objects.filter(pk=replica.pk, last_health_at__gt=restarted + timedelta(seconds=3))
+                   .exists(),
+                   lambda: f"the new worker's reconcile passes\n{(tmp_path / 'second.log').read_text()[-3000:]}",
+                   60, 0.5)
         live = Replica.objects.filter(deployment__name="e2e").exclude(state=ReplicaState.STOPPED)
         assert [(r.pk, r.identity["pid"], r.state) for r in live] == [(replica.pk, pid, ReplicaState.READY)]
 
         assert operator.delete("/api/v1/deployments/e2e/").status_code == 202
-        wait_for(lambda: operator.get("/api/v1/deployments/e2e/").status_code == 404, 60,
-                 lambda: "deployment not removed")
+        wait_until(lambda: operator.get("/api/v1/deployments/e2e/").status_code == 404, "the deployment removed",
+                   60, 0.5)
         assert not LocalProcessDriver().is_alive(replica)
     finally:
         if worker.poll() is None:

@@ -24,7 +24,8 @@ from alerts import services
 from alerts.models import Alert, Delivery, Notification, Receiver
 from tests.alerts.conftest import RecordingReceiver
 from tests.alerts.test_receivers import smtp_server  # noqa: F401
-from tests.deployments.test_worker_e2e import start_worker, wait_for, worker_env  # noqa: F401
+from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 
@@ -62,14 +63,14 @@ def test_page_acknowledged_from_the_signed_link_then_resolved(worker_env, tmp_pa
             labels={"alertname": "RolloutAborted", "deployment": "chat", "severity": "page"},
             annotations={"summary": "Rollout of chat to v2 aborted", "description": "p99 TTFT 3.1 s > 1 s."},
             severity="page", now=timezone.now())
-        [trigger] = wait_for(events(1), 60, lambda: f"no trigger reached the stand-in\n{log()}")
+        [trigger] = wait_until(events(1), lambda: f"a trigger at the stand-in\n{log()}", 60, 0.5)
         dedup_key = trigger["dedup_key"]
         assert (trigger["routing_key"], trigger["event_action"]) == (ROUTING_KEY, "trigger")
         assert trigger["payload"]["summary"] == "Rollout of chat to v2 aborted"
         assert trigger["payload"]["severity"] == "critical" and trigger["payload"]["source"] == "chat"
         assert trigger["client_url"] == f"{EXTERNAL}/alerts/{alert.pk}/"
         [link] = [x["href"] for x in trigger["links"] if x["text"] == "Acknowledge"]
-        wait_for(lambda: sink.messages, 60, lambda: f"no email reached the SMTP server\n{log()}")
+        wait_until(lambda: sink.messages, lambda: f"an email at the SMTP server\n{log()}", 60, 0.5)
         rcpt, message = sink.messages[0]
         assert rcpt == ["oncall@example.com"] and message["Subject"] == "[PAGE] Rollout of chat to v2 aborted"
         assert link in message.get_body(("plain",)).get_content()
@@ -78,18 +79,18 @@ def test_page_acknowledged_from_the_signed_link_then_resolved(worker_env, tmp_pa
         response = Client().post(link.removeprefix(EXTERNAL))
         assert response.status_code == 200
         assert Alert.objects.get(pk=alert.pk).status == "acknowledged"
-        ack = wait_for(events(2), 60, lambda: f"no acknowledge reached the stand-in\n{log()}")[1]
+        ack = wait_until(events(2), lambda: f"an acknowledge at the stand-in\n{log()}", 60, 0.5)[1]
         assert ack == {"routing_key": ROUTING_KEY, "event_action": "acknowledge", "dedup_key": dedup_key}
-        wait_for(lambda: len(sink.messages) == 2, 60, lambda: f"no acknowledgement email\n{log()}")
+        wait_until(lambda: len(sink.messages) == 2, lambda: f"the acknowledgement email\n{log()}", 60, 0.5)
         assert sink.messages[1][1]["Subject"] == "[ACKNOWLEDGED] Rollout of chat to v2 aborted (by signed link)"
 
         services.alert_resolve(alert=Alert.objects.get(pk=alert.pk), now=timezone.now())
-        resolve = wait_for(events(3), 60, lambda: f"no resolve reached the stand-in\n{log()}")[2]
+        resolve = wait_until(events(3), lambda: f"a resolve at the stand-in\n{log()}", 60, 0.5)[2]
         assert resolve == {"routing_key": ROUTING_KEY, "event_action": "resolve", "dedup_key": dedup_key}
-        wait_for(lambda: len(sink.messages) == 3, 60, lambda: f"no resolution email\n{log()}")
+        wait_until(lambda: len(sink.messages) == 3, lambda: f"the resolution email\n{log()}", 60, 0.5)
         assert sink.messages[2][1]["Subject"] == "[RESOLVED] Rollout of chat to v2 aborted"
-        wait_for(lambda: alert.events.filter(kind="notified").count() == 6, 30,
-                 lambda: list(alert.events.values_list("kind", "text")))
+        wait_until(lambda: alert.events.filter(kind="notified").count() == 6,
+                   lambda: f"six notified events: {list(alert.events.values_list('kind', 'text'))}", 30, 0.5)
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(30)
@@ -154,14 +155,14 @@ def test_alertmanager_payload_routed_grouped_and_escalated(worker_env, tmp_path,
     try:
         post("firing", [*disks, silenced, *pages])
         post("firing", [*disks, silenced, *pages])  # Alertmanager re-sends: deduplicated
-        triggers = wait_for(lambda: [r["body"] for r in pagerduty.requests] if len(pagerduty.requests) >= 2 else None,
-                            60, lambda: f"no PagerDuty triggers\n{log()}")
+        triggers = wait_until(lambda: [r["body"] for r in pagerduty.requests] if len(pagerduty.requests) >= 2 else None,
+                              lambda: f"PagerDuty triggers\n{log()}", 60, 0.5)
         by_instance = {t["payload"]["custom_details"]["labels"]["instance"]: t for t in triggers}
         assert set(by_instance) == {"node-a:9100", "node-b:9100"}
         assert {t["event_action"] for t in triggers} == {"trigger"}
 
         # Ten disk alerts, one group: one notification carrying all ten, once.
-        [grouped] = wait_for(lambda: team.requests, 30, lambda: f"no grouped notification\n{log()}")
+        [grouped] = wait_until(lambda: team.requests, lambda: f"a grouped notification\n{log()}", 30, 0.5)
         assert grouped["body"]["groupLabels"] == {"alertname": "DiskFilling"}
         assert sorted(a["labels"]["instance"] for a in grouped["body"]["alerts"]) == sorted(
             a["labels"]["instance"] for a in disks)
@@ -169,19 +170,21 @@ def test_alertmanager_payload_routed_grouped_and_escalated(worker_env, tmp_path,
         # node-a is acknowledged from the link in its PagerDuty event: PagerDuty hears it.
         [link] = [x["href"] for x in by_instance["node-a:9100"]["links"] if x["text"] == "Acknowledge"]
         assert Client().post(link.removeprefix(EXTERNAL)).status_code == 200
-        ack = wait_for(lambda: [r["body"] for r in pagerduty.requests[2:]], 30, lambda: f"no acknowledge\n{log()}")
+        ack = wait_until(lambda: [r["body"] for r in pagerduty.requests[2:]], lambda: f"an acknowledge\n{log()}",
+                         30, 0.5)
         assert ack == [{"routing_key": ROUTING_KEY, "event_action": "acknowledge",
                         "dedup_key": by_instance["node-a:9100"]["dedup_key"]}]
 
         # node-b stays unacknowledged: a minute after the page, step 2 notifies the secondary.
-        [escalated] = wait_for(lambda: secondary.requests, 90, lambda: f"no escalation to step 2\n{log()}")
+        [escalated] = wait_until(lambda: secondary.requests, lambda: f"an escalation to step 2\n{log()}", 90, 0.5)
         assert [a["labels"]["instance"] for a in escalated["body"]["alerts"]] == ["node-b:9100"]
 
         post("resolved", [am_alert("resolved", "NodeDown", "critical", "node-b:9100")])
-        resolve = wait_for(lambda: [r["body"] for r in pagerduty.requests[3:]], 30, lambda: f"no resolve\n{log()}")
+        resolve = wait_until(lambda: [r["body"] for r in pagerduty.requests[3:]], lambda: f"a resolve\n{log()}",
+                             30, 0.5)
         assert resolve == [{"routing_key": ROUTING_KEY, "event_action": "resolve",
                             "dedup_key": by_instance["node-b:9100"]["dedup_key"]}]
-        wait_for(lambda: len(secondary.requests) == 2, 30, lambda: f"the secondary heard no resolution\n{log()}")
+        wait_until(lambda: len(secondary.requests) == 2, lambda: f"the resolution at the secondary\n{log()}", 30, 0.5)
         assert secondary.requests[1]["body"]["status"] == "resolved"
         time.sleep(3)  # a few more ticks: nothing else goes out
     finally:

@@ -11,8 +11,9 @@ import pytest
 
 from tenants import ingest, publish, services
 from tenants.models import UsageEvent, UsageMinute
-from tests.deployments.test_worker_e2e import start_worker, wait_for, worker_env  # noqa: F401
+from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
 from tests.tenants.conftest import usage_event, xadd_events
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,9 +38,10 @@ def test_beat_republishes_keys_and_ingests_usage(worker_env, tmp_path, redis_con
     worker = start_worker(env, tmp_path, "tenants")
     try:
         log = lambda: (tmp_path / "tenants.log").read_text()[-3000:]  # noqa: E731
-        wait_for(lambda: redis_conn.hexists(publish.KEYS_KEY, digest), 60, lambda: f"keys not republished\n{log()}")
-        wait_for(lambda: UsageEvent.objects.count() == 300 and everything_acked(redis_conn),
-                 60, lambda: f"{UsageEvent.objects.count()} events stored\n{log()}")
+        wait_until(lambda: redis_conn.hexists(publish.KEYS_KEY, digest), lambda: f"the keys republished\n{log()}",
+                   60, 0.5)
+        wait_until(lambda: UsageEvent.objects.count() == 300 and everything_acked(redis_conn),
+                   lambda: f"300 events stored and acked ({UsageEvent.objects.count()} stored)\n{log()}", 60, 0.5)
     finally:
         worker.terminate()
         worker.wait(timeout=30)
