@@ -1,7 +1,7 @@
 """Django settings, all read from the environment in this one file.
 
-Variables: DATABASE_URL, REDIS_URL, SECRET_KEY, ALLOWED_HOSTS, DEBUG, INFEROPS_DATA_DIR,
-INFEROPS_LOG_LEVEL, CSRF_TRUSTED_ORIGINS. Without DATABASE_URL / REDIS_URL they point at the
+Every variable has a row in README.md's Configuration table (tests/test_settings_doc.py fails
+when a variable read here has none). Without DATABASE_URL / REDIS_URL they point at the
 embedded Postgres and Redis under the data directory, which `inferops run` starts (see
 inferops/embedded.py); importing this module starts nothing, so an image build can run
 collectstatic without any server.
