@@ -10,7 +10,7 @@ v2's replica serves the deployment alone.
 
 Marked `vllm`: it runs wherever vLLM is installed and is skipped elsewhere with a line saying
 `make vllm` (tests/conftest.py); .ci/run sets INFEROPS_TEST_REQUIRE_VLLM=1, so in CI a missing
-vLLM fails instead. About 2.5 minutes on the 2-core CI machine, most of it two vLLM start-ups.
+vLLM fails instead. 75 s to 2 min on the 2-core CI machine, most of it two vLLM start-ups.
 """
 
 from __future__ import annotations
@@ -171,6 +171,8 @@ def test_vllm_deployment_through_api_gateway_scrape_and_rollout(api, checkpoint_
         v2 = Replica.objects.get(deployment__name=NAME, version__number=2, state=ReplicaState.READY)
         print(f"vLLM replica of v2 ready {time.monotonic() - began:.0f} s into the test")
         wait_scrape_baseline(v2)
+        wait_until(lambda: f"{NAME}--preview" in served_models(client), "the gateway to learn the preview route",
+                   timeout=30, interval=0.2)
         text, usage = stream_chat(client, f"{NAME}--preview")
         assert text and usage.completion_tokens == MAX_TOKENS, (text, usage)
         wait_until(lambda: ledger(v2, count=1), "the preview request in the ledger, served by v2", timeout=60,
