@@ -22,9 +22,8 @@ from deployments.models import Deployment
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.vllm
 def test_the_options_file_matches_the_installed_vllm(settings):
-    if vllm_missing() is not None:
-        pytest.skip("no vLLM here: `make vllm` installs one in .venv-vllm")
     # vLLM pins conflict with the project's, so its parser is read in vLLM's own environment.
     result = subprocess.run([vllm_python(), str(ROOT / "platform" / "vllm_options.py"), "--check"],
                             capture_output=True, text=True, timeout=300)
@@ -65,10 +64,9 @@ def test_the_local_driver_runs_vllm_serve_with_the_flags(settings):
         "--no-enable-prefix-caching", "--max-model-len", "4k"]
 
 
+@pytest.mark.vllm
 def test_the_command_line_parses_in_the_installed_vllm(settings):
     """The argv the driver builds, given to vLLM's own parser (no server is started)."""
-    if vllm_missing() is not None:
-        pytest.skip("no vLLM here: `make vllm` installs one in .venv-vllm")
     spec = ReplicaSpec(deployment="chat", version=1, model_path="/models/x", backend="vllm",
                        engine_args={"enable_prefix_caching": False, "enforce_eager": True, "max_model_len": "4k",
                                     "hf_overrides": {"rope_theta": 1e6}, "dtype": "float32"})
