@@ -74,7 +74,7 @@ def django_apps() -> list[str]:
 def test_compose_file_is_valid_for_docker_compose():
     compose = shutil.which("docker-compose")
     if compose is None:
-        pytest.skip("docker-compose is not installed (.ci/run installs Debian's docker-compose)")
+        pytest.skip("docker-compose is not installed (.ci/deps installs Debian's docker-compose)")
     # `config` parses, merges and validates the file against the compose schema; no engine needed.
     result = subprocess.run([compose, "-f", str(ROOT / "docker-compose.yml"), "config"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60,

@@ -26,7 +26,7 @@ PROMETHEUS = "/usr/bin/prometheus"
 pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(not Path(PROMETHEUS).exists(),
-                       reason="/usr/bin/prometheus is absent: apt-get install prometheus (.ci/run installs it)"),
+                       reason="/usr/bin/prometheus is absent: apt-get install prometheus (.ci/deps installs it)"),
 ]
 SLO = {"name": "chat-availability", "scope": "deployment", "sli_kind": "availability", "objective": 0.99,
        "window": "1d", "budgeting": "occurrences", "min_requests": 20, "description": "", "runbook_url": ""}

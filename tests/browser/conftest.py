@@ -20,7 +20,7 @@ def browser():
     # Module scope, not session: Playwright's sync API keeps an asyncio loop running in this
     # thread while it is open, and later tests that call asyncio.run() would find it.
     if not shutil.which("chromium"):
-        pytest.fail("Debian's chromium is not installed (.ci/run installs it: apt-get install chromium)")
+        pytest.fail("Debian's chromium is not installed (.ci/deps installs it: apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:

@@ -24,7 +24,7 @@ from tests.deployments.metrics_helpers import deployment_with_replicas
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is absent: apt-get install prometheus (.ci/run installs it)")
+    PROMTOOL is None, reason="promtool is absent: apt-get install prometheus (.ci/deps installs it)")
 
 BASE = {"name": "chat-slo", "scope": "deployment", "objective": 0.99, "window": "1d", "budgeting": "occurrences",
         "min_requests": 20, "description": "", "runbook_url": "https://runbooks.example/chat"}
