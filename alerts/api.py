@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from alerts import services
-from alerts.choices import AlertStatus, ReceiverKind, Severity
+from alerts.choices import AlertStatus, IncidentPer, ReceiverKind, Severity
 from alerts.models import Alert, AlertEvent, Delivery, Receiver
 from alerts.receivers import PAGERDUTY_EVENTS_URL
 from inferops.api import CONFLICT, ERRORS, Conflict, ErrorSerializer, RejectUnknownFields
@@ -61,12 +61,13 @@ class EmptySerializer(StrictSerializer):
 
 # The kind-specific fields each kind may have, the one it needs, and their empty values.
 RECEIVER_FIELDS = {ReceiverKind.WEBHOOK: {"url"}, ReceiverKind.SLACK: {"url"},
-                   ReceiverKind.PAGERDUTY: {"url", "routing_key"}, ReceiverKind.EMAIL: {"to"}}
+                   ReceiverKind.PAGERDUTY: {"url", "routing_key", "incident_per"}, ReceiverKind.EMAIL: {"to"}}
 RECEIVER_NEEDS = {ReceiverKind.WEBHOOK: ("url", "the URL to POST to"),
                   ReceiverKind.SLACK: ("url", "its incoming webhook URL"),
                   ReceiverKind.PAGERDUTY: ("routing_key", "its integration key"),
                   ReceiverKind.EMAIL: ("to", "at least one address")}
-RECEIVER_BLANK = {"url": "", "routing_key": "", "to": []}
+# incident_per's blank is what the other kinds do anyway: one message per group.
+RECEIVER_BLANK = {"url": "", "routing_key": "", "to": [], "incident_per": IncidentPer.GROUP}
 
 
 class ReceiverSerializer(RejectUnknownFields, serializers.ModelSerializer):
@@ -80,11 +81,15 @@ class ReceiverSerializer(RejectUnknownFields, serializers.ModelSerializer):
     routing_key_set = serializers.SerializerMethodField(help_text="Whether a routing_key is stored.")
     to = serializers.ListField(child=serializers.EmailField(max_length=254), required=False, max_length=50,
                                help_text="email: the addresses to send to.")
+    incident_per = serializers.ChoiceField(
+        choices=IncidentPer.choices, required=False,
+        help_text="pagerduty: `group` (default) opens one incident per notification group, as Alertmanager's "
+                  "integration does; `alert` one per alert. Other kinds send one message per group.")
 
     class Meta:
         model = Receiver
-        fields = ["id", "name", "kind", "url", "routing_key", "routing_key_set", "to", "send_resolved", "active",
-                  "failing_since", "last_error", "created_at", "updated_at"]
+        fields = ["id", "name", "kind", "url", "routing_key", "routing_key_set", "to", "incident_per", "send_resolved",
+                  "active", "failing_since", "last_error", "created_at", "updated_at"]
         read_only_fields = ["id", "failing_since", "last_error", "created_at", "updated_at"]
 
     @extend_schema_field(OpenApiTypes.BOOL)
@@ -101,7 +106,8 @@ class ReceiverSerializer(RejectUnknownFields, serializers.ModelSerializer):
             # A new kind drops what only the old one used, unless given again.
             attrs = {**{f: v for f, v in RECEIVER_BLANK.items() if f not in RECEIVER_FIELDS[kind]}, **attrs}
         errors = {name: [f"{kind} receivers have no {name}."]
-                  for name in sorted(set(RECEIVER_BLANK) - RECEIVER_FIELDS[kind]) if attrs.get(name)}
+                  for name in sorted(set(RECEIVER_BLANK) - RECEIVER_FIELDS[kind])
+                  if name in attrs and attrs[name] != RECEIVER_BLANK[name]}
         name, what = RECEIVER_NEEDS[kind]
         if not (attrs[name] if name in attrs else getattr(instance, name, None)):
             errors[name] = [f"{kind} receivers need {name}: {what}."]

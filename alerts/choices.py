@@ -37,6 +37,13 @@ class ReceiverKind(models.TextChoices):
     EMAIL = "email", "Email (SMTP)"
 
 
+class IncidentPer(models.TextChoices):
+    """What one PagerDuty incident stands for."""
+
+    GROUP = "group", "One incident per notification group"
+    ALERT = "alert", "One incident per alert"
+
+
 class NotificationStatus(models.TextChoices):
     PENDING = "pending", "Pending"
     SENDING = "sending", "Sending"

@@ -22,6 +22,7 @@ from alerts.choices import (
     AlertStatus,
     DeliveryOutcome,
     EventKind,
+    IncidentPer,
     NotificationStatus,
     ReceiverKind,
     Rotation,
@@ -162,6 +163,9 @@ class Receiver(models.Model):
     url = models.URLField(max_length=500, blank=True, help_text="Webhook, PagerDuty events or Slack URL.")
     routing_key = models.CharField(max_length=200, blank=True, help_text="PagerDuty's integration key (write-only).")
     to = models.JSONField(default=list, blank=True, help_text="Email addresses.")
+    incident_per = models.CharField(
+        max_length=8, choices=IncidentPer.choices, default=IncidentPer.GROUP,
+        help_text="PagerDuty: one incident per notification group (as Alertmanager's integration), or per alert.")
     send_resolved = models.BooleanField(default=True)
     active = models.BooleanField(default=True)
     # Set when a delivery ended in a permanent error (a wrong URL or key), cleared by the next success.

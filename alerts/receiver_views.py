@@ -21,7 +21,7 @@ from django.views.decorators.http import require_POST
 
 from alerts import services
 from alerts.api import RECEIVER_BLANK, RECEIVER_FIELDS, ReceiverSerializer
-from alerts.choices import ReceiverKind
+from alerts.choices import IncidentPer, ReceiverKind
 from alerts.models import Receiver
 from alerts.receivers import PAGERDUTY_EVENTS_URL
 from inferops.api import Conflict
@@ -45,6 +45,10 @@ class ReceiverForm(forms.Form):
                                   help_text="PagerDuty's routing key; write-only")
     to = forms.CharField(required=False, label="Addresses", widget=forms.Textarea(attrs={"rows": 3, "cols": 50}),
                          help_text="email: one address per line (or comma separated)")
+    incident_per = forms.ChoiceField(choices=IncidentPer.choices, initial=IncidentPer.GROUP, label="Incidents",
+                                     required=False,
+                                     help_text="PagerDuty: one incident per notification group (Alertmanager's way: "
+                                               "a burst of one problem pages once), or one per alert")
     send_resolved = forms.BooleanField(required=False, initial=True, label="Send resolved",
                                        help_text="also tell it when an alert resolves")
     active = forms.BooleanField(required=False, initial=True, help_text="an inactive receiver is sent nothing")
@@ -68,6 +72,9 @@ class ReceiverForm(forms.Form):
         if bad:
             raise ValidationError(f"Not an email address: {', '.join(bad)}.")
         return addresses
+
+    def clean_incident_per(self) -> str:
+        return self.cleaned_data["incident_per"] or IncidentPer.GROUP  # not sent: the default
 
     def clean(self):
         data = super().clean()
@@ -93,7 +100,7 @@ class ReceiverForm(forms.Form):
 
 def initial_of(receiver: Receiver) -> dict:
     return {"name": receiver.name, "kind": receiver.kind, "url": receiver.url, "to": "\n".join(receiver.to),
-            "send_resolved": receiver.send_resolved, "active": receiver.active}
+            "incident_per": receiver.incident_per, "send_resolved": receiver.send_resolved, "active": receiver.active}
 
 
 def receiver_write(form: ReceiverForm, actor) -> Receiver | None:

@@ -1,8 +1,11 @@
 """What each receiver kind sends: one function per kind builds the message for a transition
 (firing, acknowledged, resolved) of one alert or of several alerts of a group, and sends it
 through the shared transport. A webhook gets Alertmanager's grouped payload, Slack and email one
-message listing the alerts; PagerDuty gets one event per alert, each with its own `dedup_key`, so
-acknowledging or resolving one alert acts on its incident alone.
+message listing the alerts. PagerDuty gets, by default, one incident per notification group, as
+Alertmanager's own integration does: one `dedup_key` per route and group labels, a trigger listing
+the group's firing alerts (again, with the same key, when alerts join), one acknowledge and one
+resolve (alerts/services.py decides when the group has them). A receiver with `incident_per` alert
+gets one event per alert instead, each with its own `dedup_key`.
 
 Webhook, PagerDuty and Slack POST JSON through `webhook.post_json`; email goes through Django's
 email backend. Every kind raises `DeliveryError(permanent=...)`, so delivery treats them alike.
@@ -16,10 +19,10 @@ from django.conf import settings
 from django.core.mail import EmailMultiAlternatives
 from django.utils.html import format_html, format_html_join
 
-from alerts.choices import AlertStatus, EventKind, ReceiverKind, Severity
-from alerts.models import Alert, Receiver
+from alerts.choices import OPEN_STATUSES, AlertStatus, EventKind, IncidentPer, ReceiverKind, Severity
+from alerts.models import Alert, AlertGroup, Receiver
 from alerts.services import ack_url
-from alerts.webhook import DeliveryError, alertmanager_payload, post_json, rfc3339
+from alerts.webhook import DeliveryError, _common, alertmanager_payload, post_json, rfc3339
 
 PAGERDUTY_EVENTS_URL = "https://events.pagerduty.com/v2/enqueue"
 PAGERDUTY_ACTIONS = {AlertStatus.FIRING: "trigger", AlertStatus.ACKNOWLEDGED: "acknowledge",
@@ -89,6 +92,16 @@ def dedup_key(alert: Alert) -> str:
     return f"inferops-{alert.fingerprint}-{alert.pk}"
 
 
+def group_dedup_key(group: AlertGroup) -> str:
+    """One incident per notification group: the group's key hashes its route and label values, so it
+    is stable across the group's episodes (PagerDuty opens a new incident for a trigger after a resolve)."""
+    return f"inferops-group-{group.key}"
+
+
+def groups_incidents(receiver: Receiver, group: AlertGroup | None) -> bool:
+    return receiver.incident_per == IncidentPer.GROUP and group is not None
+
+
 def pagerduty_event(alert: Alert, receiver: Receiver, status: str) -> dict:
     event = {"routing_key": receiver.routing_key, "event_action": PAGERDUTY_ACTIONS[status],
              "dedup_key": dedup_key(alert)}
@@ -113,11 +126,66 @@ def pagerduty_event(alert: Alert, receiver: Receiver, status: str) -> dict:
             "client": "inferops", "client_url": page}
 
 
+def incident_alerts(group: AlertGroup, receiver: Receiver, sending: list[Alert]) -> list[Alert]:
+    """What the group's incident is about: its open alerts this receiver has been told of (those
+    being sent now included), oldest first; muted ones it never heard of stay out."""
+    told = (group.alerts.filter(status__in=OPEN_STATUSES, notifications__receiver=receiver,
+                                notifications__group=group, notifications__alert_status=AlertStatus.FIRING)
+            .distinct().order_by("starts_at", "pk"))
+    alerts = {alert.pk: alert for alert in told}
+    for alert in sending:
+        alerts.setdefault(alert.pk, alert)
+    return sorted(alerts.values(), key=lambda a: (a.starts_at, a.pk))
+
+
+def pagerduty_group_event(alerts: list[Alert], receiver: Receiver, status: str, group: AlertGroup) -> dict:
+    """One event for the group's incident; a trigger lists its firing alerts and counts them."""
+    event = {"routing_key": receiver.routing_key, "event_action": PAGERDUTY_ACTIONS[status],
+             "dedup_key": group_dedup_key(group)}
+    if status != AlertStatus.FIRING:
+        return event
+    firing = incident_alerts(group, receiver, alerts)
+    first, more = firing[0], len(firing) - 1
+    common = _common([a.labels for a in firing])
+    runbooks = {a.annotations.get("runbook_url") for a in firing}
+    summary = summary_of(first) + (f" (and {more} more)" if more else "")
+    severity = Severity.PAGE if any(a.severity == Severity.PAGE for a in firing) else Severity.TICKET
+    # Alertmanager's names: `firing` lists the alerts, `num_firing` counts them.
+    details = {"num_firing": len(firing), "group_labels": group.labels, "common_labels": common, "firing": [
+        {"summary": summary_of(a), "severity": a.severity, "starts_at": rfc3339(a.starts_at), "labels": a.labels,
+         "annotations": a.annotations, "url": alert_page_url(a)} for a in firing[:LISTED]]}
+    if len(firing) > LISTED:
+        details["not_listed"] = len(firing) - LISTED
+    payload = {
+        "summary": summary[:1024],
+        "source": common.get("deployment") or common.get("instance") or common.get("model") or "inferops",
+        "severity": PAGERDUTY_SEVERITY[severity],
+        "timestamp": rfc3339(first.starts_at),
+        "component": common.get("deployment") or common.get("model", ""),
+        "group": common.get("slo") or common.get("tenant", ""),
+        "class": common.get("alertname", ""),
+        "custom_details": details,
+    }
+    # Acknowledging any alert of the group acknowledges the incident: the first one's link will do.
+    hrefs = [{"href": href, "text": text} for text, href in links(first, status)]
+    if more:
+        hrefs.append({"href": alerts_url(), "text": f"All alerts ({len(firing)} firing in this group)"})
+    if len(runbooks) == 1 and (runbook := runbooks.pop()):
+        hrefs.append({"href": runbook, "text": "Runbook"})
+    return {**event, "payload": {k: v for k, v in payload.items() if v}, "links": hrefs,
+            "client": "inferops", "client_url": alert_page_url(first)}
+
+
 def send_pagerduty(alerts: list[Alert], receiver: Receiver, status: str, group=None) -> int:
-    """One event per alert. A retry after a partial failure sends the earlier ones again, which
-    PagerDuty folds into the same incidents by their dedup_key."""
+    """One event for the group's incident, or (incident_per alert, or an alert outside any group)
+    one per alert: a retry after a partial failure sends the earlier ones again, which PagerDuty
+    folds into the same incidents by their dedup_key."""
+    url = receiver.url or PAGERDUTY_EVENTS_URL
+    if groups_incidents(receiver, group):
+        return post_json(url, pagerduty_group_event(alerts, receiver, status, group),
+                         timeout_s=settings.INFEROPS_WEBHOOK_TIMEOUT_S)
     for alert in alerts:
-        http_status = post_json(receiver.url or PAGERDUTY_EVENTS_URL, pagerduty_event(alert, receiver, status),
+        http_status = post_json(url, pagerduty_event(alert, receiver, status),
                                 timeout_s=settings.INFEROPS_WEBHOOK_TIMEOUT_S)
     return http_status
 

@@ -26,10 +26,12 @@ from alerts.choices import (
     OPEN_STATUSES,
     AlertStatus,
     EventKind,
+    IncidentPer,
+    NotificationStatus,
     ReceiverKind,
     Severity,
 )
-from alerts.models import Alert, AlertEvent, Notification, Receiver, fingerprint_of
+from alerts.models import Alert, AlertEvent, AlertGroup, Notification, Receiver, fingerprint_of
 from alerts.silences import muting_reason
 from alerts.timeline import record_event
 from inferops.api import Conflict
@@ -100,7 +102,8 @@ def _enqueue_notifications(alert: Alert, status: str, now: datetime | None = Non
     """An opening joins the alert to its routes' groups, which notify their targets (at once or
     after group_wait, see alerts/routing.py); a muted alert joins them too, and notifies no one
     until the mute ends. An acknowledgement or a resolution goes at once to every target the
-    firing reached (people paged by email included), so each hears the end of what it was told."""
+    firing reached (people paged by email included), so each hears the end of what it was told;
+    a PagerDuty receiver with one incident per group hears of the group (_tell_group_incident)."""
     now = now or timezone.now()
     if status == AlertStatus.FIRING:
         if reason := muting_reason(alert, now):
@@ -110,20 +113,54 @@ def _enqueue_notifications(alert: Alert, status: str, now: datetime | None = Non
     if status == AlertStatus.RESOLVED:
         routing.alert_closed(alert)
     told = (Notification.objects.filter(alert=alert, alert_status=AlertStatus.FIRING)
-            .filter(Q(receiver__isnull=True) | Q(receiver__active=True)).order_by("round", "pk"))
+            .filter(Q(receiver__isnull=True) | Q(receiver__active=True)).select_related("receiver")
+            .order_by("round", "pk"))
     if status == AlertStatus.RESOLVED:
         told = told.exclude(receiver__send_resolved=False)
     else:
         told = told.filter(Q(receiver__isnull=True) | Q(receiver__kind__in=ACK_KINDS))
-    targets = {}
+    targets, incidents = {}, set()
     for firing in told:
-        targets.setdefault((firing.receiver_id, firing.user_id), firing.group_id)
+        if firing.group_id and firing.receiver_id and firing.receiver.kind == ReceiverKind.PAGERDUTY \
+                and firing.receiver.incident_per == IncidentPer.GROUP:
+            incidents.add((firing.group_id, firing.receiver_id))
+        else:
+            targets.setdefault((firing.receiver_id, firing.user_id), firing.group_id)
+    for group_id, receiver_id in sorted(incidents):  # in one order, as the group rows get locked
+        _tell_group_incident(alert, status, group_id, receiver_id)
     for (receiver_id, user_id), group_id in targets.items():
         notification, created = Notification.objects.get_or_create(
             alert=alert, receiver_id=receiver_id, user_id=user_id, alert_status=status, round=0,
             defaults={"group_id": group_id})
         if created:
             transaction.on_commit(lambda pk=notification.pk: enqueue("alerts.deliver_notification", pk))
+
+
+def _tell_group_incident(alert: Alert, status: str, group_id: int, receiver_id: int) -> None:
+    """The group's incident is acknowledged once (acking any alert of the group acknowledges it)
+    and resolved once no alert of the group is open, all its alerts in that one message. The
+    group row's lock orders the acknowledgements and resolutions of its alerts: the last of two
+    resolving at once sees the other resolved."""
+    group = AlertGroup.objects.select_for_update().get(pk=group_id)
+    of_incident = Notification.objects.filter(group=group, receiver_id=receiver_id)
+    if status == AlertStatus.ACKNOWLEDGED:
+        if (of_incident.filter(alert_status=AlertStatus.ACKNOWLEDGED, alert__status__in=OPEN_STATUSES)
+                .exclude(alert=alert).exists()):
+            return  # acknowledged already in this episode
+        alert_ids = {alert.pk}
+    else:
+        if group.alerts.filter(status__in=OPEN_STATUSES).exists():
+            return  # the incident stays open while an alert of the group does
+        alert_ids = set(of_incident.filter(alert_status=AlertStatus.FIRING).values_list("alert_id", flat=True))
+        alert_ids -= set(Notification.objects.filter(receiver_id=receiver_id, alert_status=status, round=0,
+                                                     alert_id__in=alert_ids).values_list("alert_id", flat=True))
+    Notification.objects.bulk_create(
+        [Notification(alert_id=pk, receiver_id=receiver_id, group=group, alert_status=status, round=0)
+         for pk in sorted(alert_ids)], ignore_conflicts=True)
+    lead = (of_incident.filter(alert_status=status, round=0, status=NotificationStatus.PENDING)
+            .order_by("pk").values_list("pk", flat=True).first())
+    if lead is not None:
+        transaction.on_commit(lambda: enqueue("alerts.deliver_notification", lead))
 
 
 def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:

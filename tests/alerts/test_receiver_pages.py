@@ -80,6 +80,25 @@ def test_the_routing_key_is_write_only_and_kept_when_left_empty(admin):
     assert (pager.kind, pager.routing_key, pager.url) == ("webhook", "", "http://127.0.0.1:9/h")
 
 
+def test_a_pagerduty_receiver_opens_incidents_per_group_or_per_alert_as_chosen(admin):
+    response = admin.post("/alerts/receivers/new/", form(name="pager", kind="pagerduty", routing_key=KEY,
+                                                         incident_per="alert"))
+    assert response.status_code == 302, text_of(response)
+    pager = Receiver.objects.get(name="pager")
+    assert pager.incident_per == "alert"
+    assert "one incident per alert" in text_of(admin.get("/alerts/receivers/"))
+    edit = admin.get(f"/alerts/receivers/{pager.pk}/edit/").content.decode()
+    assert '<option value="alert" selected>One incident per alert</option>' in edit
+    # A form that leaves the choice out (or an older page) keeps the default: per group.
+    fields = form(name="pager", kind="pagerduty")
+    del fields["routing_key"]
+    assert admin.post(f"/alerts/receivers/{pager.pk}/edit/", {**fields, "incident_per": ""}).status_code == 302
+    pager.refresh_from_db()
+    assert (pager.incident_per, pager.routing_key) == ("group", KEY)
+    response = admin.post(f"/alerts/receivers/{pager.pk}/edit/", {**fields, "incident_per": "service"})
+    assert response.status_code == 400 and "Select a valid choice. service is not one" in text_of(response)
+
+
 @pytest.mark.parametrize(("fields", "expected"), [
     ({"url": ""}, "A webhook receiver needs the URL to POST to."),
     ({"url": "not a url"}, "not a url: Enter a valid URL."),

@@ -94,10 +94,11 @@ def ack_token_of(url: str) -> str:
 # ---------------------------------------------------------------------------- PagerDuty
 
 
-def test_pagerduty_trigger_acknowledge_resolve_share_one_dedup_key(webhook_receiver):
+def test_pagerduty_per_alert_trigger_acknowledge_resolve_share_one_dedup_key(webhook_receiver):
+    """incident_per alert: the alert's own incident (one incident per group is in test_incidents.py)."""
     webhook_receiver.script = [(202, 0.0)] * 3  # PagerDuty answers 202 Accepted
     pagerduty = Receiver.objects.create(name="pd", kind="pagerduty", url=webhook_receiver.url,
-                                        routing_key=ROUTING_KEY)
+                                        routing_key=ROUTING_KEY, incident_per="alert")
     alert = raise_alert()
     assert deliver(alert, "firing") == "sent"
     services.alert_acknowledge(alert=alert, actor_name="signed link")
@@ -285,6 +286,10 @@ def admin_api(api):
     ({"name": "hook", "url": "https://x.example/", "to": ["a@example.com"]}, "to", "webhook receivers have no to."),
     ({"name": "hook", "kind": "sms", "url": "https://x.example/"}, "kind", '"sms" is not a valid choice.'),
     ({"name": "hook", "url": "https://x.example/", "secret": "x"}, "secret", "Unknown field."),
+    ({"name": "pd", "kind": "pagerduty", "routing_key": "k", "incident_per": "service"}, "incident_per",
+     '"service" is not a valid choice.'),
+    ({"name": "hook", "url": "https://x.example/", "incident_per": "alert"}, "incident_per",
+     "webhook receivers have no incident_per."),
 ])
 def test_receiver_validation_names_the_field(admin_api, body, field, message):
     response = admin_api.post("/api/v1/receivers/", body, format="json")
@@ -360,9 +365,24 @@ def test_the_admin_never_shows_the_routing_key_and_a_blank_one_keeps_it(client):
     pagerduty = Receiver.objects.create(name="pd", kind="pagerduty", routing_key=ROUTING_KEY)
     page = client.get(f"/admin/alerts/receiver/{pagerduty.pk}/change/").content.decode()
     assert 'name="routing_key"' in page and ROUTING_KEY not in page
-    form = {"name": "pd", "kind": "pagerduty", "url": "", "routing_key": "", "to": "[]", "send_resolved": "on",
-            "active": "on", "last_error": ""}
+    form = {"name": "pd", "kind": "pagerduty", "url": "", "routing_key": "", "to": "[]", "incident_per": "group",
+            "send_resolved": "on", "active": "on", "last_error": ""}
     response = client.post(f"/admin/alerts/receiver/{pagerduty.pk}/change/", {**form, "active": ""})
     assert response.status_code == 302, response.content.decode()[:2000]
     pagerduty.refresh_from_db()
     assert (pagerduty.active, pagerduty.routing_key) == (False, ROUTING_KEY)
+
+
+def test_a_pagerduty_receiver_opens_one_incident_per_group_unless_told_per_alert(admin_api):
+    made = admin_api.post("/api/v1/receivers/", {"name": "pd", "kind": "pagerduty", "routing_key": ROUTING_KEY},
+                          format="json")
+    assert made.status_code == 201 and made.json()["incident_per"] == "group"  # the default, as Alertmanager's
+    pk = made.json()["id"]
+    changed = admin_api.patch(f"/api/v1/receivers/{pk}/", {"incident_per": "alert"}, format="json")
+    assert changed.status_code == 200 and changed.json()["incident_per"] == "alert"
+    assert Receiver.objects.get(pk=pk).incident_per == "alert"
+    assert AuditEvent.objects.filter(action="receiver.update").get().after["incident_per"] == "alert"
+    # Another kind sends one message per group: the setting goes back to its default.
+    moved = admin_api.patch(f"/api/v1/receivers/{pk}/", {"kind": "slack", "url": "https://hooks.example/T1"},
+                            format="json")
+    assert moved.status_code == 200 and moved.json()["incident_per"] == "group"

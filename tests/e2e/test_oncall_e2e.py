@@ -157,7 +157,8 @@ def test_alertmanager_payload_routed_grouped_and_escalated(worker_env, tmp_path,
         post("firing", [*disks, silenced, *pages])  # Alertmanager re-sends: deduplicated
         triggers = wait_until(lambda: [r["body"] for r in pagerduty.requests] if len(pagerduty.requests) >= 2 else None,
                               lambda: f"PagerDuty triggers\n{log()}", 60, 0.5)
-        by_instance = {t["payload"]["custom_details"]["labels"]["instance"]: t for t in triggers}
+        # Grouped by instance: each page is its own group, so its own PagerDuty incident.
+        by_instance = {t["payload"]["custom_details"]["common_labels"]["instance"]: t for t in triggers}
         assert set(by_instance) == {"node-a:9100", "node-b:9100"}
         assert {t["event_action"] for t in triggers} == {"trigger"}
 
