@@ -4,16 +4,17 @@ Fake replicas stand in for the engine (the proxy alone is under test); Redis is 
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from runtime.gateway.state import Degradation, Fallback, Route
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
 HTTP = httpx.Client(timeout=20)
+# Gateways see a published table within a pub/sub hop, or their 1 s generation poll.
+PUBLISHED = 5.0
 
 
 def _post(base_url: str, secret: str, **body):
@@ -52,7 +53,7 @@ def test_a_degraded_level_sheds_keys_below_its_priority_before_any_replica(contr
 
     # Back at level 0 (a null degradation) nothing is shed and no header is sent.
     control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])], degradation=None)
-    assert _eventually(lambda: _post(base_url, low, max_tokens=4).status_code == 200)
+    wait_until(lambda: _post(base_url, low, max_tokens=4).status_code == 200, "level 0 at the gateway", PUBLISHED)
     assert "x-inferops-degradation-level" not in _post(base_url, low, max_tokens=4).headers
 
 
@@ -94,19 +95,14 @@ def test_a_fallback_takes_the_chosen_priorities_and_a_share_of_the_rest(control,
     # weight 100: everything moves; a fallback without ready replicas moves nothing.
     control.publish_route("demo", [(1, 100, [(primary.id, primary.url)])],
                           degradation=_level(fallback={"deployment": "small", "weight": 100}))
-    assert _eventually(lambda: _post(base_url, high, max_tokens=4).headers.get("x-inferops-fallback") == "small")
+    wait_until(lambda: _post(base_url, high, max_tokens=4).headers.get("x-inferops-fallback") == "small",
+               "everything moved to the fallback", PUBLISHED)
     control.publish_route("small", [(1, 100, [])])
-    assert _eventually(lambda: "x-inferops-fallback" not in _post(base_url, high, max_tokens=4).headers)
+    wait_until(lambda: "x-inferops-fallback" not in _post(base_url, high, max_tokens=4).headers,
+               "nothing moved to a fallback without replicas", PUBLISHED)
     assert len(primary.bodies) >= 2
 
 
-def _eventually(condition, tries: int = 50) -> bool:
-    """True once `condition` holds; gateways see a published table within a pub/sub hop."""
-    for _ in range(tries):
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_the_degradation_entry_parses_to_its_actions():

@@ -238,9 +238,7 @@ def test_two_gateways_sharing_an_rpm_limit_admit_exactly_the_limit(control, repl
     started = [gateways(), gateways()]
     urls = [url for _, url in started]
     # Fixed windows: start well inside one so the 30 requests cannot straddle two.
-    seconds = control.redis.time()[0] % 60
-    if seconds > 50:
-        time.sleep(61 - seconds)
+    wait_until(lambda: control.redis.time()[0] % 60 <= 50, "10 s clear of a window's end", timeout=15)
 
     def call(i: int) -> int:
         return HTTP.post(f"{urls[i % 2]}/chat/completions", json=_chat(str(i)), headers=_auth(secret),
