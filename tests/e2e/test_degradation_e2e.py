@@ -34,7 +34,8 @@ from tenants.ingest import ingest_usage
 from tenants.models import UsageEvent
 from tenants.publish import publish_keys
 from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
-from tests.e2e.test_gateway_platform import private_redis, start_gateway, wait_for  # noqa: F401
+from tests.e2e.test_gateway_platform import private_redis, start_gateway  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
 
@@ -104,8 +105,8 @@ def platform(private_redis, worker_env, tmp_path, make_user, tiny_llama_dir, mon
     try:
         gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
         for name in ("chat", "small"):
-            wait_for(lambda name=name: Load(base, high, name).once(httpx.Client(timeout=30)) == (200, ""), 120,
-                     f"{name} to serve through the gateway")
+            wait_until(lambda name=name: Load(base, high, name).once(httpx.Client(timeout=30)) == (200, ""),
+                       f"{name} to serve through the gateway", 120, 0.2)
         yield {"actor": actor, "chat": chat, "small": small, "base": base, "high": high, "low": low,
                "replica": Replica.objects.get(deployment=chat, state="ready")}
     finally:
@@ -139,38 +140,39 @@ def test_a_burning_slo_sheds_low_priority_and_recovery_undoes_it(platform, api):
         levels=[{"name": "shed-batch", "enter_burn_rate": ENTER, "exit_burn_rate": EXIT,
                  "actions": {"shed_below_priority": 5}}])
     with Load(platform["base"], platform["high"]) as high, Load(platform["base"], platform["low"]) as low:
-        time.sleep(2)
+        # Healthy traffic of both classes, at least the SLO's min_requests: the level stays 0.
+        wait_until(lambda: min(high.outcomes[(200, "")], low.outcomes[(200, "")]) >= 5,
+                   lambda: f"five answered requests of each class ({high.outcomes}, {low.outcomes})", 30, 0.1)
         assert cycle(chat).level == 0
 
         set_fault(replica, 1500)
-        burning_since = None
-        for index in range(120):
-            state = cycle(chat)
-            if burning_since is None and max(state.burn_rates.values(), default=0) >= ENTER:
-                burning_since = index
-            if state.level == 1:
-                break
-            time.sleep(1)
-        assert state.level == 1, state.burn_rates
+        # A cycle about every second, as beat would run them (each minute): until level 1.
+        cycles: list[DegradationState] = []
+
+        def degraded() -> bool:
+            cycles.append(cycle(chat))
+            return cycles[-1].level == 1
+
+        wait_until(degraded, lambda: f"level 1 (burn rates {cycles[-1].burn_rates})", 180, 1)
+        saw_burn = next((index for index, state in enumerate(cycles)
+                         if max(state.burn_rates.values(), default=0) >= ENTER), None)
         # One level per cycle, entered in the cycle that saw the burn, or the next.
-        assert burning_since is not None and index - burning_since <= 1
+        assert saw_burn is not None and len(cycles) - 1 - saw_burn <= 1, [state.burn_rates for state in cycles]
 
         # The worker's reconcile pass publishes the level; low priority is shed, high is served.
         served_high = high.outcomes[(200, "")]
-        wait_for(lambda: low.outcomes[(503, "degraded")] >= 3, 30, "low-priority requests to be shed")
-        wait_for(lambda: high.outcomes[(200, "")] >= served_high + 3, 30, "high-priority requests to be served")
+        wait_until(lambda: low.outcomes[(503, "degraded")] >= 3, "low-priority requests to be shed", 30, 0.2)
+        wait_until(lambda: high.outcomes[(200, "")] >= served_high + 3, "high-priority requests to be served", 30, 0.2)
         assert low.retry_after == {"10"}
         alert = Alert.objects.get(labels__alertname="DeploymentDegraded", labels__deployment="chat")
         assert alert.status == "firing" and alert.severity == "ticket"
 
         set_fault(replica, 0)
-        for _ in range(150):
-            if cycle(chat).level == 0:
-                break
-            time.sleep(1)
-        assert DegradationState.objects.get(deployment=chat).level == 0
+        # The burn leaves the 1-minute window, then the 10 s hold: a cycle about every second.
+        wait_until(lambda: cycle(chat).level == 0, "level 0 once the fault is gone", 240, 1)
         served_low = low.outcomes[(200, "")]
-        wait_for(lambda: low.outcomes[(200, "")] >= served_low + 3, 30, "low-priority requests to be served again")
+        wait_until(lambda: low.outcomes[(200, "")] >= served_low + 3, "low-priority requests to be served again",
+                   30, 0.2)
 
     # The high class never failed; the low class failed only by being shed.
     assert set(high.outcomes) == {(200, "")}, high.outcomes
@@ -201,18 +203,18 @@ def test_a_forced_level_caps_max_tokens_and_falls_back_to_another_deployment(pla
                           json={"model": "chat", "max_tokens": 20, "ignore_eos": True,
                                 "messages": [{"role": "user", "content": "count"}]})
 
-    capped = wait_for(lambda: (r := ask(platform["high"])).headers.get("x-inferops-max-tokens-capped") and r, 30,
-                      "the gateway to apply level 1")
+    capped = wait_until(lambda: (r := ask(platform["high"])).headers.get("x-inferops-max-tokens-capped") and r,
+                        "the gateway to apply level 1", 30, 0.2)
     assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] == 3
     assert capped.json()["model"] == "chat" and "x-inferops-fallback" not in capped.headers
     moved = ask(platform["low"])
     assert moved.status_code == 200 and moved.headers["x-inferops-fallback"] == "small"
     assert moved.json()["model"] == "small" and moved.json()["usage"]["completion_tokens"] == 3
 
-    wait_for(lambda: ingest_usage(budget_s=5) is not None and UsageEvent.objects.filter(
-        deployment="small", tenant="acme").exists(), 30, "the fallback request in the usage ledger")
+    wait_until(lambda: ingest_usage(budget_s=5) is not None and UsageEvent.objects.filter(
+        deployment="small", tenant="acme").exists(), "the fallback request in the usage ledger", 30, 0.2)
     degradation_services.override_set(deployment=chat, actor=platform["actor"], level=0,
                                       until=timezone.now() + timedelta(minutes=10), reason="drill over")
-    wait_for(lambda: "x-inferops-degradation-level" not in ask(platform["low"]).headers, 30,
-             "the gateway to go back to level 0")
+    wait_until(lambda: "x-inferops-degradation-level" not in ask(platform["low"]).headers,
+               "the gateway to go back to level 0", 30, 0.2)
     assert ask(platform["low"]).json()["model"] == "chat"

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -33,21 +32,9 @@ from tenants.ingest import ingest_usage
 from tenants.models import UsageMinute
 from tests.conftest import free_port
 from tests.deployments.test_reconcile import all_ready, reconcile_until
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except Exception:  # noqa: BLE001 - a server still starting answers with anything
-            value = None
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class RedisServer:
@@ -64,7 +51,7 @@ class RedisServer:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
              "--appendfsync", "always", "--dir", str(self.directory)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: redis.Redis.from_url(self.url).ping(), 10, "redis")
+        wait_until(lambda: redis.Redis.from_url(self.url).ping(), "redis", 10, 0.2, ignore=(redis.ConnectionError,))
 
     def stop(self):
         if self.process and self.process.poll() is None:
@@ -89,7 +76,8 @@ def start_gateway(redis_url: str, spool_dir, extra_env=None) -> tuple[subprocess
          "--spool-dir", str(spool_dir), "--log-level", "warning"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    wait_for(lambda: httpx.get(f"{base}/health", timeout=1).status_code == 200, 30, "gateway /health")
+    wait_until(lambda: httpx.get(f"{base}/health", timeout=1).status_code == 200, "gateway /health", 30, 0.2,
+               ignore=(httpx.TransportError,))
     return process, base
 
 
@@ -111,7 +99,8 @@ def platform(private_redis, tmp_path, settings, make_user, tiny_llama_dir):
     reconcile_until(deployment, all_ready(2))
     gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
-    wait_for(lambda: client.models.list().data, 15, "gateway to learn the key and route")
+    wait_until(lambda: client.models.list().data, "gateway to learn the key and route", 15, 0.2,
+               ignore=(openai.APIError,))
     yield {"deployment": deployment, "client": client, "base": base, "gateway": gateway, "key": key,
            "redis": private_redis, "tmp": tmp_path}
     if gateway.poll() is None:
@@ -161,7 +150,7 @@ def test_replica_killed_mid_load_fails_no_request_that_had_not_started_streaming
     with ThreadPoolExecutor(max_workers=8) as pool:
         loops = [pool.submit(client_loop, first) for first in range(8)]
         try:
-            wait_for(lambda: len(outcomes) >= 16, 60, "the load to get going")
+            wait_until(lambda: len(outcomes) >= 16, "the load to get going", 60, 0.2)
             os.kill(victim.identity["pid"], signal.SIGKILL)
         finally:
             killed.set()
@@ -172,7 +161,7 @@ def test_replica_killed_mid_load_fails_no_request_that_had_not_started_streaming
     mid_stream = sum(kind == "failed_mid_stream" for kind, _ in outcomes)
     print(f"replica killed under load: {len(outcomes)} requests, {mid_stream} cut mid-stream, none failed before")
     # Every request, failed or not, is one usage event in the ledger.
-    assert wait_for(lambda: ledger_requests() == len(outcomes), 30, "ledger to count every request")
+    wait_until(lambda: ledger_requests() == len(outcomes), "ledger to count every request", 30, 0.2)
 
 
 def test_redis_stopped_and_restarted_ledger_counts_every_request(platform):
@@ -190,9 +179,9 @@ def test_redis_stopped_and_restarted_ledger_counts_every_request(platform):
 
     # At least the six sent while Redis was down (each written just after its response); an event
     # of the last earlier request may still have been in the gateway's write batch when Redis went away.
-    assert wait_for(lambda: spooled() >= 6, 15, "six events in the disk spool")
+    wait_until(lambda: spooled() >= 6, "six events in the disk spool", 15, 0.2)
     redis_server.start()
-    assert wait_for(lambda: ledger_requests() == sent, 60, "spooled events to replay and be ingested")
+    wait_until(lambda: ledger_requests() == sent, "spooled events to replay and be ingested", 60, 0.2)
     assert one_request(client, 99)[0] == "ok"
 
 
@@ -218,7 +207,8 @@ def test_postgres_stopped_gateway_serves_and_console_says_unavailable(platform, 
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_for(lambda: httpx.get(f"{base}/login/", timeout=2).status_code == 200, 60, "web app")
+        wait_until(lambda: httpx.get(f"{base}/login/", timeout=2).status_code == 200, "web app", 60, 0.2,
+                   ignore=(httpx.TransportError,))
         session = httpx.Client(base_url=base, follow_redirects=True, timeout=10)
         csrf = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', session.get("/login/").text).group(1)
         assert session.post("/login/", data={"username": "root", "password": "pw-root-12345",

@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from alerts.models import Alert
 from deployments import rollouts, routing
@@ -41,7 +42,8 @@ from tenants.models import UsageEvent
 from tenants.publish import publish_keys
 from tests.deployments.test_reconcile import all_ready, reconcile_until
 from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
-from tests.e2e.test_gateway_platform import private_redis, start_gateway, wait_for  # noqa: F401
+from tests.e2e.test_gateway_platform import private_redis, start_gateway  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
 
@@ -132,7 +134,8 @@ def platform(private_redis, tmp_path, settings, monkeypatch, make_user, tiny_lla
     reconcile_until(deployment, all_ready(1))
     gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
-    wait_for(lambda: client.models.list().data, 15, "gateway to learn the key and route")
+    wait_until(lambda: client.models.list().data, "gateway to learn the key and route", 15, 0.2,
+               ignore=(openai.APIError,))
     yield {"deployment": deployment, "client": client, "actor": actor, "redis": private_redis, "tmp": tmp_path,
            "model": model}
     if gateway.poll() is None:
@@ -146,7 +149,8 @@ def wait_rollout(rollout: Rollout, statuses: set[str], timeout: float) -> Rollou
         rollout.refresh_from_db()
         return rollout.status in statuses
 
-    wait_for(done, timeout, f"rollout {rollout.pk} to become {statuses}")
+    wait_until(done, lambda: f"rollout {rollout.pk} to become {statuses} (it is {rollout.status}: {rollout.message})",
+               timeout, 0.2)
     return rollout
 
 
@@ -158,6 +162,14 @@ def served_by(replica_ids, after: datetime) -> int:
     return UsageEvent.objects.filter(replica__in=list(replica_ids), time__gt=after).count()
 
 
+def load_goes_on(since: datetime, requests: int = 10) -> None:
+    """Wait until `requests` requests of the load started after `since` + PROPAGATION and reached the
+    usage ledger (the control loop ingests), so that who served them, checked next, says something."""
+    after = since + PROPAGATION
+    wait_until(lambda: UsageEvent.objects.filter(deployment="chat", time__gt=after).count() >= requests,
+               f"{requests} requests started after {after:%H:%M:%S.%f}", 60, 0.2)
+
+
 def test_good_canary_is_promoted_through_every_step(platform):
     client, deployment = platform["client"], platform["deployment"]
     with Load(client) as load, ControlLoop(deployment) as loop:
@@ -165,7 +177,7 @@ def test_good_canary_is_promoted_through_every_step(platform):
             deployment=deployment, actor=platform["actor"], version=2,
             steps=[{"set_weight": 50}, {"analysis": {"duration": "12s", "min_requests": 8}}])
         wait_rollout(rollout, {"succeeded", "aborted"}, 180)
-        time.sleep(2)
+        load_goes_on(timezone.now())  # no request fails once the old version is gone either
     assert rollout.status == "succeeded", rollout.message
     assert load.failures == [] and load.ok > 20 and loop.errors == []
     candidate_ids = list(rollout.replicas.values_list("pk", flat=True))
@@ -190,7 +202,7 @@ def test_bad_candidate_is_aborted_and_rolled_back_with_no_failed_request(platfor
             deployment=deployment, actor=platform["actor"], engine_args=fault,
             steps=[{"set_weight": 50}, {"analysis": {"duration": "5m", "min_requests": 8}}, {"set_weight": 100}])
         wait_rollout(rollout, {"succeeded", "aborted"}, 240)
-        time.sleep(3)  # load keeps going on stable after the rollback
+        load_goes_on(timezone.now())  # on stable after the rollback
     assert rollout.status == "aborted" and "chat-ttft burn rate" in rollout.message, rollout.message
     assert load.failures == [], load.failures[:3]
     assert loop.errors == []
@@ -205,7 +217,7 @@ def test_bad_candidate_is_aborted_and_rolled_back_with_no_failed_request(platfor
         reconcile_deployment(deployment.pk)  # the passes that SIGTERM the drained candidate and see it exit
         return not Replica.objects.filter(pk__in=candidate_ids).exclude(state="stopped").exists()
 
-    wait_for(candidate_stopped, 90, "the candidate replicas to stop")
+    wait_until(candidate_stopped, "the candidate replicas to stop", 90, 0.2)
     deployment.refresh_from_db()
     assert deployment.engine_args == {} and routing.read_table()["chat"]["versions"][0]["track"] == "stable"
     # The candidate may have completed nothing before the abort: its failures are retried on
@@ -236,7 +248,7 @@ def test_new_version_faulted_after_success_is_rolled_back_by_the_platform_with_n
         detected_after = time.monotonic() - faulted
         rollback = rollout.rolled_back_by
         wait_rollout(rollback, {"succeeded", "aborted"}, 120)
-        time.sleep(3)  # load keeps going on v1 after the rollback
+        load_goes_on(timezone.now())  # on v1 after the rollback
     assert rollback.status == "succeeded", rollback.message
     assert load.failures == [], load.failures[:3]
     assert loop.errors == []
@@ -263,28 +275,30 @@ def test_blue_green_preview_promotion_and_instant_rollback(platform):
     with Load(client) as load, ControlLoop(deployment) as loop:
         rollout = rollouts.rollout_create(deployment=deployment, actor=platform["actor"], version=2,
                                           strategy="blue-green", preview={}, scale_down_delay="5m")
-        wait_for(lambda: "chat--preview" in routing.read_table(), 120, "the preview route")
+        wait_until(lambda: "chat--preview" in routing.read_table(), "the preview route", 120, 0.2)
         # Smoke test through the preview route: only the candidate answers it, with the same key.
-        preview = wait_for(lambda: client.chat.completions.create(
-            model="chat--preview", max_tokens=2, messages=[{"role": "user", "content": "smoke"}]), 15, "preview")
-        assert preview.choices[0].message.content is not None
+        preview = wait_until(lambda: client.chat.completions.create(
+            model="chat--preview", max_tokens=2, messages=[{"role": "user", "content": "smoke"}],
+            extra_body={"ignore_eos": True}), "preview", 15, 0.2, ignore=(openai.APIError,))
+        assert preview.usage.completion_tokens == 2
         rollout.refresh_from_db()
         assert rollout.status == "paused" and rollout.weight == 0
+        # At weight 0 nothing but the preview reaches the candidate: the answer came from it.
+        wait_until(lambda: served_by(rollout.replicas.values_list("pk", flat=True), rollout.created_at),
+                   "the preview request in the usage ledger, served by the candidate", 15, 0.2)
         rollouts.rollout_promote(rollout=rollout, actor=platform["actor"])
         wait_rollout(rollout, {"succeeded"}, 60)
         switched = event_time(rollout, "succeeded")
-        time.sleep(3)
         old_ids = list(Replica.objects.filter(deployment=deployment, version__number=1).values_list("pk", flat=True))
         new_ids = list(rollout.replicas.values_list("pk", flat=True))
-        ingest_usage(budget_s=5)
-        assert served_by(new_ids, switched) > 0
+        wait_until(lambda: served_by(new_ids, switched), "requests served by v2 after the switch", 30, 0.2)
         assert Replica.objects.filter(pk__in=old_ids, state="ready").count() == 1  # kept warm
 
         undo_at = time.monotonic()
         rollback = rollouts.rollout_undo(deployment=deployment, actor=platform["actor"])
         wait_rollout(rollback, {"succeeded"}, 30)
         back_after = time.monotonic() - undo_at
-        time.sleep(3)
+        load_goes_on(event_time(rollback, "succeeded"))
     assert load.failures == [] and loop.errors == []
     deployment.refresh_from_db()
     assert deployment.version.number == 1
@@ -312,7 +326,7 @@ def test_rollout_refused_while_the_budget_is_exhausted(platform):
         evaluate_slos()
         return SloStatus.objects.get(slo=slo).budget_remaining <= 0
 
-    wait_for(exhausted, 30, "the budget to be exhausted")
+    wait_until(exhausted, "the budget to be exhausted", 30, 0.2)
     with pytest.raises(Conflict, match="chat-availability"):
         rollouts.rollout_create(deployment=deployment, actor=platform["actor"], version=2)
     assert rollouts.rollout_create(deployment=deployment, actor=platform["actor"], version=2, rollback=True).rollback
@@ -328,10 +342,12 @@ def test_worker_killed_mid_rollout_then_recovered(platform, worker_env):  # noqa
             rollout = rollouts.rollout_create(
                 deployment=deployment, actor=platform["actor"], version=2,
                 steps=[{"set_weight": 50}, {"analysis": {"duration": "20s", "min_requests": 5}}])
-            wait_for(lambda: Rollout.objects.get(pk=rollout.pk).weight == 50, 120, "50% on the candidate")
+            wait_until(lambda: Rollout.objects.get(pk=rollout.pk).weight == 50, "50% on the candidate", 120, 0.2)
             os.killpg(worker.pid, signal.SIGKILL)
             killed = time.monotonic()
             worker.wait(10)
+            # What is under test is that nothing happens: three of the dead worker's 1 s reconcile
+            # intervals pass, and the rollout stays where the worker left it.
             time.sleep(3)
             rollout.refresh_from_db()
             assert rollout.status == "progressing" and rollout.weight == 50  # nothing moved without a worker

@@ -31,7 +31,8 @@ from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.publish import publish_keys
 from tests.deployments.test_reconcile import all_ready, reconcile_until
-from tests.e2e.test_gateway_platform import private_redis, start_gateway, wait_for  # noqa: F401
+from tests.e2e.test_gateway_platform import private_redis, start_gateway  # noqa: F401
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
 
@@ -71,6 +72,8 @@ def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, s
     settings.INFEROPS_RECONCILE_TIMINGS = {"health_timeout_s": 1}
     monkeypatch.setenv("INFEROPS_ADMIN_TOKEN", ADMIN_TOKEN)  # inherited by the replica process
     celery_app.conf.task_always_eager = True
+    # Tasks queued by name run eagerly only once registered: run alone, nothing had imported alerts.tasks.
+    celery_app.loader.import_default_modules()
     actor = make_user("operator")
     model = registry_services.model_create(name="tiny", task="generate", actor=actor)
     registry_services.version_register(model=model, artifact_uri=str(tiny_llama_dir), actor=actor)
@@ -88,7 +91,8 @@ def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, s
         replica = Replica.objects.get(deployment=deployment, state="ready")
         gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
-        wait_for(lambda: client.models.list().data, 15, "gateway to learn the key and route")
+        wait_until(lambda: client.models.list().data, "gateway to learn the key and route", 15, 0.2,
+                   ignore=(openai.APIError,))
 
         stop_load = threading.Event()
 
@@ -113,18 +117,18 @@ def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, s
         loader.start()
         set_fault(400)
         fault_on = time.monotonic()
-        alert = wait_for(lambda: (a := cycle()) and a.status == "firing" and a, 300, "the page alert to open")
+        alert = wait_until(lambda: (a := cycle()) and a.status == "firing" and a, "the page alert to open", 300, 0.2)
         opened_after = time.monotonic() - fault_on
         # A burn this fast opens the ticket alert too, each with its own webhook, in either order.
-        firing = wait_for(lambda: page_payload(received, "firing"), 30, "the firing page webhook")
+        firing = wait_until(lambda: page_payload(received, "firing"), "the firing page webhook", 30, 0.2)
         assert firing["version"] == "4" and firing["alerts"][0]["labels"]["slo"] == "chat-ttft"
 
         set_fault(0)
         fault_off = time.monotonic()
-        wait_for(lambda: (a := cycle()) and a.status == "resolved" and a.pk == alert.pk, 300,
-                 "the page alert to resolve")
+        wait_until(lambda: (a := cycle()) and a.status == "resolved" and a.pk == alert.pk,
+                   "the page alert to resolve", 300, 0.2)
         resolved_after = time.monotonic() - fault_off
-        wait_for(lambda: page_payload(received, "resolved"), 30, "the resolved page webhook")
+        wait_until(lambda: page_payload(received, "resolved"), "the resolved page webhook", 30, 0.2)
         stop_load.set()
         loader.join(timeout=30)  # its last request must end before the gateway is killed
         print(f"timeline: page alert opened {opened_after:.0f}s after 400 ms of TTFT was injected; "
