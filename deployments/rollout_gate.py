@@ -53,8 +53,8 @@ class RolloutGate(Protocol):
         """The new version since the rollout finished (until `end`) against the previous one: FAIL when
         it burns an SLO above limits["max_burn_rate"] over at least limits["min_requests"] requests while
         the previous version, at a comparable load, did not, else RUNNING. A failing check has ok False
-        only then. `stable["concurrent"]` is true when the previous version is its holdback at the same
-        time; otherwise the watch asks a failure to persist before it acts."""
+        only then, and `basis` "same time" when the previous version failed less beside it (its holdback)
+        or "before" when judged against its past: the watch asks such a failure to persist."""
 
 
 def min_events(check_kind: str, config: dict, limit: float, objective: float | None = None) -> int:

@@ -63,7 +63,8 @@ def watch(deployment: Deployment, now: datetime) -> Rollout | None:
                 deployment.rollouts.filter(status__in=ACTIVE_ROLLOUT).exists():
             return None
         result = gate().watch(rollout, watch_limits(rollout.steps), now)
-        if result.verdict == Verdict.FAIL and not result.stable.get("concurrent"):
+        same_time = any(c["ok"] is False and c.get("basis") == "same time" for c in result.checks)
+        if result.verdict == Verdict.FAIL and not same_time:
             result = _persisting(rollout, result, now)
         RolloutMeasurement.objects.create(
             rollout=rollout, attempt=rollout.attempt, step_index=len(rollout.steps), taken_at=now,
@@ -109,8 +110,8 @@ def roll_back(rollout: Rollout, deployment: Deployment, now: datetime, reason: s
 
 
 def _persisting(rollout: Rollout, result: Measurement, now: datetime) -> Measurement:
-    """A failure judged against the previous version's past stands only once every look has found it for
-    WATCH_PERSIST_S: a short burst of slow requests or of load says little about the version."""
+    """A failure judged against the previous version's past (not beside its holdback) stands only once every
+    look has found it for WATCH_PERSIST_S: a short burst of slow requests or of load says little."""
     since = now
     for look in (RolloutMeasurement.objects.filter(rollout=rollout, step_index=len(rollout.steps))
                  .order_by("-taken_at").only("taken_at", "checks")):

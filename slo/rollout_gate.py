@@ -221,65 +221,84 @@ def watch(rollout: Rollout, limits: dict, end: datetime) -> Measurement:
     """The new version since the rollout finished (until `end`) against the previous one, like with like:
     FAIL when it burns an SLO above the limit and the previous one, at a comparable load, did not.
 
-    The previous version is its held-back share at the same time, once that served HOLDBACK_MIN_REQUESTS:
-    the new version fails only when it fails significantly worse (a change of load or of the machine
-    hits both alike). Without a holdback, it is the previous version over the rollout's own span (the
-    last hour of it at most), or the same length before the rollout when that span has too few of its
-    requests. The failure must then show in the new version's latest requests too (`_recent_start`), and
-    the caller asks it to persist before acting on it.
+    At the same time first: once the previous version's held-back share has served HOLDBACK_MIN_REQUESTS,
+    a new version that fails significantly more often than it is failed at once (check basis "same
+    time"), and one that burns while the held-back version burns too is not blamed (a change of load
+    or of the machine hits both). Otherwise (no holdback, too few requests on it, or no significant
+    difference yet) the previous version's past is the reference: its figures over the rollout's own
+    span (the last hour of it at most), or the same length before the rollout when that span has too
+    few. The failure must then show in the new version's latest requests too (`_recent_start`), and the
+    caller asks it to persist before acting on it (basis "before").
     Either way the new version is blamed only at a load like its reference's (`comparable_load`).
     """
     slos = _judged_slos(rollout.deployment)
-    start = rollout.finished_at
+    start, limit, min_requests = rollout.finished_at, limits["max_burn_rate"], limits["min_requests"]
     tracks = _track_stats(rollout, slos, start, end)
     new, held = tracks["candidate"], tracks["stable"]
-    held_n = held["requests"] + held["failed_attempts"]
-    concurrent = rollout.holdback_percent > 0 and held_n >= HOLDBACK_MIN_REQUESTS
-    if concurrent:
-        previous = {**held, "concurrent": True,
+    previous, checks = _against_the_past(rollout, slos, new, start, end, limits)
+    if rollout.holdback_percent > 0 and held["requests"] + held["failed_attempts"] >= HOLDBACK_MIN_REQUESTS:
+        comparable, load_note = comparable_load(new["load"], held["load"])
+        checks = [_same_time_first(past, same_time, comparable, load_note)
+                  for past, same_time in zip(checks, _held_back_checks(new, held, limit), strict=True)]
+        previous = {**held, "concurrent": True, "before": previous,
                     "baseline": f"held back beside it ({rollout.holdback_percent}% of traffic, same time)"}
-        checks = _held_back_checks(new, previous, limits["max_burn_rate"])
-    else:
-        span_start = max(rollout.created_at, start - WATCH_BASELINE_MAX)
-        before = _track_stats(rollout, slos, span_start, start)["stable"]
-        previous = _baseline(rollout, slos, before, span_start, start, limits["min_requests"],
-                             "the same length before the rollout")
-        previous.setdefault("baseline", "the previous version during the rollout")
-        # A previous version that burned above the limit too is never blamed on the new one.
-        checks = _burn_checks(new, previous, limits["max_burn_rate"], math.inf)
-        recent_start = _recent_start(rollout, start, end, limits["min_requests"])
-        recent = _track_stats(rollout, slos, recent_start, end)["candidate"]
-        new["recent"] = {"since": recent_start.isoformat(), "requests": recent["requests"],
-                         "slos": recent["slos"]}
-        for check, latest in zip(checks, _burn_checks(recent, previous, limits["max_burn_rate"], math.inf),
-                                 strict=True):
-            if check["ok"] is False and latest["ok"] is not False:
-                check.update(ok=None, note=f"burns {latest['candidate']} over its latest {recent['requests']} "
-                                           "requests: no longer failing")
-    comparable, load_note = comparable_load(new["load"], previous["load"])
-    if not comparable:
-        for check in checks:
-            if check["ok"] is False:
-                check.update(ok=None, note=load_note)
     failed = [c for c in checks if c["ok"] is False]
     new_n = new["requests"] + new["failed_attempts"]
     since = f"{new_n} requests on the new version since it took over"
     load = "load: " + load_text(new["load"], previous["load"])
-    if new_n < limits["min_requests"]:
+    if new_n < min_requests:
         for check in failed:
-            check.update(ok=None, note=not_enough_text(new_n, limits["min_requests"]))
-        verdict, reason = Verdict.RUNNING, f"{since}; judging needs {limits['min_requests']}. {load}."
+            check.update(ok=None, note=not_enough_text(new_n, min_requests))
+        verdict, reason = Verdict.RUNNING, f"{since}; judging needs {min_requests}. {load}."
     elif failed:
         verdict = Verdict.FAIL
-        against = "at the same time" if concurrent else "before it"
+        against = "at the same time" if any(c["basis"] == "same time" for c in failed) else "before it"
         reason = (f"the new version burns an SLO the previous one did not {against}: "
                   + "; ".join(_describe(c, "new", "previous") for c in failed) + f". {load}.")
-    elif not comparable and any(c.get("note") == load_note for c in checks):
-        verdict, reason = Verdict.RUNNING, f"{since}; not judged: {load_note}. {load}."
+    elif notes := [f"{c['name']}: {c['note']}" for c in checks if c["ok"] is None and c.get("note")]:
+        verdict, reason = Verdict.RUNNING, f"{since}; not judged: {'; '.join(notes)}. {load}."
     else:
-        verdict = Verdict.RUNNING
-        reason = f"{since}; every SLO within its limit or burning as the previous one. {load}."
+        verdict, reason = Verdict.RUNNING, f"{since}; every SLO within its limit. {load}."
     return Measurement(verdict, new, previous, checks, reason)
+
+
+def _against_the_past(rollout: Rollout, slos: list[Slo], new: dict, start: datetime, end: datetime,
+                      limits: dict) -> tuple[dict, list[dict]]:
+    """(the previous version's figures before the switch, one check per SLO of the new version against
+    them): failing only when the new version burns above the limit since the switch and lately, while
+    the previous version did not, at a comparable load."""
+    limit, min_requests = limits["max_burn_rate"], limits["min_requests"]
+    span_start = max(rollout.created_at, start - WATCH_BASELINE_MAX)
+    before = _track_stats(rollout, slos, span_start, start)["stable"]
+    previous = _baseline(rollout, slos, before, span_start, start, min_requests, "the same length before the rollout")
+    previous.setdefault("baseline", "the previous version during the rollout")
+    # A previous version that burned above the limit too is never blamed on the new one.
+    checks = [{**check, "basis": "before"} for check in _burn_checks(new, previous, limit, math.inf)]
+    recent_start = _recent_start(rollout, start, end, min_requests)
+    recent = _track_stats(rollout, slos, recent_start, end)["candidate"]
+    new["recent"] = {"since": recent_start.isoformat(), "requests": recent["requests"], "slos": recent["slos"]}
+    comparable, load_note = comparable_load(new["load"], previous["load"])
+    for check, latest in zip(checks, _burn_checks(recent, previous, limit, math.inf), strict=True):
+        if check["ok"] is False and latest["ok"] is not False:
+            check.update(ok=None, note=f"burns {latest['candidate']} over its latest {recent['requests']} requests: "
+                                       "no longer failing")
+        elif check["ok"] is False and not comparable:
+            check.update(ok=None, note=load_note)
+    return previous, checks
+
+
+def _same_time_first(past: dict, same_time: dict, comparable: bool, load_note: str) -> dict:
+    """One SLO's check from both references: failing beside the held-back version at a comparable load
+    stands; burning as it does is not the version's doing; anything else (too few requests on the
+    holdback to tell, or more load than it) is judged against the past."""
+    if same_time["ok"] is False and comparable:
+        return {**same_time, "basis": "same time"}
+    theirs = same_time["stable"]
+    if same_time["ok"] is None and theirs is not None and theirs > same_time["limit"]:
+        return {**same_time, "basis": "same time"}
+    if same_time["ok"] is False:  # significantly worse, but under more load than the holdback
+        return {**past, "same_time": {"stable": theirs, "p_value": same_time["p_value"], "note": load_note}}
+    return past
 
 
 _LATEST_CANDIDATE_EVENT = f"""
@@ -314,7 +333,8 @@ def _held_back_checks(new: dict, held: dict, limit: float) -> list[dict]:
                                     theirs["total"] - theirs["good"], theirs["total"])
             check["p_value"] = round(p_value, 4)
             if p_value >= WORSE_P_VALUE:
-                check.update(ok=None, note=f"not worse than the held-back version beside it (p = {p_value:.2g})")
+                check.update(ok=None, note=f"not worse than the held-back version beside it, which burns "
+                                           f"{theirs['burn_rate']} (p = {p_value:.2g})")
         checks.append(check)
     return checks
 

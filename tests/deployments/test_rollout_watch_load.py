@@ -100,7 +100,7 @@ def test_identical_version_is_not_rolled_back_when_the_load_triples_beside_its_h
     assert last.stable["concurrent"] is True and last.stable["requests"] >= 10
     check = last.checks[0]
     assert check["candidate"] > 2 and check["ok"] is None and check["p_value"] >= 0.01  # burns, as v1 does
-    assert "not worse than the held-back version" in check["note"]
+    assert check["basis"] == "same time" and "not worse than the held-back version beside it" in check["note"]
     assert last.candidate["load"]["requests_per_s_per_replica"] == pytest.approx(3.0, rel=0.05)
 
 
@@ -117,7 +117,8 @@ def test_identical_version_is_not_rolled_back_when_the_load_triples_and_it_queue
     last = looks[-1]
     assert last.checks[0]["candidate"] > 2 and last.checks[0]["ok"] is None
     assert "requests per replica with 4 requests waiting per replica" in last.checks[0]["note"]
-    assert "not judged: the new version carried" in last.reason and ", 4 waiting; previous 0." in last.reason
+    assert "not judged: chat-ttft burn rate: the new version carried 3.8×" in last.reason
+    assert ", 4 waiting; previous 0.77 req/s per replica on 2." in last.reason
     assert last.candidate["load"]["requests_per_s_per_replica"] == pytest.approx(3.0, rel=0.05)
     assert last.stable["load"]["requests_per_s_per_replica"] < 1  # v1 before, at the old load
 
@@ -134,9 +135,12 @@ def test_identical_version_is_not_blamed_for_its_queue_beside_a_lighter_holdback
     looks = watch_for(world, 60, v2={"per_replica_per_s": 3.0, "slow_every": 2, "queue": 6.0},
                       v1={"per_replica_per_s": 0.3})
     assert world.rollout().pk == rollout.pk and world.rollout().status == "succeeded"
-    last = looks[-1]
-    assert last.stable["concurrent"] is True and last.checks[0]["ok"] is None
-    assert "carried 10.0× the previous one's requests per replica" in last.checks[0]["note"]
+    check = looks[-1].checks[0]
+    assert looks[-1].stable["concurrent"] is True and check["ok"] is None and check["basis"] == "before"
+    # Worse than its holdback, and not by chance (p < 0.01), but at ten times its share per replica;
+    # against v1 before the switch: at almost four times the load, with a queue. Load, not the version.
+    assert check["same_time"]["p_value"] < 0.01 and "carried 10.0× the previous one's" in check["same_time"]["note"]
+    assert "carried 3.8× the previous one's requests per replica with 6 requests waiting" in check["note"]
 
 
 def test_slower_version_is_still_rolled_back_beside_its_holdback(world):  # noqa: F811
@@ -151,6 +155,20 @@ def test_slower_version_is_still_rolled_back_beside_its_holdback(world):  # noqa
     assert "at the same time" in rollout.message
     # 10 s of traffic per look, looked at 12 s after the switch: 10/12 req/s on each replica of both versions.
     assert "load: new 0.833 req/s per replica on 2; previous 0.833 req/s per replica on 1." in rollout.message
+
+
+def test_slower_version_is_rolled_back_against_the_past_while_its_holdback_cannot_tell(world):  # noqa: F811
+    """A fifth of v2's requests are slow; v1's small holdback served too few to show that by itself."""
+    ttft_slo(world)
+    rollout = promote_at(world, 1.0)
+    looks = watch_for(world, 40, v2={"per_replica_per_s": 1.0, "slow_every": 5}, v1={"per_replica_per_s": 0.3})
+    rollout.refresh_from_db()
+    assert rollout.status == "rolled_back", [look.reason for look in looks]
+    failed = looks[-1]
+    assert failed.verdict == "fail" and failed.stable["concurrent"] is True and failed.stable["requests"] == 12
+    check = failed.checks[0]
+    assert check["basis"] == "before" and check["ok"] is False and check["stable"] == 0.0  # v1 before the switch
+    assert "before it" in rollout.message and "Persisted for 30s" in rollout.message
 
 
 def test_slower_version_is_still_rolled_back_without_a_holdback_once_the_burn_persists(world):  # noqa: F811
