@@ -37,12 +37,13 @@ def test_operator_creates_a_silence_sees_what_it_matches_and_expires_it(live_ser
     page.click("#silence-new")
     page.wait_for_url(f"{live_server.url}/alerts/silences/new/")
 
-    # A regex that does not compile: the serializer's message under the matchers, nothing written.
+    # A regex that does not compile: its line named under the matchers, nothing written.
     page.fill("#id_matchers", "alertname=NodeDown\ninstance=~node-1(")
     page.fill("#id_ends", "2h")
     page.fill("#id_comment", "kernel upgrade")
     page.click("#silence-save")
-    expect(page.locator(".field-matchers .error")).to_contain_text("Matcher 2 value: Not a valid regular expression")
+    expect(page.locator(".field-matchers .error")).to_contain_text(
+        "Line 2: instance=~node-1(: 'node-1(' is not a valid regular expression for =~")
     assert page.input_value("#id_matchers") == "alertname=NodeDown\ninstance=~node-1("
     assert not Silence.objects.exists()
 
