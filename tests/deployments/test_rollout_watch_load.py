@@ -15,6 +15,7 @@ import pytest
 
 from deployments import rollouts
 from deployments.models import Deployment, ReplicaMetricsMinute, Rollout, RolloutMeasurement
+from deployments.rollout_spec import normalise
 from inferops.api import Conflict
 from inferops.models import AuditEvent
 from slo.models import SloStatus
@@ -272,3 +273,15 @@ def test_undo_from_the_console_asks_why_before_redeploying_a_rejected_version(wo
     assert Deployment.objects.get(pk=world.deployment.pk).version.number == 1  # until the canary gets through
     assert rejected.pk != redeploy.pk
 
+
+
+@pytest.mark.parametrize("strategy, spec", [
+    ("canary", {"steps": [{"set_weight": 20}, {"pause": {}}, {"analysis": {"duration": "1m", "min_events": 40}}]}),
+    ("blue-green", {"preview": {}, "analysis": "2m", "scale_down_delay": "5m"}),
+    ("blue-green", {"preview": "30s"}),
+    ("blue-green", {}),
+])
+def test_a_redeploy_runs_the_rejected_rollouts_strategy_again(strategy, spec):
+    steps, delay = normalise(strategy, **spec)
+    rejected = Rollout(strategy=strategy, steps=steps, scale_down_delay_s=delay)
+    assert normalise(strategy, **rollouts._strategy_args(rejected)) == (steps, delay)
