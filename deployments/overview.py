@@ -1,7 +1,8 @@
 """Every deployment's health at a glance, for the home page and the deployment list: status,
-ready / desired replicas, error rate and TTFT p95 over the last five minutes of the usage ledger
-(each with the time of the newest request it counts), the rollout in progress, the degradation
-level in force and the state of the SLOs covering it.
+ready / desired replicas, request rate, error rate and TTFT p95 over the last five minutes of the
+usage ledger (each with the time of the newest request it counts), the rollout in progress, the
+degradation level in force, the state of the SLOs covering it, and one verdict over all of them
+(deployments.health).
 
 One query per figure across all deployments, never one per deployment: the list and the home
 page stay as fast with fifty deployments as with one.
@@ -12,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from functools import cached_property
 
 from django.db import connection
 from django.db.models import Count, F, Q, QuerySet
 from django.utils import timezone
 
 from deployments.choices import ACTIVE_ROLLOUT, ReplicaState
+from deployments.health import Verdict, health_verdict
 from deployments.models import Deployment, Rollout
 from deployments.rollout_gate import gate
 
@@ -70,6 +73,12 @@ class DeploymentHealth:
         return self.requests / WINDOW.total_seconds()
 
     @property
+    def requests_per_s_text(self) -> str:
+        """Two decimals, or three significant digits below 0.1/s: a request a minute is not 0.00."""
+        rate = self.requests_per_s
+        return "0" if not rate else f"{rate:.2f}" if rate >= 0.1 else f"{rate:.3g}"
+
+    @property
     def error_rate_text(self) -> str:
         rate = self.error_rate.value
         return "—" if rate is None else f"{rate * 100:.2f} %"
@@ -85,6 +94,12 @@ class DeploymentHealth:
         # A state not in SLO_STATE_ORDER ranks just after warning: shown, never hidden.
         rank = {state: index for index, state in enumerate(SLO_STATE_ORDER)}
         return min((slo["state"] for slo in self.slos), key=lambda state: rank.get(state, 1.5), default=None)
+
+    @cached_property
+    def verdict(self) -> Verdict:
+        return health_verdict(status=self.deployment.status, ready=self.ready, desired=self.desired,
+                              slos=self.slos, degradation=self.degradation, requests=self.requests,
+                              error_rate=self.error_rate.value)
 
 
 def freshness(at: datetime | None, now: datetime) -> str:

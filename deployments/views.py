@@ -11,6 +11,7 @@ from django.core.exceptions import ValidationError
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
 from deployments import rollouts, services
@@ -250,6 +251,7 @@ def changes_token(deployment, changes: dict) -> str:
     return hashlib.sha256(json.dumps(state, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+@never_cache  # it refreshes itself (partials/live.html): every fetch must reach the database
 @login_required
 def deployment_list(request):
     from deployments.overview import deployment_health

@@ -32,6 +32,7 @@ urlpatterns = [
     path("users/<int:pk>/role/", user_views.user_role_change, name="user-role"),
     path("users/<int:pk>/deactivate/", user_views.user_deactivate_view, name="user-deactivate"),
     path("healthz", views.healthz, name="healthz"),
+    path("favicon.ico", views.favicon, name="favicon"),
     path("metrics", ControlPlaneMetrics.as_view(), name="metrics"),
     path("admin/", admin.site.urls),
     path("api/v1/audit/", api.AuditList.as_view(), name="api-audit-list"),

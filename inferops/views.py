@@ -1,3 +1,4 @@
+import base64
 import functools
 import gzip
 from pathlib import Path
@@ -8,6 +9,7 @@ from django.core.paginator import Paginator
 from django.db.models import Q
 from django.http import HttpResponse, JsonResponse
 from django.shortcuts import render
+from django.views.decorators.cache import never_cache
 
 from inferops import health
 from inferops.models import AuditEvent
@@ -15,6 +17,7 @@ from inferops.panels import home_panels
 from inferops.roles import ADMIN, has_role
 
 
+@never_cache  # it refreshes itself (partials/live.html): every fetch must reach the database
 @login_required
 def home(request):
     """A column of the panels apps register (inferops.panels.home_panels)."""
@@ -43,6 +46,21 @@ def audit_log(request):
         "actions": distinct.values_list("action", flat=True).distinct().order_by("action"),
         "object_types": distinct.values_list("object_type", flat=True).distinct().order_by("object_type"),
     })
+
+
+# The console's icon (a 32×32 rounded square in its accent blue, PNG inside an ICO): browsers and
+# bookmarks ask for /favicon.ico whatever the page links.
+FAVICON = base64.b64decode(
+    "AAABAAEAICAAAAAAIACnAAAAFgAAAIlQTkcNChoKAAAADUlIRFIAAAAgAAAAIAgGAAAAc3p69AAAAG5JREFUeJzt17ENwCAQA0C/Z0nJNpmTb"
+    "VKyS1JFer2C0iSmsSvgkXwSFYGSbT/OevZlRm+R91SWP3VwNlAhqC6viFhRnsP3KwYYYIABBhhggAEGGGDAz4D6V1Nm9Ba8FyvKgfQESkTu4my"
+    "gKAeAC+erIfVtJTasAAAAAElFTkSuQmCC"
+)
+
+
+def favicon(request):
+    response = HttpResponse(FAVICON, content_type="image/x-icon")
+    response["Cache-Control"] = f"public, max-age={30 * 24 * 3600}, immutable"
+    return response
 
 
 # Paths whose clients read JSON: the REST API, and OpenAI-style clients pointed at the console's port.

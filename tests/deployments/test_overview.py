@@ -155,3 +155,33 @@ def test_too_little_traffic_to_judge_ranks_after_warning_and_before_ok():
     slo("chat-goodput", chat, "warning", 0.5)
     [health] = deployment_health()
     assert health.slo_state == "warning"
+
+
+@pytest.mark.parametrize(("requests", "text"), [(0, "0"), (1, "0.00333"), (30, "0.10"), (1500, "5.00")])
+def test_request_rate_is_the_window_s_requests_per_second_never_a_zero_with_traffic(requests, text):
+    make_deployment("chat")
+    now = timezone.now()
+    insert_events([usage("chat", now - timedelta(seconds=10)) for _ in range(requests)])
+    [health] = deployment_health(now=now)
+    assert health.requests_per_s_text == text
+
+
+def test_an_exhausted_and_degraded_deployment_is_unhealthy_on_both_pages(client, make_user):
+    chat = make_deployment("chat")
+    Deployment.objects.filter(pk=chat.pk).update(status="ready", replicas=1, degradation={"level": 2, "name": ""})
+    Replica.objects.create(deployment=chat, version=chat.version, node="local", state=ReplicaState.READY)
+    slo("ttft", chat, "exhausted", -0.1)
+    make_deployment("quiet")
+    Replica.objects.create(deployment=Deployment.objects.get(name="quiet"), version=chat.version, node="local",
+                           state=ReplicaState.READY)
+
+    chat_health, quiet_health = deployment_health()
+    assert (chat_health.verdict.level, chat_health.verdict.text) == (
+        "unhealthy", "SLO ttft budget exhausted; degraded to level 2")
+    assert quiet_health.verdict.level == "healthy"
+
+    client.force_login(make_user("viewer"))
+    for path in ("/", "/deployments/"):
+        page = client.get(path).content.decode()
+        assert 'data-health="unhealthy"' in page and 'title="SLO ttft budget exhausted; degraded to level 2"' in page
+        assert 'data-health="healthy"' in page
