@@ -13,7 +13,7 @@ from django.db.models import ProtectedError
 from alerts.choices import MatchOp
 from alerts.matchers import LABEL_NAME, matcher_problem
 from alerts.models import EscalationPolicy, EscalationStep, Route
-from alerts.routing import GROUP_BY_ALL, default_route
+from alerts.routing import GROUP_BY_ALL, default_route, waiting_groups_notify_on_commit
 from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
 
@@ -65,6 +65,7 @@ def route_save(*, instance: Route | None, fields: dict, actor) -> Route:
     one. The default route matches everything: it takes no matchers, parent or position."""
     route = instance or Route()
     before = snapshot(instance) if instance else None
+    target_before = (route.receiver_id, route.escalation_policy_id)
     if "matchers" in fields:
         fields["matchers"] = clean_matchers(fields["matchers"])
     if "group_by" in fields:
@@ -84,10 +85,13 @@ def route_save(*, instance: Route | None, fields: dict, actor) -> Route:
             raise ValidationError({"parent": ["A route cannot sit under itself or one of its children."]})
     if route.receiver_id and route.escalation_policy_id:
         raise ValidationError({"receiver": ["A route notifies a receiver or an escalation policy, not both."]})
+    target = (route.receiver_id, route.escalation_policy_id)
     with transaction.atomic():
         route.save()
         audit_record(actor=actor, action="route.update" if before else "route.create", obj=route, before=before,
                      after=snapshot(route))
+        if any(target) and target != target_before:  # its groups may have been waiting for a target
+            waiting_groups_notify_on_commit()
     return route
 
 

@@ -314,3 +314,32 @@ def groups_advance(now: datetime | None = None) -> dict[str, int]:
             group.save(update_fields=["first_notified_at", "round", "round_at"])
     return {"flushed": flushed, "rounds": rounds}
 
+
+# ---------------------------------------------------------------------------- a target appears
+
+
+def groups_notify_waiting(now: datetime | None = None) -> int:
+    """Notify the groups whose firing alerts reached no one because their route had no target (no
+    receiver yet, or a route without one): a receiver has appeared, and they would otherwise wait
+    for a new alert to join. A group still in its group_wait is left to its flush, a muted alert
+    to its mute's end; the group lock and the unique notifications keep a second run from sending
+    twice. Returns how many groups notified someone."""
+    now = now or timezone.now()
+    tree = Tree()
+    waiting = (AlertGroup.objects.filter(first_notified_at__isnull=True, flush_at__isnull=True,
+                                         alerts__status=AlertStatus.FIRING)
+               .values_list("pk", flat=True).distinct())
+    notified = 0
+    for pk in waiting:
+        with transaction.atomic():
+            group = AlertGroup.objects.select_for_update().select_related("route").get(pk=pk)
+            if group.first_notified_at is not None or group.flush_at is not None:
+                continue  # notified or scheduled meanwhile
+            _flush(tree, group, now)
+            notified += group.first_notified_at is not None
+    return notified
+
+
+def waiting_groups_notify_on_commit() -> None:
+    """A receiver appeared (or a route gained a target): once committed, tell the groups waiting for one."""
+    transaction.on_commit(lambda: enqueue("alerts.notify_waiting_groups"))

@@ -354,9 +354,11 @@ def receiver_snapshot(receiver: Receiver) -> dict:
 
 
 def receiver_save(*, instance: Receiver | None, fields: dict, actor) -> Receiver:
-    """Create a receiver (instance None) or change one; a duplicate name is a Conflict."""
+    """Create a receiver (instance None) or change one; a duplicate name is a Conflict. A new (or
+    re-activated) receiver notifies the open groups that had no one to notify."""
     receiver = instance or Receiver()
     before = receiver_snapshot(instance) if instance else None
+    was_active = bool(instance and instance.active)
     for name, value in fields.items():
         setattr(receiver, name, value)
     try:
@@ -364,6 +366,8 @@ def receiver_save(*, instance: Receiver | None, fields: dict, actor) -> Receiver
             receiver.save()
             audit_record(actor=actor, action="receiver.update" if before else "receiver.create", obj=receiver,
                          before=before, after=receiver_snapshot(receiver))
+            if receiver.active and not was_active:  # alert groups may have been waiting for a receiver
+                routing.waiting_groups_notify_on_commit()
     except IntegrityError:
         raise Conflict(f"A receiver named {receiver.name!r} already exists.") from None
     return receiver

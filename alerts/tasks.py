@@ -6,7 +6,7 @@ from celery import shared_task
 from django.conf import settings
 
 from alerts.delivery import notification_deliver
-from alerts.routing import groups_advance
+from alerts.routing import groups_advance, groups_notify_waiting
 from alerts.services import notify_unmuted
 
 
@@ -31,3 +31,9 @@ def notify_unmuted_task() -> int:
 def advance_groups_task() -> dict:
     """Beat (every INFEROPS_ALERT_TICK_S): notify groups whose wait is over, escalate and repeat."""
     return groups_advance()
+
+
+@shared_task(name="alerts.notify_waiting_groups", ignore_result=True)
+def notify_waiting_groups_task() -> int:
+    """After a receiver appears: groups that notified no one for want of a target notify now."""
+    return groups_notify_waiting()
