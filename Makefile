@@ -20,7 +20,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet $(TORCH_SOURCE) -e ".[engine,embedded,bench,dev]"
 	touch $(STAMP)
 
-install: $(STAMP)
+# The console's plotly.js with only the trace types it draws (package.json, locked): npm ci, exact
+# versions. Without npm the console serves the plotly package's full bundle (slower charts).
+NODE_STAMP := node_modules/.installed
+
+$(NODE_STAMP): package.json package-lock.json
+	@if command -v npm >/dev/null; then \
+		npm ci --ignore-scripts --no-audit --no-fund && touch $(NODE_STAMP); \
+	else \
+		echo "npm not found: the console will serve plotly's full bundle (4x larger, slower charts)"; \
+	fi
+
+install: $(STAMP) $(NODE_STAMP)
 
 run: install
 	$(BIN)/inferops run
@@ -59,4 +70,4 @@ lint:
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache

@@ -144,6 +144,9 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = embedded.data_dir() / "static"
 STATIC_ROOT.mkdir(exist_ok=True)
+# plotly.js with only the trace types the console draws, from npm (package.json; `make install`,
+# platform/Dockerfile); inferops.assets falls back to the plotly package's full bundle without it.
+PLOTLY_PARTIAL_BUNDLE = BASE_DIR / "node_modules" / "plotly.js-basic-dist-min" / "plotly-basic.min.js"
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},

@@ -26,7 +26,7 @@ urlpatterns = [
     path("alerts/", include("alerts.urls")),
     path("costs/", costing_views.report_page, name="costs"),
     path("costs/", include("costing.urls")),
-    path("assets/plotly.min.js", views.plotly_js, name="plotly-js"),
+    path("assets/plotly-<str:digest>.min.js", views.plotly_js, name="plotly-js"),
     path("audit/", views.audit_log, name="audit"),
     path("users/", user_views.user_list, name="users"),
     path("users/<int:pk>/role/", user_views.user_role_change, name="user-role"),

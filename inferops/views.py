@@ -1,17 +1,15 @@
 import base64
-import functools
-import gzip
-from pathlib import Path
 
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
 from django.db.models import Q
 from django.http import HttpResponse, JsonResponse
-from django.shortcuts import render
+from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
 
 from inferops import health
+from inferops.assets import plotly_bundle
 from inferops.models import AuditEvent
 from inferops.panels import home_panels
 from inferops.roles import ADMIN, has_role
@@ -81,23 +79,19 @@ def healthz(request):
     return JsonResponse(facts, status=200 if ok else 503)
 
 
-@functools.cache
-def _plotly_bytes() -> tuple[bytes, bytes]:
-    """plotly.min.js from the installed plotly package, plain and gzipped, read once per process."""
-    import plotly
-
-    plain = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
-    return plain, gzip.compress(plain, compresslevel=6, mtime=0)
-
-
-def plotly_js(request):
-    """plotly.js from the installed plotly package, so charts work without internet access; gzipped
-    (4.8 MB -> 1.4 MB) for clients that accept it, and cached by the browser for a week."""
-    plain, gzipped = _plotly_bytes()
+def plotly_js(request, digest: str):
+    """The console's plotly.js (inferops.assets), so charts work without internet access; gzipped
+    for clients that accept it. Its URL names its digest, so browsers keep it for a year; a page
+    rendered before an upgrade names the old one and is sent to the current bundle."""
+    bundle = plotly_bundle()
+    if digest != bundle.digest:
+        response = redirect("plotly-js", digest=bundle.digest)
+        response["Cache-Control"] = "no-cache"
+        return response
     accepts_gzip = "gzip" in request.headers.get("Accept-Encoding", "")
-    response = HttpResponse(gzipped if accepts_gzip else plain, content_type="application/javascript")
+    response = HttpResponse(bundle.gzipped if accepts_gzip else bundle.plain, content_type="application/javascript")
     if accepts_gzip:
         response["Content-Encoding"] = "gzip"
     response["Vary"] = "Accept-Encoding"
-    response["Cache-Control"] = f"public, max-age={7 * 24 * 3600}"
+    response["Cache-Control"] = f"public, max-age={365 * 24 * 3600}, immutable"
     return response

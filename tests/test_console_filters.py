@@ -1,4 +1,5 @@
-"""The console's shared pieces: key/value and UTC filters, the plotly asset, and the log format setting."""
+"""The console's shared pieces: key/value and UTC filters and the log format setting (the plotly asset:
+tests/test_console_assets.py)."""
 
 from __future__ import annotations
 
@@ -26,17 +27,6 @@ def test_times_are_utc_with_the_moment_for_the_local_hover():
     assert render("{{ t|utc }}", t=moment) == '<time datetime="2026-12-04T12:05:09+00:00">2026-12-04 12:05 UTC</time>'
     assert ">2026-12-04 12:05:09 UTC<" in render("{{ t|utc:'seconds' }}", t=moment.astimezone(UTC))
     assert render("{{ t|utc }}", t=None) == "—"
-
-
-def test_plotly_is_served_gzipped_to_browsers_that_accept_it(client):
-    import gzip
-
-    plain = client.get("/assets/plotly.min.js")
-    packed = client.get("/assets/plotly.min.js", HTTP_ACCEPT_ENCODING="gzip, deflate, br")
-    assert plain.status_code == packed.status_code == 200
-    assert "Content-Encoding" not in plain and packed["Content-Encoding"] == "gzip"
-    assert gzip.decompress(packed.content) == plain.content and len(packed.content) < len(plain.content) / 2
-    assert packed["Vary"] == "Accept-Encoding" and "max-age=604800" in packed["Cache-Control"]
 
 
 def test_control_plane_logs_are_json_lines_by_a_setting(tmp_path):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from django.conf import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "platform" / "Dockerfile"
@@ -104,6 +105,11 @@ def test_dockerfile_targets_install_only_their_extras():
     stages = dockerfile_stages()
     assert {"control", "web", "gateway", "replica"} <= set(stages)
     assert "COPY . /app" in stages["control"]  # the whole layout: no app can be left out
+    # The partial plotly.js from npm (pinned by the lock file) where the settings look for it.
+    assert "COPY package.json package-lock.json" in stages["assets"] and "npm ci" in stages["assets"]
+    bundle = Path(settings.PLOTLY_PARTIAL_BUNDLE).relative_to(ROOT)
+    assert re.search(rf"COPY --from=assets /build/{re.escape(str(bundle))}\s+/app/{re.escape(str(bundle))}",
+                     stages["control"])
     assert "requirements.py /tmp/build/pyproject.toml >" in stages["control"]
     assert "engine" not in stages["control"] and "torch" not in stages["control"]
     assert "requirements.py /tmp/build/pyproject.toml engine" in stages["replica"]

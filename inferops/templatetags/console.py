@@ -5,8 +5,10 @@ from __future__ import annotations
 from datetime import UTC
 
 from django import template
+from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
+from inferops.assets import plotly_bundle
 from inferops.models import readable
 
 register = template.Library()
@@ -33,3 +35,9 @@ def utc(moment, precision: str = "minutes"):
     moment = moment.astimezone(UTC)
     text = moment.strftime("%Y-%m-%d %H:%M:%S" if precision == "seconds" else "%Y-%m-%d %H:%M")
     return format_html('<time datetime="{}">{} UTC</time>', moment.isoformat(), text)
+
+
+@register.simple_tag
+def plotly_src() -> str:
+    """The URL of the console's plotly.js, which names the bundle's digest (inferops.assets)."""
+    return reverse("plotly-js", args=[plotly_bundle().digest])
