@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from inferops import embedded
 
 STOP_GRACE_S = 15
+# The summary of where things are comes back this often (and on SIGUSR1), so the log never buries it.
+BANNER_EVERY_S = 600
 
 
 @dataclass
@@ -55,6 +57,45 @@ def password_lines(password: str | None) -> list[str]:
     if path.is_file():
         return [f"  log in as 'admin': the password made on the first run is in {path}"]
     return ["  log in with your existing admin user"]
+
+
+def banner(*, console: str, gateway: str, demo_key: str | None, login: list[str]) -> str:
+    """Where the console, the API and the logs are, and how to log in and call the demo: printed at
+    start, again every BANNER_EVERY_S and when the launcher gets SIGUSR1."""
+    key = demo_key or "shown on the first run only; create another on the Tenants page"
+    rule = "-" * 72
+    return "\n".join([
+        "", rule,
+        "inferops is running:",
+        f"  console   {console}/",
+        f"  REST API  {console}/api/v1/   (OpenAPI schema {console}/api/schema/, docs {console}/api/docs/)",
+        f"  health    {console}/healthz",
+        f"  gateway   {gateway}/v1   (OpenAI-compatible; API keys from Tenants)",
+        f"  demo key  {key}",
+        *login,
+        f"  logs      this terminal (web, gateway, worker, beat); replicas in {embedded.data_dir() / 'replicas'}",
+        f"  this summary repeats every {BANNER_EVERY_S // 60} min; `kill -USR1 {os.getpid()}` prints it now",
+        rule, "",
+    ])
+
+
+class BannerRepeat:
+    """When the banner is due again: `every_s` after it was last shown, or at once when asked."""
+
+    def __init__(self, every_s: float, now: float) -> None:
+        self.every_s = every_s
+        self.next_at = now + every_s
+        self.asked = False
+
+    def ask(self) -> None:
+        self.asked = True  # from a signal handler: the main loop prints, not the handler
+
+    def due(self, now: float) -> bool:
+        if not self.asked and now < self.next_at:
+            return False
+        self.asked = False
+        self.next_at = now + self.every_s
+        return True
 
 
 def prepare() -> tuple[str | None, str | None]:
@@ -185,24 +226,17 @@ def main(args) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    repeat = BannerRepeat(BANNER_EVERY_S, time.monotonic())
+    signal.signal(signal.SIGUSR1, lambda signum, frame: repeat.ask())
     try:
         for child in children(args):
             child.process = subprocess.Popen(child.argv, env=os.environ.copy())
             started.append(child)
         base = f"http://{args.host}:{args.port}"
-        lines = [
-            "",
-            "inferops is running:",
-            f"  console   {base}/",
-            f"  REST API  {base}/api/v1/   (OpenAPI schema {base}/api/schema/, docs {base}/api/docs/)",
-            f"  health    {base}/healthz",
-            f"  gateway   http://{args.host}:{args.gateway_port}/v1   (OpenAI-compatible; API keys from Tenants)",
-        ]
-        login = password_lines(password)
-        lines += login
-        lines.append("Press Ctrl-C to stop everything.\n")
-        print("\n".join(lines), flush=True)
         gateway = f"http://{args.host}:{args.gateway_port}"
+        login = password_lines(password)
+        summary = banner(console=base, gateway=gateway, demo_key=demo_key, login=login)
+        print(summary + "Press Ctrl-C to stop everything.\n", flush=True)
         threading.Thread(target=announce_demo_replica, args=(lambda: stopping, demo_instructions(gateway, demo_key)),
                          kwargs={"login": ("", *login)}, daemon=True).start()
         while not stopping:
@@ -212,6 +246,8 @@ def main(args) -> int:
                     crashed = child
                     stopping = True
                     break
+            if not stopping and repeat.due(time.monotonic()):
+                print(summary, flush=True)
             time.sleep(0.5)
     finally:
         print("Stopping...", flush=True)

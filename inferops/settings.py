@@ -321,14 +321,25 @@ CELERY_BEAT_SCHEDULE |= {
 # Celery then keeps Django's handler instead of installing its own plain one.
 LOG_JSON = env_str("INFEROPS_LOG_FORMAT", "").lower() == "json"
 CELERY_WORKER_HIJACK_ROOT_LOGGER = not LOG_JSON
+LOG_LEVEL = env_str("INFEROPS_LOG_LEVEL", "INFO").upper()
+# Celery logs each task "received" and "succeeded" at INFO and beat each "Sending due task": with
+# tasks every 2 s that is most of a day's log. They show at INFEROPS_LOG_LEVEL=DEBUG; a failed task
+# is an ERROR and always shows.
+TASK_LOG_LEVEL = "DEBUG" if LOG_LEVEL == "DEBUG" else "WARNING"
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"},
                    "json": {"()": "runtime.gateway.jsonlog.JsonFormatter"}},
+    "filters": {"refusal_without_traceback": {"()": "inferops.logfilters.RefusalWithoutTraceback"}},
     "handlers": {"console": {"class": "logging.StreamHandler",
                              "formatter": "json" if LOG_JSON else "plain"}},
-    "root": {"handlers": ["console"], "level": env_str("INFEROPS_LOG_LEVEL", "INFO")},
-    # One INFO line per HTTP request (health checks, scrapes) would drown everything else.
-    "loggers": {"httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {
+        # One INFO line per HTTP request (health checks, scrapes) would drown everything else.
+        "httpx": {"level": "WARNING"}, "httpcore": {"level": "WARNING"},
+        "celery.worker.strategy": {"level": TASK_LOG_LEVEL}, "celery.app.trace": {"level": TASK_LOG_LEVEL},
+        "celery.beat": {"level": TASK_LOG_LEVEL},
+        "django.request": {"filters": ["refusal_without_traceback"]},
+    },
 }
