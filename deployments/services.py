@@ -6,6 +6,8 @@ asks the reconcile loop to act on commit. The loop does the slow work; these ret
 
 from __future__ import annotations
 
+from functools import partial
+
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.utils import timezone
@@ -17,6 +19,7 @@ from deployments.models import Deployment
 from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
 from inferops.celery import enqueue
+from inferops.validators import Problems
 from registry.models import Alias, ModelVersion, RegisteredModel
 from runtime.gateway.contract import PREVIEW_SUFFIX
 
@@ -118,34 +121,107 @@ def request_reconcile(deployment: Deployment) -> None:
                                           expires=RECONCILE_TASK_EXPIRES_S))
 
 
-def deployment_create(*, name: str, model: RegisteredModel, actor, version: int | None = None,
-                      alias: str | None = None, backend: str = Backend.BUILTIN,
-                      driver: str = DriverName.LOCAL, replicas: int = 1, min_replicas: int | None = None,
-                      max_replicas: int | None = None, autoscale: bool = False,
-                      engine_args: dict | None = None, resources: dict | None = None) -> Deployment:
+def check_name(name: str) -> None:
     if name.endswith(PREVIEW_SUFFIX):
         raise ValidationError({"name": [f"Names ending in {PREVIEW_SUFFIX!r} are reserved for rollout previews."]})
-    pinned = resolve_version(model, version=version, alias=alias)
-    min_replicas = replicas if min_replicas is None else min_replicas
-    max_replicas = max(replicas, min_replicas) if max_replicas is None else max_replicas
-    validate_sizes(replicas, min_replicas, max_replicas)
+
+
+def taken_text(name: str) -> str:
+    return f"A deployment named {name!r} already exists."
+
+
+def deployment_build(*, name: str = "", model: RegisteredModel | None = None, version: int | None = None,
+                     alias: str | None = None, backend: str = Backend.BUILTIN, driver: str = DriverName.LOCAL,
+                     replicas: int = 1, min_replicas: int | None = None, max_replicas: int | None = None,
+                     autoscale: bool = False, engine_args: dict | None = None, resources: dict | None = None,
+                     refused: frozenset | set = frozenset()) -> Deployment:
+    """The deployment these would create, unsaved, after every check in one pass: one ValidationError
+    names all the problems (a taken name among them; a taken name alone is a Conflict). `refused`:
+    fields the caller could not read (a console form's bad input), whose checks are skipped."""
+    def known(*fields) -> bool:
+        return not refused.intersection(fields)
+
+    problems = Problems()
+    if known("name"):
+        problems.check(check_name, name)
+    pinned = None
+    if model is not None and known("model", "version", "alias"):
+        pinned = problems.check(resolve_version, model, version=version, alias=alias)
+    if known("replicas", "min_replicas", "max_replicas"):
+        min_replicas = replicas if min_replicas is None else min_replicas
+        max_replicas = max(replicas, min_replicas) if max_replicas is None else max_replicas
+        problems.check(validate_sizes, replicas, min_replicas, max_replicas)
+    engine_args = problems.check(validate_engine_args, backend, engine_args or {}) if known(
+        "backend", "engine_args") else None
+    resources = problems.check(validate_resources, resources or {}) if known("resources") else None
+    if None not in (pinned, engine_args, resources) and known("driver"):
+        problems.check(validate_runnable, version=pinned, backend=backend, driver=driver, engine_args=engine_args,
+                       resources=resources)
     deployment = Deployment(
         name=name, model=model, version=pinned, alias=alias or "", backend=backend, driver=driver,
         replicas=replicas, min_replicas=min_replicas, max_replicas=max_replicas, autoscale=autoscale,
-        engine_args=validate_engine_args(backend, engine_args or {}),
-        resources=validate_resources(resources or {}),
-        created_by=actor if getattr(actor, "pk", None) else None,
-    )
-    validate_runnable(version=pinned, backend=backend, driver=driver, engine_args=deployment.engine_args,
-                      resources=deployment.resources)
-    deployment.full_clean(validate_unique=False)
+        engine_args=engine_args, resources=resources)
+    if not problems.errors and not refused:  # the model's own field checks, on a complete row
+        problems.check(deployment.full_clean, validate_unique=False)
+    taken = known("name") and bool(name) and Deployment.objects.filter(name=name).exists()
+    if taken and problems.errors:
+        problems.errors.setdefault("name", []).append(taken_text(name))
+    problems.raise_any()
+    if taken:
+        raise Conflict(taken_text(name))
+    return deployment
+
+
+def deployment_create(*, name: str, model: RegisteredModel, actor, **spec) -> Deployment:
+    deployment = deployment_build(name=name, model=model, **spec)
+    deployment.created_by = actor if getattr(actor, "pk", None) else None
     try:
         with transaction.atomic():
             deployment.save()
             audit_record(actor=actor, action="deployment.create", obj=deployment, after=snapshot(deployment))
             request_reconcile(deployment)
-    except IntegrityError:
-        raise Conflict(f"A deployment named {name!r} already exists.") from None
+    except IntegrityError:  # taken since the check
+        raise Conflict(taken_text(name)) from None
+    return deployment
+
+
+def apply_changes(deployment: Deployment, *, version: int | None = None, alias: str | None = None,
+                  refused: frozenset | set = frozenset(), **changes) -> Deployment:
+    """Set the changes on `deployment` (not saved) after every check in one pass: one ValidationError
+    names all the problems. `refused`: fields the caller could not read, whose checks are skipped."""
+    def known(*fields) -> bool:
+        return not refused.intersection(fields)
+
+    problems = Problems()
+    spec_known = known("version", "alias", "engine_args", "resources")
+    if (version is not None or alias) and known("version", "alias"):
+        if (pinned := problems.check(resolve_version, deployment.model, version=version, alias=alias)) is None:
+            spec_known = False
+        else:
+            deployment.version, deployment.alias = pinned, alias or ""
+    spec_changed = version is not None or alias or "engine_args" in changes or "resources" in changes
+    for field, check in (("engine_args", partial(validate_engine_args, deployment.backend)),
+                         ("resources", validate_resources)):
+        if field in changes:
+            checked = problems.check(check, changes.pop(field))
+            if checked is None:
+                spec_known = False
+            else:
+                setattr(deployment, field, checked)
+    for field, value in changes.items():
+        setattr(deployment, field, value)
+    if "replicas" in changes and "min_replicas" not in changes and deployment.replicas < deployment.min_replicas:
+        deployment.min_replicas = deployment.replicas  # an explicit scale-down moves the floor with it
+    if "replicas" in changes and "max_replicas" not in changes and deployment.replicas > deployment.max_replicas:
+        deployment.max_replicas = deployment.replicas
+    if known("replicas", "min_replicas", "max_replicas"):
+        problems.check(validate_sizes, deployment.replicas, deployment.min_replicas, deployment.max_replicas)
+    if spec_known and spec_changed:
+        problems.check(validate_runnable, version=deployment.version, backend=deployment.backend,
+                       driver=deployment.driver, engine_args=deployment.engine_args, resources=deployment.resources)
+    if not problems.errors and not refused:
+        problems.check(deployment.full_clean, validate_unique=False)
+    problems.raise_any()
     return deployment
 
 
@@ -164,26 +240,9 @@ def deployment_update(*, deployment: Deployment, actor, version: int | None = No
                            "args change through it (promote or abort it first).")
         if changes_spec:  # a direct change of version is a rollout without the analysis
             check_frozen(locked, rollback=False, refused="version and engine-args changes are refused")
-        if version is not None or alias:
-            locked.version = resolve_version(locked.model, version=version, alias=alias)
-            locked.alias = alias or ""
-        if "engine_args" in changes:
-            changes["engine_args"] = validate_engine_args(locked.backend, changes["engine_args"])
-        if "resources" in changes:
-            changes["resources"] = validate_resources(changes["resources"])
-        for field, value in changes.items():
-            setattr(locked, field, value)
-        if "replicas" in changes and "min_replicas" not in changes and locked.replicas < locked.min_replicas:
-            locked.min_replicas = locked.replicas  # an explicit scale-down moves the floor with it
-        if "replicas" in changes and "max_replicas" not in changes and locked.replicas > locked.max_replicas:
-            locked.max_replicas = locked.replicas
-        validate_sizes(locked.replicas, locked.min_replicas, locked.max_replicas)
-        if changes_spec or "resources" in changes:
-            validate_runnable(version=locked.version, backend=locked.backend, driver=locked.driver,
-                              engine_args=locked.engine_args, resources=locked.resources)
+        apply_changes(locked, version=version, alias=alias, **changes)
         if locked.status == DeploymentStatus.READY and (version is not None or alias or "replicas" in changes):
             locked.status = DeploymentStatus.PROGRESSING
-        locked.full_clean(validate_unique=False)
         locked.save()
         audit_record(actor=actor, action="deployment.update", obj=locked, before=before, after=snapshot(locked))
         request_reconcile(locked)

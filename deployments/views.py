@@ -30,6 +30,7 @@ from deployments.rollout_gate import gate
 from deployments.rollout_series import rollout_series
 from deployments.rollout_spec import DEFAULT_CANARY_STEPS
 from inferops.api import Conflict
+from inferops.forms import serializer_check
 from inferops.panels import safe_next
 from inferops.roles import require_operator
 from registry.models import RegisteredModel
@@ -67,9 +68,13 @@ FIELD_WORDS = {"min_replicas": "minimum replicas", "max_replicas": "maximum repl
 RESOURCE_FIELDS = ("cpu", "memory", "gpu_type", "gpu_count")
 # Errors on API fields the form asks for through another field.
 FORM_FIELD = {"model": "version", "alias": "version", "engine_args": "engine_args"}
+# The API fields a form field stands for: when the form refuses it, the API's checks skip those.
+API_FIELDS = {"version": ("model", "version", "alias"), **{key: ("resources",) for key in RESOURCE_FIELDS}}
 
 
 def readable(text: str) -> str:
+    if re.match(r"\w+: ", text):  # "<engine key>: reason": the key as the engine spells it
+        return text
     for field, words in FIELD_WORDS.items():
         text = re.sub(rf"\b{field}\b", words, text)
     return text[:1].upper() + text[1:]
@@ -139,8 +144,15 @@ class DeploymentFields(forms.Form):
     def sections(self) -> list[tuple[str, list]]:
         return [(title, [self[name] for name in names if name in self.fields]) for title, names in self.SECTIONS]
 
-    def resources(self) -> dict:
+    def refused(self) -> set[str]:
+        """The API fields behind the fields the form holds errors on."""
+        return {api for field in self.errors for api in API_FIELDS.get(field, (field,))}
+
+    def resources(self) -> dict | None:
+        """The resources typed, in the API's shape; None when one of their fields was refused."""
         data = self.cleaned_data
+        if any(key not in data for key in RESOURCE_FIELDS):
+            return None
         found = {key: data[key].strip() if isinstance(data[key], str) else data[key] for key in RESOURCE_FIELDS}
         if found["cpu"]:
             found["cpu"] = cpu_value(found["cpu"])
@@ -179,14 +191,29 @@ class DeploymentForm(DeploymentFields):
             RegisteredModel.objects.prefetch_related("versions", "aliases__version").order_by("name"))
 
     def api_body(self) -> dict:
+        """What the form read, in the API's names; a field it refused is left out."""
         data = self.cleaned_data
-        model, number, alias = parse_version_choice(data["version"])
-        body = {"name": data["name"].strip(), "model": model, "backend": data["backend"], "driver": data["driver"],
-                "replicas": data["replicas"], "autoscale": data["autoscale"], "engine_args": data["engine_args"],
-                "resources": self.resources()}
-        body.update({"version": number} if number is not None else {"alias": alias})
-        body.update({key: data[key] for key in ("min_replicas", "max_replicas") if data[key] is not None})
+        body = {key: data[key] for key in ("backend", "driver", "replicas", "autoscale", "engine_args",
+                                           "min_replicas", "max_replicas") if data.get(key) is not None}
+        if "name" in data:
+            body["name"] = data["name"].strip()
+        if "version" in data:
+            model, number, alias = parse_version_choice(data["version"])
+            body.update({"model": model, "version": number} if number is not None else {"model": model, "alias": alias})
+        if (resources := self.resources()) is not None:
+            body["resources"] = resources
         return body
+
+    def create(self, actor):
+        """Every check in one pass (the form's, the API serializer's, the service's), each error beside
+        its field; the deployment, written only when nothing was refused (else None)."""
+        self.is_valid()
+        data, errors = serializer_check(DeploymentCreateSerializer, self.api_body(), refused=self.refused())
+        self.add_api_errors(errors)
+        if self.errors:  # the service judges what was read, and writes nothing
+            self.write(lambda: services.deployment_build(**data, refused=self.refused() | set(errors)))
+            return None
+        return self.write(lambda: services.deployment_create(actor=actor, **data))
 
 
 class DeploymentEditForm(DeploymentFields):
@@ -200,16 +227,27 @@ class DeploymentEditForm(DeploymentFields):
         self.fields["version"].choices = version_choices([deployment.model])
 
     def changes(self) -> dict:
-        """What differs from the deployment, in the API's names (a PATCH body)."""
-        data, deployment = self.cleaned_data, self.deployment
-        _, number, alias = parse_version_choice(data["version"])
-        changes = {"alias": alias} if alias else {"version": number} if number != deployment.version.number else {}
+        """What differs from the deployment, in the API's names (a PATCH body); a refused field is left out."""
+        data, deployment, changes = self.cleaned_data, self.deployment, {}
+        if "version" in data:
+            _, number, alias = parse_version_choice(data["version"])
+            changes = {"alias": alias} if alias else {"version": number} if number != deployment.version.number else {}
         for key in ("replicas", "autoscale", "paused", "engine_args", "min_replicas", "max_replicas"):
-            if data[key] is not None and data[key] != getattr(deployment, key):
+            if data.get(key) is not None and data[key] != getattr(deployment, key):
                 changes[key] = data[key]
-        if self.resources() != deployment.resources:
-            changes["resources"] = self.resources()
+        if (resources := self.resources()) is not None and resources != deployment.resources:
+            changes["resources"] = resources
         return changes
+
+    def review(self) -> dict:
+        """The changes as the API reads them, after every check in one pass (the form's, the API
+        serializer's, the service's on a copy of the deployment), each error beside its field."""
+        self.is_valid()
+        data, errors = serializer_check(DeploymentUpdateSerializer, self.changes(), refused=self.refused())
+        self.add_api_errors(errors)
+        copy = deployment_queryset().get(pk=self.deployment.pk)  # the service sets the changes on it
+        self.write(lambda: services.apply_changes(copy, **data, refused=self.refused() | set(errors)))
+        return data
 
 
 def edit_initial(deployment) -> dict:
@@ -265,15 +303,10 @@ def deployment_create(request):
     require_operator(request, "Changing deployments")
     form = DeploymentForm(request.POST or None)
     if request.method == "POST":
-        if form.is_valid():
-            serializer = DeploymentCreateSerializer(data=form.api_body())
-            if not serializer.is_valid():
-                form.add_api_errors(serializer.errors)
-            elif created := form.write(lambda: services.deployment_create(
-                    actor=request.user, **serializer.validated_data)):
-                messages.success(request, f"Deployment {created.name} created: v{created.version.number} "
-                                          f"on {created.replicas} replica(s).")
-                return redirect("deployments:detail", name=created.name)
+        if created := form.create(request.user):
+            messages.success(request, f"Deployment {created.name} created: v{created.version.number} "
+                                      f"on {created.replicas} replica(s).")
+            return redirect("deployments:detail", name=created.name)
         return render(request, "deployments/form.html", {"form": form, "title": "New deployment"}, status=400)
     return render(request, "deployments/form.html", {"form": form, "title": "New deployment"})
 
@@ -288,22 +321,19 @@ def deployment_edit(request, name: str):
     context = {"form": form, "title": f"Change {name}", "deployment": deployment}
     if request.method != "POST":
         return render(request, "deployments/form.html", context)
-    if not form.is_valid():
+    validated = form.review()
+    if form.errors:
         return render(request, "deployments/form.html", context, status=400)
     changes = form.changes()
     if not changes:
         form.add_error(None, f"Nothing to change: every value is what {name} has now.")
-        return render(request, "deployments/form.html", context, status=400)
-    serializer = DeploymentUpdateSerializer(data=changes)
-    if not serializer.is_valid():
-        form.add_api_errors(serializer.errors)
         return render(request, "deployments/form.html", context, status=400)
     token = changes_token(deployment, changes)
     if request.POST.get("confirm") != token:
         return render(request, "deployments/form.html", {**context, "diff": change_rows(deployment, changes),
                                                          "diff_token": token})
     updated = form.write(lambda: services.deployment_update(deployment=deployment, actor=request.user,
-                                                            **serializer.validated_data))
+                                                            **validated))
     if updated is None:
         return render(request, "deployments/form.html", context, status=400)
     messages.success(request, f"{name} changed: " + "; ".join(

@@ -17,3 +17,17 @@ def apply_service(form, call):
     except Conflict as exc:
         form.add_error("name" if "name" in form.fields else None, str(exc.detail))
     return None
+
+
+def serializer_check(serializer_class, body: dict, *, refused=(), **kwargs) -> tuple[dict, dict]:
+    """An API serializer's judgement of a console form's body even when some fields were refused by
+    the form already (`refused`, left out of the body): (validated data of the fields it accepts,
+    its errors on the others). Its errors on the refused fields are dropped: the form has said them."""
+    serializer = serializer_class(data=body, **kwargs)
+    if serializer.is_valid():
+        return dict(serializer.validated_data), {}
+    errors = {field: texts for field, texts in serializer.errors.items() if field not in refused}
+    # The fields that passed, again on their own, so a service can still judge them in the same pass.
+    passing = serializer_class(data={key: value for key, value in body.items() if key not in serializer.errors},
+                               partial=True, **kwargs)
+    return (dict(passing.validated_data) if passing.is_valid() else {}), errors

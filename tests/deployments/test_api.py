@@ -112,6 +112,18 @@ def test_duplicate_unknown_and_unchangeable(api, tiny_model):
     assert response.status_code == 400
 
 
+def test_every_problem_of_a_create_is_named_in_one_400(api, tiny_model):
+    client = api("operator")
+    create(client)
+    response = create(client, version=9, min_replicas=3, max_replicas=2, engine_args={"no_such_option": 1},
+                      resources={"gpus": 2})
+    assert response.status_code == 400
+    errors = response.json()
+    assert set(errors) == {"name", "version", "min_replicas", "engine_args", "resources"}, errors
+    assert errors["name"] == ["A deployment named 'chat' already exists."]
+    assert Deployment.objects.count() == 1
+
+
 def test_delete_marks_for_draining(api, tiny_model):
     client = api("operator")
     create(client)

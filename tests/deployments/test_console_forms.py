@@ -122,6 +122,62 @@ def test_a_taken_name_is_a_conflict_beside_the_name(operator, deployment):
     assert Deployment.objects.count() == 1
 
 
+def errors_by_field(response) -> dict[str, list[str]]:
+    """The errors the page shows, by the field they sit beside ("" for the form's own)."""
+    page = response.content.decode()
+    found = {"": [html.unescape(e) for e in re.findall(r'<li class="error"[^>]*>(.*?)</li>', page)]}
+    for name, block in re.findall(r'<p class="field field-([\w]+)">(.*?)</p>', page, re.S):
+        found[name] = [html.unescape(e) for e in re.findall(r'<span class="error"[^>]*>(.*?)</span>', block)]
+    return found
+
+
+def test_every_create_error_shows_after_one_submit(operator, deployment):
+    response = operator.post("/deployments/new/", create_form(
+        version="", engine_args='{"no_such_option": 1}', min_replicas="3", max_replicas="2", gpu_count="x"))
+    assert response.status_code == 400
+    errors = errors_by_field(response)
+    assert errors["version"] == ["This field is required."]
+    assert errors["name"] == ["A deployment named 'chat' already exists."]  # checked although the version is missing
+    assert errors["engine_args"] == ["no_such_option: not an option of the built-in engine (see `inferops serve "
+                                     "--help`)"]
+    assert errors["min_replicas"] == ["Minimum replicas (3) exceeds maximum replicas (2)."]
+    assert errors["gpu_count"] == ["Enter a whole number."]
+    assert Deployment.objects.count() == 1 and not AuditEvent.objects.filter(action="deployment.create").exists()
+
+    # Bad JSON beside a bad name and a missing version: all three at once.
+    errors = errors_by_field(operator.post("/deployments/new/", create_form(
+        name="Chat_1", version="", engine_args='{"max_num_seqs": ')))
+    assert errors["name"] == ["Use 1-63 lowercase letters, digits and hyphens, starting and ending with a letter or "
+                              "digit."]
+    assert errors["version"] == ["This field is required."]
+    assert errors["engine_args"][0].startswith("Not valid JSON")
+    assert Deployment.objects.count() == 1
+
+
+def test_a_reserved_name_is_named_beside_a_bad_size(operator, deployment):
+    errors = errors_by_field(operator.post("/deployments/new/", create_form(name="chat--preview", replicas="300")))
+    assert errors["name"] == ["Names ending in '--preview' are reserved for rollout previews."]
+    assert errors["replicas"] == ["Ensure this value is less than or equal to 256."]
+    assert Deployment.objects.count() == 1
+
+
+def test_every_edit_error_shows_before_the_review(operator, deployment):
+    response = operator.post("/deployments/chat/edit/", edit_form(
+        deployment, engine_args='{"no_such_option": 1}', min_replicas="2", max_replicas="1", gpu_count="x"))
+    assert response.status_code == 400 and "Review the change" not in text_of(response)
+    errors = errors_by_field(response)
+    assert any("no_such_option" in e for e in errors["engine_args"])
+    assert errors["min_replicas"] == ["Minimum replicas (2) exceeds maximum replicas (1)."]
+    assert errors["gpu_count"] == ["Enter a whole number."]
+    errors = errors_by_field(operator.post("/deployments/chat/edit/", edit_form(
+        deployment, engine_args="[1", min_replicas="2", max_replicas="1")))
+    assert errors["engine_args"][0].startswith("Not valid JSON")
+    assert errors["min_replicas"] == ["Minimum replicas (2) exceeds maximum replicas (1)."]
+    deployment.refresh_from_db()
+    assert (deployment.min_replicas, deployment.engine_args) == (1, {})
+    assert not AuditEvent.objects.filter(action="deployment.update").exists()
+
+
 def test_scaling_shows_the_diff_and_applies_only_when_confirmed(operator, deployment):
     response = operator.post("/deployments/chat/edit/", edit_form(deployment, replicas="3", version="tiny:2"))
     assert response.status_code == 200
@@ -165,11 +221,9 @@ def test_resources_autoscaling_and_alias_change_through_the_diff(operator, deplo
 def test_edit_refusals_are_named_and_nothing_changes(operator, deployment):
     response = operator.post("/deployments/chat/edit/", edit_form(deployment))
     assert response.status_code == 400 and "Nothing to change: every value is what chat has now." in text_of(response)
-    page = text_of(operator.post("/deployments/chat/edit/", edit_form(deployment, min_replicas="2", max_replicas="1")))
-    token = re.search(r'name="confirm" value="(\w+)"', page)[1]
-    response = operator.post("/deployments/chat/edit/", {**edit_form(deployment, min_replicas="2", max_replicas="1"),
-                                                         "confirm": token})
-    assert response.status_code == 400
+    # Refused at the review already: no diff is offered for a change the service would refuse.
+    response = operator.post("/deployments/chat/edit/", edit_form(deployment, min_replicas="2", max_replicas="1"))
+    assert response.status_code == 400 and "Review the change" not in text_of(response)
     assert "Minimum replicas (2) exceeds maximum replicas (1)." in text_of(response)
     deployment.refresh_from_db()
     assert (deployment.min_replicas, deployment.max_replicas) == (1, 1)
