@@ -18,6 +18,8 @@ from inferops.roles import OPERATOR, has_role
 from slo.budget import MINUTE, floor_minute
 
 CHART_SPAN = timedelta(hours=6)
+# A policy minutes old is charted over this much, so its window's burn has room to show.
+CHART_SPAN_MIN = timedelta(minutes=15)
 
 
 def degradation_panel(request, deployment: Deployment) -> str:
@@ -66,12 +68,18 @@ def action_lines(actions: dict | None) -> list[str]:
     return lines
 
 
+def chart_span(policy: DegradationPolicy, now: datetime) -> tuple[datetime, datetime]:
+    """From the policy's creation to now: at least CHART_SPAN_MIN, at most the last CHART_SPAN."""
+    end = floor_minute(now)
+    start = min(max(floor_minute(policy.created_at), end - CHART_SPAN), end - CHART_SPAN_MIN)
+    return start, end
+
+
 def chart_data(deployment: Deployment, policy: DegradationPolicy, level_now: int, now: datetime) -> dict:
     """The level as a step line over the chart's span, and each watched SLO's burn over the
-    policy's window at every minute: what the engine saw (or would have, for a newer policy)."""
-    end = floor_minute(now)
-    start = end - CHART_SPAN
-    moments = [start + index * MINUTE for index in range(CHART_SPAN // MINUTE + 1)]
+    policy's window at every minute: what the engine saw (or would have, before an edit)."""
+    start, end = chart_span(policy, now)
+    moments = [start + index * MINUTE for index in range((end - start) // MINUTE + 1)]
     slos = watched_slos(policy)
     series = burn_rate_series(slos, policy.window_minutes, moments)
     # As in the engine, an SLO with too few requests in the window shows no burn (a gap).

@@ -24,6 +24,7 @@ from degradation.models import DegradationPolicy
 from deployments.api import deployment_queryset
 from deployments.views import render_detail
 from inferops.api import Conflict
+from inferops.forms import serializer_check
 from inferops.panels import safe_next
 from inferops.roles import require_operator
 
@@ -86,9 +87,9 @@ class PolicyForm(forms.Form):
         self.fields["slos"].choices = [(name, name) for name in names]
 
     def api_body(self) -> dict:
-        data = self.cleaned_data
-        return {"enabled": data["enabled"], "window": data["window"], "hold_s": data["hold_s"],
-                "slos": data["slos"], "levels": data["levels"]}
+        """What the form read; a field it refused (levels that are not JSON) is left out."""
+        return {key: self.cleaned_data[key] for key in ("enabled", "window", "hold_s", "slos", "levels")
+                if key in self.cleaned_data}
 
 
 class OverrideForm(forms.Form):
@@ -143,12 +144,12 @@ def submit(request, deployment, form: forms.Form, serializer_class, context: dic
     says what it did. On any error: the deployment page again, this form showing its errors; a form
     posted from another page (an alert's, its `next`) goes back there with the errors as a message."""
     back = safe_next(request)
-    if form.is_valid():
-        serializer = serializer_class(data=form.api_body(), context=context)
-        if serializer.is_valid():
-            messages.success(request, apply(serializer.validated_data))
-            return redirect(back or console_url(deployment.name))
-        add_api_errors(form, serializer.errors)
+    form.is_valid()  # the serializer judges every field the form could read, in the same pass
+    data, errors = serializer_check(serializer_class, form.api_body(), refused=set(form.errors), context=context)
+    add_api_errors(form, errors)
+    if not form.errors:
+        messages.success(request, apply(data))
+        return redirect(back or console_url(deployment.name))
     if back:
         messages.error(request, " ".join(f"{field}: {' '.join(errors)}" if field != "__all__" else " ".join(errors)
                                          for field, errors in form.errors.items()))

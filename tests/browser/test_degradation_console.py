@@ -42,9 +42,22 @@ def test_operator_creates_a_policy_forces_a_level_and_clears_it(live_server, pag
     page.goto(f"{live_server.url}/deployments/chat/")
     assert "No degradation policy" in page.locator("#degradation-none").inner_text()
 
-    # A bad policy: the serializer's message under the levels box, the box keeping what was typed.
+    # Levels that are not JSON, a window in hours and a negative hold: all three named after one submit.
     page.click("#degradation-policy summary")
     page.check("#degradation-policy-form >> text=chat-ttft")
+    page.fill("#id_policy-levels", "[{oops")
+    page.fill("#id_policy-window", "2h")
+    page.fill("#id_policy-hold_s", "-5")
+    page.click("#degradation-policy-save")
+    form = page.locator("#degradation-policy-form")
+    expect(form.locator(".field-levels .error")).to_contain_text("Not valid JSON")
+    expect(form.locator(".field-window .error")).to_contain_text("Give whole minutes from 1m to 1h")
+    expect(form.locator(".field-hold_s .error")).to_have_text("Ensure this value is greater than or equal to 0.")
+    assert not DegradationPolicy.objects.exists()
+    page.fill("#id_policy-window", "5m")
+    page.fill("#id_policy-hold_s", "60")
+
+    # A bad policy: the serializer's message under the levels box, the box keeping what was typed.
     bad = json.dumps([{**LEVELS[0], "exit_burn_rate": 9}])
     page.fill("#id_policy-levels", bad)
     page.click("#degradation-policy-save")
@@ -61,9 +74,18 @@ def test_operator_creates_a_policy_forces_a_level_and_clears_it(live_server, pag
     expect(page.locator("#degradation-level")).to_have_text("level 0 · normal")
     assert DegradationPolicy.objects.get().hold_s == 30
 
-    # The chart: the burn of the current minute behind the level line.
+    # The chart: the burn of the current minute behind the level line, over the policy's quarter hour
+    # (not six hours), the level and burn axes titled and their zeros at one height.
     page.wait_for_selector("#degradation-chart.js-plotly-plot")
     assert int(page.locator("#degradation-chart").get_attribute("data-points")) > 2
+    layout = page.evaluate("""() => { const l = document.getElementById("degradation-chart")._fullLayout;
+        const zero = a => -a.range[0] / (a.range[1] - a.range[0]);
+        return {span: new Date(l.xaxis.range[1]) - new Date(l.xaxis.range[0]), zeros: [zero(l.yaxis), zero(l.yaxis2)],
+                titles: [l.yaxis.title.text, l.yaxis2.title.text], ticks: l.yaxis2.tickvals}; }""")
+    assert layout["span"] == 15 * 60 * 1000
+    assert layout["zeros"][0] == pytest.approx(layout["zeros"][1])
+    assert layout["titles"] == ["burn rate (× budget rate)", "level"]
+    assert layout["ticks"] == [0, 1, 2]
 
     page.select_option("#id_override-level", "1")
     page.fill("#id_override-until", "30m")

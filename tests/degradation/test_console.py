@@ -126,6 +126,27 @@ def test_a_bad_policy_shows_its_field_error_and_writes_nothing(browser_as, deplo
     assert not DegradationPolicy.objects.exists() and not DegradationState.objects.exists()
 
 
+def test_every_policy_error_shows_after_one_submit(browser_as, deployment, slo):
+    """Levels that are not JSON no longer hide the serializer's verdict on the other fields."""
+    operator = browser_as("operator")
+    response = operator.post(POLICY, policy_form(**{
+        "policy-levels": "[{oops", "policy-window": "2h", "policy-hold_s": "soon", "policy-slos": ["nope"]}))
+    assert response.status_code == 400
+    page = response.content.decode()
+    for message in ("Not valid JSON", "Give whole minutes from 1m to 1h", "A valid integer is required.",
+                    "Unknown SLO &#x27;nope&#x27;"):
+        assert message in page
+    assert "This field is required." not in page  # the levels' own error stands alone
+    # Two bad levels: each named, with the window, at once.
+    levels = [{**LEVELS[0], "exit_burn_rate": 6}, {**LEVELS[1], "enter_burn_rate": "lots"}]
+    page = operator.post(POLICY, policy_form(**{
+        "policy-levels": json.dumps(levels), "policy-window": "90s"})).content.decode()
+    assert "levels[0].exit_burn_rate: The exit rate (6) must not be above the entry rate (5)" in page
+    assert "levels[1].enter_burn_rate: A valid number is required." in page
+    assert "Give whole minutes from 1m to 1h" in page
+    assert not DegradationPolicy.objects.exists() and not DegradationState.objects.exists()
+
+
 def test_error_lines_name_the_path_of_each_nested_message():
     errors = {"levels": [{}, {"actions": {"non_field_errors": ["needs one"], "fallback": {"weight": ["x"]}}}],
               "slos": ["unknown"]}
@@ -200,10 +221,19 @@ def test_the_chart_has_the_level_steps_and_the_burn_behind_them(browser_as, depl
     response = browser_as("viewer").get(PAGE)
     chart = chart_of(response)
     burn = chart["burn"]["chat-ttft"]
-    assert len(chart["times"]) == len(burn) == 6 * 60 + 1  # every minute of the last 6 hours
+    assert len(chart["times"]) == len(burn) == 15 + 1  # a fresh policy: every minute of the last 15
     assert burn[-1] == pytest.approx(50.0) and burn[0] is None  # no requests then: a gap, not a zero
     assert chart["level"]["y"] == [0, 1, 1]  # before, at the change, now
     assert chart["level_names"] == ["normal", "shed-batch", "short-answers"]
     assert chart["entry_rates"] == [{"name": "shed-batch", "rate": 5}, {"name": "short-answers", "rate": 20}]
     assert chart["window"] == "5m"
     assert 'id="degradation-chart"' in response.content.decode()
+
+
+@pytest.mark.parametrize(("age", "minutes"), [(timedelta(0), 15), (timedelta(minutes=40), 40),
+                                             (timedelta(days=2), 6 * 60)])
+def test_the_chart_spans_the_policys_life_between_a_quarter_hour_and_six_hours(browser_as, policy, age, minutes):
+    DegradationPolicy.objects.filter(pk=policy.pk).update(created_at=timezone.now() - age)
+    chart = chart_of(browser_as("viewer").get(PAGE))
+    assert len(chart["times"]) == minutes + 1
+    assert chart["level"]["x"][0] == chart["times"][0]
