@@ -1,5 +1,6 @@
 """The deployment page in a real Chromium: it follows replicas that change state in the database
-without a reload, and draws the error-rate chart (shed requests included) with event markers."""
+without a reload, draws the error-rate chart (shed requests included) with event markers, and
+lists the API keys that may call it."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from datetime import timedelta
 import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
+from playwright.sync_api import expect
 
 from deployments.choices import ReplicaState
 from deployments.models import Deployment, Replica, ReplicaMetricsMinute, Rollout
 from registry.models import RegisteredModel
 from tenants.models import UsageEvent
+from tenants.services import key_create, tenant_create
 from tests.browser.conftest import log_in
 from tests.deployments.conftest import make_version
 
@@ -107,3 +110,27 @@ def test_error_rate_chart_counts_shed_requests_and_marks_events(live_server, pag
                            " return (new Date(r[1]) - new Date(r[0])) / 1000; })()")
     assert span_s >= 3600
     page.screenshot(path=str(tmp_path / "deployment-live.png"), full_page=True)
+
+
+def test_the_page_lists_the_keys_that_may_call_it(live_server, page, scaling_deployment):
+    chat = scaling_deployment[0]
+    Deployment.objects.create(name="embed", model=chat.model, version=chat.version)
+    acme, beta = tenant_create(name="acme", actor=None), tenant_create(name="beta", actor=None)
+    scoped, secret = key_create(tenant=acme, name="ci-pipeline", actor=None, deployments=["chat"])
+    key_create(tenant=beta, name="embedder", actor=None, deployments=["embed"])
+    key_create(tenant=beta, name="everything", actor=None)
+
+    log_in(page, live_server.url, "look", "pw-look-123456")
+    page.goto(f"{live_server.url}/deployments/chat/")
+    panel = page.locator("#keys-panel")
+    rows = panel.locator("#deployment-keys tbody tr")
+    expect(rows).to_have_count(1)
+    expect(rows.first).to_have_attribute("data-prefix", scoped.prefix)
+    expect(rows.first).to_contain_text("ci-pipeline")
+    expect(panel.locator("#unscoped-keys")).to_contain_text(
+        "1 key with no deployment scope reaches every deployment, this one included: beta (1).")
+    assert secret not in page.content()
+    with page.expect_navigation():
+        rows.first.get_by_role("link", name="acme").click()
+    assert page.url == f"{live_server.url}/tenants/acme/#keys"
+    expect(page.locator(f"#keys tr[data-prefix='{scoped.prefix}']")).to_be_visible()
