@@ -65,14 +65,14 @@ class AuditEvent(models.Model):
 
     def changes(self) -> list[tuple[str, str, str]]:
         """(field, before, after) for every field the write changed, values as a person reads them;
-        a create has only afters, a delete only befores (shown as "—")."""
+        a create has only afters, a delete only befores (shown as "—"). A field that is empty on the
+        one side it has (a create's unset options) changed nothing a person needs to read."""
         before, after = self.before or {}, self.after or {}
         if not isinstance(before, dict) or not isinstance(after, dict):
             return [("", readable(self.before), readable(self.after))]
         fields = [*before, *(key for key in after if key not in before)]
         return [(field, readable(before.get(field)), readable(after.get(field)))
-                for field in fields
-                if field not in before or field not in after or before[field] != after[field]]
+                for field in fields if changed(before, after, field)]
 
 
 class Created(models.Model):
@@ -96,9 +96,19 @@ class Authored(Created):
         abstract = True
 
 
+def empty(value) -> bool:
+    return value is None or value == "" or value == [] or value == {}
+
+
+def changed(before: dict, after: dict, field: str) -> bool:
+    if field in before and field in after:
+        return before[field] != after[field]
+    return not empty(before.get(field, after.get(field)))
+
+
 def readable(value) -> str:
     """A JSON value as one line a person reads: text unquoted, empty as "—", nested values as JSON."""
-    if value is None or value == "" or value == [] or value == {}:
+    if empty(value):
         return "—"
     if isinstance(value, bool):
         return "yes" if value else "no"
@@ -106,4 +116,4 @@ def readable(value) -> str:
         return str(value)
     if isinstance(value, list) and all(isinstance(item, str | int | float) for item in value):
         return ", ".join(str(item) for item in value)
-    return json.dumps(value, sort_keys=True, separators=(", ", ": "))
+    return json.dumps(value, sort_keys=True, separators=(", ", ": "), ensure_ascii=False)

@@ -131,5 +131,8 @@ def test_changes_read_as_values_not_python():
     event = AuditEvent(before=None, after={"name": "chat", "enabled": True, "tags": ["a", "b"], "limits": {"rpm": 5},
                                            "note": ""})
     assert event.changes() == [("name", "—", "chat"), ("enabled", "—", "yes"), ("tags", "—", "a, b"),
-                               ("limits", "—", '{"rpm": 5}'), ("note", "—", "—")]
-    assert AuditEvent(before={"a": 1, "b": 2}, after=None).changes() == [("a", "1", "—"), ("b", "2", "—")]
+                               ("limits", "—", '{"rpm": 5}')]  # the empty note is no change
+    assert AuditEvent(before={"a": 1, "b": 2, "c": None}, after=None).changes() == [("a", "1", "—"), ("b", "2", "—")]
+    # A field set and then cleared is a change; unicode reads as written, in JSON too.
+    cleared = AuditEvent(before={"note": "x", "labels": {}}, after={"note": None, "labels": {"équipe": "東京"}})
+    assert cleared.changes() == [("note", "x", "—"), ("labels", "—", '{"équipe": "東京"}')]
