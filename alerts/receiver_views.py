@@ -10,6 +10,8 @@ whether one is stored and keeps it when the field is left empty.
 
 from __future__ import annotations
 
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
@@ -25,6 +27,7 @@ from alerts.choices import IncidentPer, ReceiverKind
 from alerts.models import Receiver
 from alerts.receivers import PAGERDUTY_EVENTS_URL
 from inferops.api import Conflict
+from inferops.panels import safe_next
 from inferops.roles import ADMIN, require_role
 
 # What each kind needs, in the form's words (the API names its own fields).
@@ -130,18 +133,28 @@ def receiver_list(request):
     return render(request, "alerts/receivers.html", {"receivers": receivers})
 
 
+def with_receiver(url: str, name: str) -> str:
+    """The page that sent the admin here, told which receiver was just saved (a route form selects it)."""
+    parts = urlsplit(url)
+    query = [(key, value) for key, value in parse_qsl(parts.query) if key != "receiver"] + [("receiver", name)]
+    return urlunsplit(parts._replace(query=urlencode(query)))
+
+
 @login_required
 def receiver_edit(request, pk: int | None = None):
+    """Add or edit a receiver; a local `next` (the route form's "add one") is where saving returns."""
     receiver = get_object_or_404(Receiver, pk=pk) if pk else None
     require_role(request, ADMIN, "Editing a receiver" if receiver else "Adding a receiver")
+    back = safe_next(request)
+    context = {"receiver": receiver, "next": back}
     if request.method == "POST":
         form = ReceiverForm(request.POST, receiver=receiver)
         if form.is_valid() and (saved := receiver_write(form, request.user)) is not None:
             messages.success(request, f"Receiver {saved.name} ({saved.get_kind_display()}) saved.")
-            return redirect("alerts:receivers")
-        return render(request, "alerts/receiver_form.html", {"form": form, "receiver": receiver}, status=400)
+            return redirect(with_receiver(back, saved.name) if back else "alerts:receivers")
+        return render(request, "alerts/receiver_form.html", {**context, "form": form}, status=400)
     form = ReceiverForm(initial=initial_of(receiver) if receiver else None, receiver=receiver)
-    return render(request, "alerts/receiver_form.html", {"form": form, "receiver": receiver})
+    return render(request, "alerts/receiver_form.html", {**context, "form": form})
 
 
 @login_required

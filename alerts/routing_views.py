@@ -169,6 +169,7 @@ class RouteForm(forms.Form):
         self.is_default = bool(route and route.is_default)
         self.fields["receiver"].choices = [("", "—")] + [
             (r.name, f"{r.name} ({r.get_kind_display()})") for r in Receiver.objects.order_by("name")]
+        self.has_receivers = len(self.fields["receiver"].choices) > 1
         self.fields["escalation_policy"].choices = [("", "—")] + [
             (name, name) for name in EscalationPolicy.objects.values_list("name", flat=True)]
         if self.is_default:
@@ -241,6 +242,8 @@ def route_edit(request, pk: int | None = None):
     else:
         root = tree.routes[tree.root.pk]
         initial = {"parent": str(root.pk), "position": next_position(root)}
+    if added := request.GET.get("receiver"):  # back from "add one": the receiver just made
+        initial.update(receiver=added, escalation_policy="")
     return render(request, "alerts/route_form.html",
                   {"form": RouteForm(initial=initial, route=route, tree=tree), "route": route})
 

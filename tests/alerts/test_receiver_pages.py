@@ -131,3 +131,28 @@ def test_a_taken_name_and_a_receiver_in_use_are_conflicts_shown(admin):
     assert "Receiver hook deleted." in text_of(response)
     assert not Receiver.objects.exists()
     assert AuditEvent.objects.filter(action="receiver.delete").count() == 1
+
+
+@pytest.mark.parametrize(("target", "lands"), [
+    ("/alerts/routes/new/", "/alerts/routes/new/?receiver=team-hook"),
+    ("/alerts/routes/3/edit/?receiver=old", "/alerts/routes/3/edit/?receiver=team-hook"),
+    ("https://evil.example/steal", "/alerts/receivers/"),  # not this site: ignored
+    ("//evil.example/steal", "/alerts/receivers/"),
+    ("javascript:alert(1)", "/alerts/receivers/"),
+])
+def test_saving_returns_to_a_local_next_only(admin, target, lands):
+    page = admin.get("/alerts/receivers/new/", {"next": target}).content.decode()
+    assert ('name="next"' in page) is lands.startswith("/alerts/routes/")
+    answer = admin.post("/alerts/receivers/new/", form(url="http://127.0.0.1:9/hook", next=target))
+    assert answer.status_code == 302 and answer["Location"] == lands
+
+
+def test_the_route_form_offers_to_add_a_receiver(client, make_user):
+    client.force_login(make_user("admin"))
+    page = text_of(client.get("/alerts/routes/new/"))
+    assert "No receiver exists yet" in page and 'href="/alerts/receivers/new/?next=/alerts/routes/new/"' in page
+    Receiver.objects.create(name="hook", url="http://127.0.0.1:9/hook")
+    assert "No receiver exists yet" not in text_of(client.get("/alerts/routes/new/"))
+    client.force_login(make_user("operator"))  # may edit routes, not receivers: told who can
+    page = text_of(client.get("/alerts/routes/new/"))
+    assert "An admin adds receivers" in page and "receiver-add-link" not in page
