@@ -9,6 +9,7 @@ from django.template.loader import render_to_string
 from django.utils import timezone
 
 from alerts.choices import AlertStatus
+from alerts.flags import attach_flags, muted_count, with_flag_columns
 from alerts.models import Alert, Schedule
 from alerts.schedules import on_call_summary
 from inferops.panels import PanelRegistry, home_panels
@@ -26,10 +27,12 @@ FIRING_SHOWN = 10
 
 def firing_panel(request, _obj) -> str:
     """The alerts firing now, newest first: what the on-call engineer opens first."""
-    firing = Alert.objects.filter(status=AlertStatus.FIRING).select_related("slo")
+    now = timezone.now()
+    firing = Alert.objects.filter(status=AlertStatus.FIRING)
+    shown = attach_flags(with_flag_columns(firing).order_by("-starts_at", "-id")[:FIRING_SHOWN], now)
+    total, muted = firing.count(), muted_count(firing, now)
     return render_to_string("alerts/_home_firing.html", {
-        "alerts": list(firing.order_by("-starts_at", "-id")[:FIRING_SHOWN]), "total": firing.count(),
-        "now": timezone.now(),
+        "alerts": shown, "total": total, "muted": muted, "live": total - muted, "now": now,
     }, request=request)
 
 

@@ -24,9 +24,14 @@ def matcher_holds(matcher: dict, labels: dict[str, str]) -> bool:
     return hit == matcher.get("isEqual", True)
 
 
-def silences_matching(labels: dict[str, str], now: datetime) -> list[Silence]:
-    active = Silence.objects.filter(starts_at__lte=now, ends_at__gt=now)
-    return [silence for silence in active if all(matcher_holds(m, labels) for m in silence.matchers)]
+def active_silences(now: datetime) -> list[Silence]:
+    """The silences in force now, the one ending last first (it says how long an alert stays muted)."""
+    return list(Silence.objects.filter(starts_at__lte=now, ends_at__gt=now).order_by("-ends_at", "-pk"))
+
+
+def silence_matching(labels: dict[str, str], silences: list[Silence]) -> Silence | None:
+    """The first of these silences whose matchers all hold for the labels."""
+    return next((s for s in silences if all(matcher_holds(m, labels) for m in s.matchers)), None)
 
 
 def inhibiting_alert(alert: Alert) -> Alert | None:
@@ -44,9 +49,8 @@ def muting_reason(alert: Alert, now: datetime) -> str:
     """Why the alert notifies no one now ("" when it may)."""
     if alert.snoozed_until and alert.snoozed_until > now:
         return f"snoozed until {alert.snoozed_until:%Y-%m-%d %H:%M} UTC"
-    silences = silences_matching(alert.labels, now)
-    if silences:
-        return f"silenced by silence {silences[0].pk} ({silences[0].comment[:80]})"
+    if silence := silence_matching(alert.labels, active_silences(now)):
+        return f"silenced by silence {silence.pk} ({silence.comment[:80]})"
     page = inhibiting_alert(alert)
     if page is not None:
         return f"inhibited by page alert {page.pk}"

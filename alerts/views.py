@@ -13,6 +13,7 @@ from rest_framework.exceptions import ValidationError
 from alerts import services
 from alerts.api import CommentSerializer, SnoozeSerializer
 from alerts.choices import OPEN_STATUSES, AlertStatus, EventKind, NotificationStatus
+from alerts.flags import attach_flags, with_flag_columns
 from alerts.models import Alert, Notification
 from alerts.panels import render_panels
 from alerts.routing import Tree
@@ -25,7 +26,7 @@ from inferops.roles import require_operator
 def alert_list(request):
     """Firing alerts first (newest first), then the resolved history, with their webhook deliveries."""
     status = request.GET.get("status", "")
-    alerts = (Alert.objects.select_related("slo")
+    alerts = (with_flag_columns(Alert.objects.all())
               .prefetch_related(Prefetch("notifications", Notification.objects.select_related("receiver", "user")))
               .annotate(firing_first=Case(When(status__in=OPEN_STATUSES, then=Value(0)), default=Value(1),
                                           output_field=IntegerField()))
@@ -35,6 +36,7 @@ def alert_list(request):
     if integration := request.GET.get("integration"):
         alerts = alerts.filter(integration__name=integration)
     page = Paginator(alerts, 50).get_page(request.GET.get("page"))
+    page.object_list = attach_flags(page.object_list, timezone.now())
     return render(request, "alerts/list.html", {"page": page, "status": status, "statuses": AlertStatus.choices})
 
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 from django import forms
 from django.conf import settings
 from django.contrib.auth.decorators import login_required
+from django.db.models import Prefetch
 from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
 
+from alerts.choices import AlertStatus
+from alerts.flags import attach_flags, with_flag_columns
+from alerts.models import Alert
 from deployments.models import Deployment
 from inferops.forms import apply_service
 from inferops.roles import require_operator
@@ -83,11 +88,14 @@ def sli_text(slo: Slo) -> str:
 def slo_list(request):
     # The most burnt first; then those with too little traffic to judge (a spent budget over two
     # requests is not the most urgent SLO), then the never evaluated, by name.
-    slos = slo_queryset().prefetch_related("alerts").order_by("status__budget_remaining", "name")
+    firing_alerts = with_flag_columns(Alert.objects.filter(status=AlertStatus.FIRING))
+    slos = list(slo_queryset().prefetch_related(Prefetch("alerts", firing_alerts, to_attr="firing"))
+                .order_by("status__budget_remaining", "name"))
+    attach_flags([alert for slo in slos for alert in slo.firing], timezone.now())
     rows = []
     for slo in slos:
         status = getattr(slo, "status", None)
-        firing = [alert for alert in slo.alerts.all() if alert.status == "firing"]
+        firing = slo.firing
         percent = budget_percent(status)
         rows.append({
             "slo": slo, "status": status, "target": target_of(slo), "sli_text": sli_text(slo), "firing": firing,
@@ -145,7 +153,7 @@ def budget_percent(status) -> float | None:
 @login_required
 def slo_detail(request, pk: int):
     slo = get_object_or_404(slo_queryset(), pk=pk)
-    alerts = slo.alerts.all()[:100]
+    alerts = attach_flags(with_flag_columns(slo.alerts.all())[:100], timezone.now())
     status = getattr(slo, "status", None)
     return render(request, "slo/detail.html", {
         "slo": slo, "status": status, "target": target_of(slo), "sli_text": sli_text(slo),
