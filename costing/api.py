@@ -19,7 +19,7 @@ from costing import services
 from costing.choices import Tier
 from costing.ledger import floor_hour, ledger_sync, ledger_through
 from costing.models import Budget, ListPrice, Price
-from costing.report import month_range, report_csv, report_for
+from costing.report import month_range, prices_in_effect, report_csv, report_for
 from inferops.api import CONFLICT, ERRORS, TOO_LARGE, RejectUnknownFields, query_time
 from inferops.validators import slug_validator
 from tenants.models import Tenant
@@ -54,6 +54,17 @@ class PriceSerializer(serializers.ModelSerializer):
         model = Price
         fields = ["id", "resource", "tier", "usd_per_hour", "effective_from", "effective_to", "note", "created_by",
                   "created_at"]
+        read_only_fields = fields
+
+
+class PriceCreatedSerializer(PriceSerializer):
+    warnings = serializers.ListField(
+        child=serializers.CharField(), read_only=True,
+        help_text="What looks wrong without being refused: a start back-dated into an ended month, a resource "
+                  "no replica holds.")
+
+    class Meta(PriceSerializer.Meta):
+        fields = [*PriceSerializer.Meta.fields, "warnings"]
         read_only_fields = fields
 
 
@@ -134,15 +145,17 @@ class PriceListCreate(generics.ListAPIView):
     def get(self, request, *args, **kwargs):
         return super().get(request, *args, **kwargs)
 
-    @extend_schema(request=PriceCreateSerializer, responses={201: PriceSerializer, **ERRORS, **TOO_LARGE},
+    @extend_schema(request=PriceCreateSerializer, responses={201: PriceCreatedSerializer, **ERRORS, **TOO_LARGE},
                    description="Add a price. An open-ended price of the same resource and tier that started "
                                "earlier ends where this one starts; other overlaps, and starts inside a closed "
-                               "month, are refused (400 on effective_from).")
+                               "month, are refused (400 on effective_from). A start back-dated into an ended "
+                               "month, or a resource no replica holds, is added with `warnings`.")
     def post(self, request):
         serializer = PriceCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         price = services.price_create(actor=request.user, **serializer.validated_data)
-        return Response(PriceSerializer(price).data, status=status.HTTP_201_CREATED)
+        price.warnings = services.price_warnings(price)
+        return Response(PriceCreatedSerializer(price).data, status=status.HTTP_201_CREATED)
 
 
 @extend_schema(tags=["costing"])
@@ -286,7 +299,9 @@ def export_response(report: dict, kind: str) -> HttpResponse:
     else:
         from costing.pdf import report_pdf
 
-        response = HttpResponse(report_pdf(report), content_type="application/pdf")
+        period = datetime.fromisoformat(report["start"]), datetime.fromisoformat(report["end"])
+        pdf = report_pdf(report, prices=prices_in_effect(*period), generated_at=timezone.now())
+        response = HttpResponse(pdf, content_type="application/pdf")
     response["Content-Disposition"] = f'attachment; filename="{name}.{kind}"'
     return response
 

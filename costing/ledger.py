@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
+from types import SimpleNamespace
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -28,7 +29,7 @@ from django.db.models import Q
 from costing.choices import Tier
 from costing.models import CostHour, LedgerState, Price, ReplicaLife
 from deployments.choices import DriverName, ReplicaState
-from deployments.models import Replica
+from deployments.models import Deployment, Replica
 from inferops.locks import LockId, try_advisory_lock
 from slo.sli import COVERED_DEPLOYMENT_SQL, MATCHING_EVENT_SQL, REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SUCCEEDED_SQL
 
@@ -110,6 +111,26 @@ def replica_resources(deployment, replica) -> Held:
         derived.append("gpus from resources")
     return Held(gpu_type, gpu_count, cpus.quantize(Decimal("0.001")), memory.quantize(Decimal("0.0001")),
                 "; ".join(derived))
+
+
+def resources_held() -> set[str]:
+    """Every price resource (`cpu`, `memory`, `gpu:<type>`, `node:<name>`) that a deployment's
+    replicas would hold now, or that a recorded replica run held: a price of anything else charges
+    nothing."""
+    held = set()
+    for deployment in Deployment.objects.only("driver", "resources", "engine_args"):
+        would = replica_resources(deployment, SimpleNamespace(driver=deployment.driver,
+                                                              engine_args=deployment.engine_args))
+        held.update(name for name, used in ((f"gpu:{would.gpu_type}", would.gpu_type), ("cpu", would.cpus),
+                                            ("memory", would.memory_gib)) if used)
+    runs = ReplicaLife.objects
+    held.update(f"gpu:{gpu}" for gpu in runs.filter(gpu_count__gt=0).values_list("gpu_type", flat=True).distinct())
+    held.update(name for name, used in (("cpu", runs.filter(cpus__gt=0).exists()),
+                                        ("memory", runs.filter(memory_gib__gt=0).exists())) if used)
+    nodes = set(runs.values_list("node", flat=True).distinct()) | set(
+        Replica.objects.values_list("node", flat=True).distinct())
+    held.update(f"node:{node}" for node in nodes if node)
+    return held
 
 
 # ---------------------------------------------------------------------------- replica runs

@@ -6,10 +6,12 @@ from __future__ import annotations
 from django.template.loader import render_to_string
 
 from costing.api import current_report
+from costing.report import report_in_cents
 
 COSTS = 40  # home page position: after what burns
 
 
 def home_panel(request, _obj) -> str:
     report, start, _ = current_report({})
-    return render_to_string("costing/_home_cost.html", {"report": report, "month": start}, request=request)
+    return render_to_string("costing/_home_cost.html", {"report": report_in_cents(report), "month": start},
+                            request=request)

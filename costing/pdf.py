@@ -1,8 +1,13 @@
-"""The monthly report as a PDF (ReportLab), with its charts drawn as PDF vector graphics."""
+"""The monthly report as a PDF (ReportLab), with its charts drawn as PDF vector graphics.
+
+Money reads in cents with thousands separators (costing.report.report_in_cents: each table adds up
+to its total); $/MTok and unit prices keep their own precision, as their headers say.
+"""
 
 from __future__ import annotations
 
 import io
+from datetime import datetime
 from decimal import Decimal
 
 from reportlab.graphics.charts.barcharts import HorizontalBarChart, VerticalBarChart
@@ -12,7 +17,11 @@ from reportlab.lib import colors
 from reportlab.lib.pagesizes import A4
 from reportlab.lib.styles import getSampleStyleSheet
 from reportlab.lib.units import mm
+from reportlab.pdfgen.canvas import Canvas
 from reportlab.platypus import Paragraph, SimpleDocTemplate, Spacer, Table, TableStyle
+
+from costing.report import allocation_method, report_in_cents
+from inferops.numbers import grouped
 
 PALETTE = [colors.HexColor(c) for c in ("#2453d4", "#1f8a4c", "#b7791f", "#c53030", "#6b46c1", "#0e7490",
                                         "#be185d", "#4d7c0f", "#92400e", "#334155")]
@@ -83,39 +92,98 @@ def tenant_chart(report: dict) -> Drawing:
     return drawing
 
 
-def report_pdf(report: dict) -> bytes:
+class NumberedCanvas(Canvas):
+    """Holds each page until the last is drawn, so every footer can say "Page N of M"."""
+
+    footer = ""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pages = []
+
+    def showPage(self):  # noqa: N802 (ReportLab's name)
+        self._pages.append(dict(self.__dict__))
+        self._startPage()
+
+    def save(self):
+        for state in self._pages:
+            self.__dict__.update(state)
+            self.setFont("Helvetica", 7)
+            self.setFillColor(colors.HexColor("#5b6578"))
+            self.drawString(18 * mm, 9 * mm, self.footer)
+            self.drawRightString(A4[0] - 18 * mm, 9 * mm, f"Page {self._pageNumber} of {len(self._pages)}")
+            super().showPage()
+        super().save()
+
+
+def _footed(footer: str) -> type[NumberedCanvas]:
+    return type("FootedCanvas", (NumberedCanvas,), {"footer": footer})
+
+
+def _utc(moment: datetime | str | None) -> str:
+    if moment is None:
+        return "open"
+    if isinstance(moment, str):
+        moment = datetime.fromisoformat(moment)
+    return f"{moment:%Y-%m-%d %H:%M} UTC"
+
+
+def prices_table(prices: list[dict]) -> Table:
+    return _table(
+        [["What", "Unit", "USD per unit (up to 6 decimals)", "Effective from", "Effective to"]]
+        + [[row["what"], row["unit"], grouped(row["usd"]), _utc(row["effective_from"]), _utc(row["effective_to"])]
+           for row in prices])
+
+
+def report_pdf(report: dict, *, prices: list[dict], generated_at: datetime) -> bytes:
+    """`report` as the API answers it; `prices`: costing.report.prices_in_effect of its period."""
+    allocation = allocation_method(report)
+    report = report_in_cents(report)
+    currency = report["currency"]
     styles = getSampleStyleSheet()
+    styles["Heading2"].keepWithNext = 1  # no heading alone at the foot of a page
     buffer = io.BytesIO()
+    period = f"{report['start'][:10]} to {report['end'][:10]}"
     doc = SimpleDocTemplate(buffer, pagesize=A4, leftMargin=18 * mm, rightMargin=18 * mm, topMargin=16 * mm,
-                            bottomMargin=16 * mm, author="inferops",
-                            title=f"inferops costs {report['start'][:10]} to {report['end'][:10]}",
-                            )
+                            bottomMargin=18 * mm, author="inferops", title=f"inferops costs {period}")
     state = f"closed {report['closed_at'][:10]}" if report["closed"] else "open month"
     story = [
-        Paragraph(f"Serving costs {report['start'][:10]} to {report['end'][:10]} (UTC)", styles["Title"]),
-        Paragraph(f"inferops cost report, {state}. Amounts in {report['currency']}.", styles["Normal"]),
+        Paragraph(f"Serving costs {period} (UTC)", styles["Title"]),
+        Paragraph(f"inferops cost report, {state}. Generated {generated_at:%Y-%m-%d %H:%M:%S} UTC. "
+                  f"Amounts in {currency} ($), to the cent; $ / 1M tokens to 4 decimals.", styles["Normal"]),
         Spacer(1, 4 * mm),
         _table([
-            ["Total cost", "Idle", "Prompt tokens", "Completion tokens", "$ / 1M tokens", "$ / 1M SLO-compliant"],
-            [report["total_usd"], report["idle_usd"], f"{report['prompt_tokens']:,}",
-             f"{report['completion_tokens']:,}", report["usd_per_mtok"] or "-",
-             report["usd_per_mtok_slo_compliant"] or "-"],
+            [f"Total cost ({currency})", f"Idle ({currency})", "Prompt tokens", "Completion tokens",
+             f"{currency} / 1M tokens (4 dp)", f"{currency} / 1M SLO-compliant (4 dp)"],
+            [grouped(report["total_usd"]), grouped(report["idle_usd"]), grouped(report["prompt_tokens"]),
+             grouped(report["completion_tokens"]), grouped(report["usd_per_mtok"]) or "-",
+             grouped(report["usd_per_mtok_slo_compliant"]) or "-"],
         ]),
     ]
     if report.get("revenue_usd"):
         story += [Spacer(1, 2 * mm), Paragraph(
-            f"Revenue at list prices {report['revenue_usd']}, margin {report['margin_usd']}.", styles["Normal"])]
+            f"Revenue at list prices {currency} {grouped(report['revenue_usd'])}, "
+            f"margin {currency} {grouped(report['margin_usd'])}.", styles["Normal"])]
     for note in report.get("notes", []):
         story += [Spacer(1, 2 * mm), Paragraph(note, styles["Italic"])]
+    story += [Paragraph("Allocation method", styles["Heading2"]), Paragraph(allocation, styles["Normal"])]
     story += [Spacer(1, 5 * mm), daily_chart(report), Spacer(1, 4 * mm), tenant_chart(report)]
     story += [Paragraph("By tenant", styles["Heading2"]), _table(
-        [["Tenant", "Cost", "Prompt tokens", "Completion tokens", "$ / 1M tokens"]]
-        + [[row["tenant"], row["usd"], f"{row['prompt_tokens']:,}", f"{row['completion_tokens']:,}",
-            row["usd_per_mtok"] or "-"] for row in report["by_tenant"]]
-        + [["idle (no traffic)", report["idle_usd"], "", "", ""]])]
+        [["Tenant", f"Cost ({currency})", "Prompt tokens", "Completion tokens", f"{currency} / 1M tokens (4 dp)"]]
+        + [[row["tenant"], grouped(row["usd"]), grouped(row["prompt_tokens"]), grouped(row["completion_tokens"]),
+            grouped(row["usd_per_mtok"]) or "-"] for row in report["by_tenant"]]
+        + [["idle (no traffic)", grouped(report["idle_usd"]), "", "", ""],
+           ["Total", grouped(report["total_usd"]), grouped(report["prompt_tokens"]),
+            grouped(report["completion_tokens"]), grouped(report["usd_per_mtok"]) or "-"]])]
     story += [Paragraph("By deployment", styles["Heading2"]), _table(
-        [["Deployment", "Model", "Cost", "Idle", "Replica hours", "$ / 1M tokens", "$ / 1M SLO-compliant"]]
-        + [[row["deployment"], row["model"], row["usd"], row["idle_usd"], row["replica_hours"],
-            row["usd_per_mtok"] or "-", row["usd_per_mtok_slo_compliant"] or "-"] for row in report["by_deployment"]])]
-    doc.build(story)
+        [["Deployment", "Model", f"Cost ({currency})", f"Idle ({currency})", "Replica hours",
+          f"{currency} / 1M tokens (4 dp)", f"{currency} / 1M SLO-compliant (4 dp)"]]
+        + [[row["deployment"], row["model"], grouped(row["usd"]), grouped(row["idle_usd"]),
+            grouped(row["replica_hours"]), grouped(row["usd_per_mtok"]) or "-",
+            grouped(row["usd_per_mtok_slo_compliant"]) or "-"]
+           for row in report["by_deployment"]])]
+    story += [Paragraph("Prices in effect", styles["Heading2"]),
+              prices_table(prices) if prices else Paragraph("No price covered this period.", styles["Normal"])]
+    doc.build(story, canvasmaker=_footed(f"inferops cost report {period} (UTC), generated "
+                                         f"{generated_at:%Y-%m-%d %H:%M:%S} UTC"))
     return buffer.getvalue()

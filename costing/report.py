@@ -11,6 +11,7 @@ rounded cells (by tenant, by deployment, the CSV, the total) adds up to the cent
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 from collections import defaultdict
@@ -21,13 +22,17 @@ from decimal import ROUND_FLOOR, ROUND_HALF_EVEN, Decimal
 from django.conf import settings
 from django.db import connection, transaction
 
-from costing.models import Adjustment, ClosedMonth, ListPrice
+from costing.choices import RESOURCE_UNITS
+from costing.models import Adjustment, ClosedMonth, ListPrice, Price
 
 PLACES = Decimal("0.0001")  # amounts in reports: hundredths of a cent
+CENTS = Decimal("0.01")  # amounts as people read them (the console, the PDF)
 RATE_PLACES = Decimal("0.0001")  # $ per million tokens
 MILLION = Decimal(1_000_000)
 CURRENCY = "USD"
 REPORT_WORK_MEM = "64MB"
+# A price entered more than this after it took effect rewrote figures someone may have read already.
+BACKDATE_GRACE = timedelta(hours=1)
 
 
 def weights() -> tuple[Decimal, Decimal]:
@@ -208,12 +213,14 @@ def _model_names() -> dict[str, str]:
     return dict(Deployment.objects.values_list("name", "model__name"))
 
 
-def apportion(exact: list[Decimal], places: Decimal = PLACES) -> list[Decimal]:
+def apportion(exact: list[Decimal], places: Decimal = PLACES, total: Decimal | None = None) -> list[Decimal]:
     """Round each amount down to `places`, then give the units still missing from the rounded
-    total to the largest remainders: the parts always add up to the rounded total."""
+    total (or `total`, already rounded and within a unit per part of theirs) to the largest
+    remainders: the parts always add up to it."""
     if not exact:
         return []
-    total = sum(exact, Decimal(0)).quantize(places, rounding=ROUND_HALF_EVEN)
+    if total is None:
+        total = sum(exact, Decimal(0)).quantize(places, rounding=ROUND_HALF_EVEN)
     floors = [value.quantize(places, rounding=ROUND_FLOOR) for value in exact]
     missing = int(((total - sum(floors, Decimal(0))) / places).to_integral_value())
     order = sorted(range(len(exact)), key=lambda i: (exact[i] - floors[i], -i), reverse=True)
@@ -312,6 +319,7 @@ def build_report(start: datetime, end: datetime, cells: list[Cell], *, daily: li
         months = sorted({c.adjustment_from for c in adjusted})
         notes.append(f"Includes adjustments for closed month(s) {', '.join(months)}: usage or replica time that "
                      "arrived after the month was closed is booked here; the closed reports stay as they were.")
+    notes += backdated_price_notes(start, end)
     figures = total.figures()
     wp, wc = weights()
     return {
@@ -329,6 +337,113 @@ def build_report(start: datetime, end: datetime, cells: list[Cell], *, daily: li
         "notes": notes,
         "rows": [{**c.as_json(), "usd": money(c.usd), "revenue": money(c.revenue)} for c in rounded_cells],
     }
+
+
+# ---------------------------------------------------------------------------- for readers
+
+
+def allocation_method(report: dict) -> str:
+    """How the report allocates shared and idle cost, as report_data and the ledger do it."""
+    weights_used = report["token_weights"]
+    return (
+        "Each hour, a deployment version's cost (the GPU, CPU and memory its replicas held, at the prices "
+        "below; a node's flat price split equally between the replicas on the node) is allocated to the tenants "
+        "in proportion to their weighted tokens in that hour: prompt tokens x "
+        f"{weights_used['prompt']} + completion tokens x {weights_used['completion']}. An hour of a version "
+        "without tokens is idle: its cost goes to no tenant and is shown as its own line, idle (no traffic). "
+        "Amounts are rounded once, by the largest-remainder method, so the rows add up to the totals.")
+
+
+def rate_text(value: Decimal) -> str:
+    """A unit price with its own precision (a $0.000833 minute must not read $0.00), at least cents."""
+    value = Decimal(value).normalize()
+    return str(value.quantize(CENTS) if value.as_tuple().exponent > -2 else value)
+
+
+def _prices_during(model, start: datetime, end: datetime):
+    rows = model.objects.filter(effective_from__lt=end)
+    return rows.filter(effective_to__isnull=True) | rows.filter(effective_to__gt=start) if model is Price else rows
+
+
+def _unit(resource: str) -> str:
+    return RESOURCE_UNITS.get(resource.split(":", 1)[0], "hour")
+
+
+def prices_in_effect(start: datetime, end: datetime) -> list[dict]:
+    """The price book's rows that priced [start, end), and the list prices charged in it."""
+    rows = [{"what": f"{p.resource} ({p.tier})", "unit": _unit(p.resource), "usd": rate_text(p.usd_per_hour),
+             "effective_from": p.effective_from, "effective_to": p.effective_to}
+            for p in _prices_during(Price, start, end).order_by("resource", "tier", "effective_from")]
+    list_prices = list(_prices_during(ListPrice, start, end).order_by("deployment", "tenant", "effective_from"))
+    for i, lp in enumerate(list_prices):
+        following = list_prices[i + 1] if i + 1 < len(list_prices) else None
+        until = following.effective_from if following and (following.deployment, following.tenant) == (
+            lp.deployment, lp.tenant) else None
+        if until is not None and until <= start:
+            continue  # superseded before the period began
+        scope = f"list price {lp.deployment}, {lp.tenant or 'every tenant'}"
+        for kind, amount in (("prompt", lp.usd_per_mtok_prompt), ("completion", lp.usd_per_mtok_completion)):
+            rows.append({"what": f"{scope}, {kind}", "unit": f"1M {kind} tokens", "usd": rate_text(amount),
+                         "effective_from": lp.effective_from, "effective_to": until})
+    return rows
+
+
+def backdated_price_notes(start: datetime, end: datetime) -> list[str]:
+    """A note per price that took effect in (or before) [start, end) but was entered later: the
+    period's figures changed after the fact, and copies read before then differ."""
+    notes = []
+    for price in _prices_during(Price, start, end).order_by("effective_from", "resource"):
+        since = max(price.effective_from, start)
+        if price.created_at <= since + BACKDATE_GRACE:
+            continue
+        until = min(price.created_at, end)
+        notes.append(
+            f"Back-dated price: {price.resource} ({price.tier}) at ${rate_text(price.usd_per_hour)} per "
+            f"{_unit(price.resource)} from {price.effective_from:%Y-%m-%d %H:%M} UTC was added on "
+            f"{price.created_at:%Y-%m-%d %H:%M} UTC; the figures from {since:%Y-%m-%d %H:%M} to "
+            f"{until:%Y-%m-%d %H:%M} UTC were recomputed with it, so copies of this report taken before then "
+            "show other amounts.")
+    return notes
+
+
+def _cents(value: str | None) -> Decimal | None:
+    return None if value is None else Decimal(value).quantize(CENTS, rounding=ROUND_HALF_EVEN)
+
+
+def _table_in_cents(rows: list[dict], totals: dict[str, Decimal | None]) -> None:
+    """Each money column of a table in cents, apportioned so the column adds up to its total."""
+    for key, total in totals.items():
+        present = [row for row in rows if row.get(key) is not None]
+        if total is None or not present:
+            continue
+        for row, value in zip(present, apportion([Decimal(row[key]) for row in present], CENTS, total), strict=True):
+            row[key] = str(value)
+    for row in rows:
+        if "idle_usd" in row:
+            row["busy_usd"] = str(Decimal(row["usd"]) - Decimal(row["idle_usd"]))
+        if row.get("revenue_usd") is not None:
+            row["margin_usd"] = str(Decimal(row["revenue_usd"]) - Decimal(row["usd"]))
+
+
+def report_in_cents(report: dict) -> dict:
+    """The report as people read it: money in cents, each table adding up to the totals to the
+    cent (the report itself keeps hundredths of a cent, for exports and the API)."""
+    shown = copy.deepcopy(report)
+    total, idle, revenue = _cents(report["total_usd"]), _cents(report["idle_usd"]), _cents(report["revenue_usd"])
+    shown.update(total_usd=str(total), idle_usd=str(idle), busy_usd=str(total - idle))
+    if revenue is not None:
+        shown.update(revenue_usd=str(revenue), margin_usd=str(revenue - total))
+    whole = {"usd": total, "idle_usd": idle, "revenue_usd": revenue}
+    for table in ("by_deployment", "by_model", "by_version"):
+        _table_in_cents(shown[table], whole)
+    none = Decimal("0.00")  # a tenant's lines have no idle cost
+    _table_in_cents(shown["by_tenant"], {"usd": total - idle, "idle_usd": none, "revenue_usd": revenue})
+    for tenant in shown["by_tenant"]:
+        _table_in_cents(tenant["deployments"], {"usd": Decimal(tenant["usd"]), "idle_usd": none,
+                                                "revenue_usd": _cents(tenant.get("revenue_usd"))})
+    for row in shown["adjustments"]:
+        row["usd"] = str(_cents(row["usd"]))
+    return shown
 
 
 def _daily_series(rows) -> list[dict]:

@@ -14,7 +14,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from costing.choices import FIXED_RESOURCES, Tier
-from costing.ledger import LOCK_NAMESPACE, SyncReport, ledger_sync, ledger_through
+from costing.ledger import LOCK_NAMESPACE, SyncReport, ledger_sync, ledger_through, resources_held
 from costing.models import Adjustment, Budget, ClosedMonth, ListPrice, Price
 from costing.report import (
     Cell,
@@ -105,6 +105,29 @@ def price_create(*, resource: str, usd_per_hour: Decimal, effective_from: dateti
         audit_record(actor=actor, action="price.create", obj=price, after=snapshot(price))
         transaction.on_commit(request_ledger_rebuild_from(effective_from))
     return price
+
+
+def price_warnings(price: Price, *, held: set[str] | None = None) -> list[str]:
+    """What looks wrong with a price without being refused: a start back-dated into a month that
+    had ended when it was added (its report changes after people read it), and a resource no
+    replica holds (a typo, or a GPU type no deployment asks for: it charges nothing).
+    `held`: resources_held(), when checking many prices."""
+    warnings = []
+    added_in = month_start(price.created_at.date())
+    if price.effective_from < added_in:
+        month = f"{price.effective_from:%Y-%m}"
+        warnings.append(
+            f"Back-dated into {month}, a month that had ended when this price was added: the {month} cost "
+            "report changes (it was not closed yet), and copies already read or exported show other amounts.")
+    held = resources_held() if held is None else held
+    if price.resource not in held:
+        kind = price.resource.split(":", 1)[0]
+        same_kind = sorted(name.split(":", 1)[1] for name in held if name.startswith(f"{kind}:"))
+        hint = f" ({'GPU types' if kind == 'gpu' else 'nodes'} in use: {', '.join(same_kind)})" if same_kind else ""
+        warnings.append(
+            f"No replica holds {price.resource}: no deployment's resources ask for it and no replica has run "
+            f"with it, so this price charges nothing{hint}.")
+    return warnings
 
 
 def price_delete(*, price: Price, actor, now: datetime | None = None) -> None:

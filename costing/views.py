@@ -4,6 +4,7 @@ and budgets."""
 from __future__ import annotations
 
 from decimal import Decimal
+from urllib.parse import urlencode
 
 from django import forms
 from django.contrib import messages
@@ -16,7 +17,9 @@ from rest_framework.exceptions import ValidationError as ApiValidationError
 from costing import services
 from costing.api import current_report, export_response
 from costing.choices import RESOURCE_UNITS, Tier
+from costing.ledger import resources_held
 from costing.models import Budget, Price
+from costing.report import allocation_method, report_in_cents
 from inferops.forms import apply_service
 from inferops.roles import require_operator
 from tenants.models import Tenant
@@ -30,6 +33,12 @@ def _first_error(exc: ApiValidationError) -> str:
     return str(detail)
 
 
+def _period_query(params, start) -> str:
+    """The exports' query: the page's period (a month, or start and end), without its drill-down."""
+    period = {name: params[name] for name in ("start", "end") if params.get(name)}
+    return urlencode(period or {"month": start.strftime("%Y-%m")})
+
+
 @login_required
 def report_page(request):
     try:
@@ -38,10 +47,13 @@ def report_page(request):
         return render(request, "costing/report.html",
                       {"error": _first_error(exc), "month": request.GET.get("month", "")}, status=400)
     tenant = request.GET.get("tenant", "")
+    report = report_in_cents(report)
     drill = next((row for row in report["by_tenant"] if row["tenant"] == tenant), None) if tenant else None
     return render(request, "costing/report.html", {
         "report": report, "month": start.strftime("%Y-%m"), "tenant": tenant, "drill": drill,
+        "allocation": allocation_method(report),
         "query": request.GET.urlencode(),
+        "period_query": _period_query(request.GET, start),
         "max_month": timezone.now().strftime("%Y-%m"),
     })
 
@@ -80,9 +92,13 @@ def price_book(request):
             created = apply_service(form, lambda: services.price_create(actor=request.user, **form.cleaned_data))
             if created:
                 messages.success(request, f"Price added: {created}.")
+                for warning in services.price_warnings(created):
+                    messages.warning(request, f"{created.resource}: {warning}")
                 return redirect("costing:prices")
     now = timezone.now()
-    prices = [(price, price.effective_from > now) for price in Price.objects.select_related("created_by")]
+    held = resources_held()
+    prices = [(price, price.effective_from > now, services.price_warnings(price, held=held))
+              for price in Price.objects.select_related("created_by")]
     return render(request, "costing/prices.html", {"form": form, "prices": prices, "units": RESOURCE_UNITS},
                   status=400 if request.method == "POST" else 200)
 

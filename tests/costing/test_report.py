@@ -5,15 +5,18 @@ from __future__ import annotations
 import csv
 import io
 import re
+from datetime import UTC, datetime
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 from pypdf import PdfReader
 
 from costing.ledger import ledger_sync
-from costing.report import apportion, compute_cells
+from costing.models import Price
+from costing.report import apportion, compute_cells, month_range, rate_text, report_for, report_in_cents
 from slo.models import Slo
-from tests.costing.conftest import at, make_deployment, make_replica, price, usage
+from tests.costing.conftest import T0, at, make_deployment, make_replica, price, usage
 
 pytestmark = pytest.mark.django_db
 
@@ -157,22 +160,100 @@ def test_csv_has_one_row_per_tenant_deployment_version_and_adds_up(chat, api):
     assert sum(Decimal(r["usd"]) for k, r in body.items() if k[0] != "TOTAL") == Decimal("1.2000")
 
 
+def _pdf_pages(response) -> list[str]:
+    assert response.status_code == 200 and response["Content-Type"] == "application/pdf"
+    return [page.extract_text() for page in PdfReader(io.BytesIO(response.content)).pages]
+
+
 def test_pdf_report_has_the_figures_and_the_charts(chat, api):
     usage("chat", "acme", at(0, 5), prompt=300, completion=300)
     usage("chat", "beta", at(0, 6), prompt=100, completion=100)
     ledger_sync(at(2))
     response = api("viewer").get("/api/v1/costing/report/", {"month": "2026-03", "format": "pdf"})
-    assert response.status_code == 200 and response["Content-Type"] == "application/pdf"
-    reader = PdfReader(io.BytesIO(response.content))
-    text = "\n".join(page.extract_text() for page in reader.pages)
-    for expected in ("Serving costs 2026-03-01", "1.2000", "acme", "beta", "0.4500", "0.1500", "idle (no traffic)",
-                     "Daily cost by deployment (USD)", "Cost by tenant (USD)", "chat"):
+    text = "\n".join(_pdf_pages(response))
+    for expected in ("Serving costs 2026-03-01", "Total cost (USD)", "1.20", "acme", "beta", "0.45", "0.15",
+                     "idle (no traffic)", "Daily cost by deployment (USD)", "Cost by tenant (USD)", "chat"):
         assert expected in text, expected
+    assert "1.2000" not in text and "0.4500" not in text  # money reads in cents
     # The charts are vector drawings: bars are rectangles filled in the palette's first colour
     # (one day of one deployment, two tenants), besides the tables' header backgrounds.
+    reader = PdfReader(io.BytesIO(response.content))
     content = "".join(page.get_contents().get_data().decode("latin-1") for page in reader.pages)
     assert ".141176 .32549 .831373 rg" in content
     assert len(re.findall(r"\bre [fB]\*", content)) >= 3 + 1 + 2
+
+
+def test_the_pdf_names_currency_generated_at_prices_allocation_and_pages(chat, api):
+    price("cpu", "0.45", at(-72), tier="spot")
+    price("gpu:H100", "2.49", at(-24 * 40), effective_to=at(-24 * 20))  # ended before March: not in effect
+    api("operator").post("/api/v1/costing/list-prices/", {
+        "deployment": "chat", "usd_per_mtok_prompt": "0.000125", "usd_per_mtok_completion": "1234.5",
+        "effective_from": at(-24).isoformat()}, format="json")
+    usage("chat", "acme", at(0, 5), prompt=1_234_567, completion=300, requests=2)
+    ledger_sync(at(2))
+    before = timezone.now().replace(second=0, microsecond=0)
+    pages = _pdf_pages(api("viewer").get("/api/v1/costing/report/", {"month": "2026-03", "format": "pdf"}))
+    after = timezone.now()
+    text = "\n".join(pages)
+    assert "Amounts in USD ($)" in text and "Cost (USD)" in text and "Idle (USD)" in text
+    generated = datetime.strptime(re.search(r"Generated (\S+ \S+) UTC", text).group(1), "%Y-%m-%d %H:%M:%S")
+    assert before <= generated.replace(tzinfo=UTC) <= after
+    assert "2,469,134" in text  # prompt tokens, with separators
+    for row in ("cpu (on-demand) core-hour 0.60 2026-03-09 10:00 UTC open",
+                "cpu (spot) core-hour 0.45 2026-03-07 10:00 UTC open",
+                "list price chat, every tenant, prompt 1M prompt tokens 0.000125 2026-03-09 10:00 UTC open",
+                "list price chat, every tenant, completion 1M completion tokens 1,234.50"):
+        assert row in " ".join(text.split()), row
+    assert "gpu:H100" not in text
+    assert "Allocation method" in text
+    assert "prompt tokens x 1 + completion tokens x 4" in " ".join(text.split())
+    assert "idle: its cost goes to no tenant" in " ".join(text.split())
+    assert len(pages) >= 2
+    for number, page in enumerate(pages, start=1):
+        assert f"Page {number} of {len(pages)}" in page
+
+
+def test_a_back_dated_price_is_noted_on_the_report_and_a_timely_one_is_not(chat, api):
+    usage("chat", "acme", at(0, 5), prompt=10, completion=10)
+    ledger_sync(at(2))
+    Price.objects.filter(resource="cpu").update(created_at=at(-24, 30))  # entered on time
+    assert report_for(*month_range(T0.date()), now=at(2))["notes"] == []
+    Price.objects.filter(resource="cpu").update(created_at=at(30))  # entered the day after it applied from
+    [note] = report_for(*month_range(T0.date()), now=at(2))["notes"]
+    assert note.startswith("Back-dated price: cpu (on-demand) at $0.60 per core-hour from 2026-03-09 10:00 UTC "
+                           "was added on 2026-03-11 16:00 UTC")
+    pages = _pdf_pages(api("viewer").get("/api/v1/costing/report/", {"month": "2026-03", "format": "pdf"}))
+    assert "Back-dated price: cpu (on-demand)" in pages[0]
+
+
+def test_report_in_cents_keeps_every_table_adding_up_to_the_cent(chat):
+    for tenant in ("a", "b", "c"):  # thirds of an hour's $0.60 and of odd minutes
+        usage("chat", tenant, at(0, 5), prompt=7, completion=3)
+    usage("chat", "a", at(1, 2), prompt=1, completion=1)
+    usage("chat", "b", at(1, 3), prompt=1, completion=0)
+    for tenant in ("a", "b", "c"):
+        usage("chat", tenant, at(2, 10), prompt=1, completion=1)
+    ledger_sync(at(2, 37))
+    exact = report_for(at(0), at(3), now=at(3))
+    shown = report_in_cents(exact)
+    total = Decimal(shown["total_usd"])
+    assert total == Decimal(exact["total_usd"]).quantize(Decimal("0.01"))
+    cents = Decimal("0.01")
+    tenants = [Decimal(row["usd"]) for row in shown["by_tenant"]]
+    assert all(value == value.quantize(cents) for value in tenants)
+    assert sum(tenants) + Decimal(shown["idle_usd"]) == total
+    assert sum(Decimal(row["usd"]) for row in shown["by_deployment"]) == total
+    assert sum(Decimal(row["idle_usd"]) for row in shown["by_version"]) == Decimal(shown["idle_usd"])
+    for tenant in shown["by_tenant"]:
+        assert sum(Decimal(row["usd"]) for row in tenant["deployments"]) == Decimal(tenant["usd"])
+        assert tenant["busy_usd"] == tenant["usd"]
+    assert exact["total_usd"] == "1.5700"  # the report itself keeps hundredths of a cent
+
+
+@pytest.mark.parametrize(("value", "text"), [
+    ("0.000833", "0.000833"), ("0.500000", "0.50"), ("2", "2.00"), ("1234.5", "1234.50"), ("0.0400", "0.04")])
+def test_unit_prices_keep_their_precision_but_read_at_least_cents(value, text):
+    assert rate_text(Decimal(value)) == text
 
 
 @pytest.mark.parametrize(("params", "field"), [

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
 from alerts.models import Alert
 from costing import services
-from costing.ledger import ledger_sync
+from costing.ledger import ledger_sync, resources_held
 from costing.models import Adjustment, ClosedMonth, Price
 from costing.report import report_for
 from inferops.models import AuditEvent
@@ -72,6 +73,45 @@ def test_overlapping_dates_for_the_same_resource_and_tier_are_refused(api):
     # Another tier may overlap: it is a different price list.
     assert operator.post(PRICES, {**inside, "tier": "spot"}, format="json").status_code == 201
     assert Price.objects.count() == 2
+
+
+def test_a_back_dated_price_and_a_price_nothing_holds_are_added_with_warnings(api):
+    chat = make_deployment("chat", resources={"cpu": "2", "gpu_count": 1, "gpu_type": "H100"})
+    make_replica(chat, started_at=at(0), node="node-a")
+    operator = api("operator")
+    this_month = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    last_month = this_month - timedelta(days=10)
+    quiet = {"resource": "gpu:H100", "usd_per_hour": "2.49", "effective_from": this_month.isoformat()}
+    response = operator.post(PRICES, quiet, format="json")
+    assert response.status_code == 201 and response.json()["warnings"] == []
+    response = operator.post(PRICES, {"resource": "gpu:A100", "usd_per_hour": "1.80",
+                                      "effective_from": last_month.isoformat()}, format="json")
+    assert response.status_code == 201, response.json()
+    back_dated, unused = response.json()["warnings"]
+    assert back_dated.startswith(f"Back-dated into {last_month:%Y-%m}, a month that had ended")
+    assert unused.startswith("No replica holds gpu:A100") and unused.endswith("(GPU types in use: H100).")
+    assert Price.objects.filter(resource="gpu:A100").exists()  # warned, not refused
+    typo = operator.post(PRICES, {"resource": "node:node-aa", "usd_per_hour": "3",
+                                  "effective_from": this_month.isoformat()}, format="json").json()
+    assert typo["warnings"] == ["No replica holds node:node-aa: no deployment's resources ask for it and no "
+                                "replica has run with it, so this price charges nothing (nodes in use: node-a)."]
+    for held in ("node:node-a", "cpu"):
+        body = {"resource": held, "usd_per_hour": "1", "effective_from": this_month.isoformat()}
+        assert operator.post(PRICES, body, format="json").json()["warnings"] == [], held
+    memory = operator.post(PRICES, {"resource": "memory", "usd_per_hour": "0.01",
+                                    "effective_from": this_month.isoformat()}, format="json").json()
+    assert memory["warnings"][0].startswith("No replica holds memory")  # chat asks for no memory
+
+
+def test_a_gpu_type_only_a_past_replica_run_held_is_in_use():
+    ended = make_deployment("old", resources={"gpu_count": 1, "gpu_type": "L4"})
+    make_replica(ended, started_at=at(0))
+    ledger_sync(at(1))
+    ended.resources = {"cpu": "1"}
+    ended.save()
+    assert "gpu:L4" in resources_held()
+    warnings = services.price_warnings(price("gpu:L4", "0.80", at(0)), held=resources_held())
+    assert not [w for w in warnings if "No replica holds" in w], warnings
 
 
 def test_a_price_cannot_start_inside_a_closed_month(api):
