@@ -86,6 +86,8 @@ class RolloutCreateSerializer(StrictSerializer):
 
 class PromoteSerializer(StrictSerializer):
     full = serializers.BooleanField(default=False, help_text="Skip every remaining step.")
+    reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000,
+                                   help_text="Why; recorded in the rollout's timeline and the audit log.")
 
 
 class AbortSerializer(StrictSerializer):

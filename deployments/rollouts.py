@@ -141,8 +141,9 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
     return rollout
 
 
-def rollout_promote(*, rollout: Rollout, actor, full: bool = False) -> Rollout:
-    """Next step now (ends a pause, skips the rest of an analysis), or all the way with `full`."""
+def rollout_promote(*, rollout: Rollout, actor, full: bool = False, reason: str = "") -> Rollout:
+    """Next step now (ends a pause, skips the rest of an analysis), or all the way with `full`; the
+    reason, if given, goes in the timeline and the audit event."""
     now = timezone.now()
     with transaction.atomic():
         locked = _locked_active(rollout, "promoted")
@@ -156,10 +157,12 @@ def rollout_promote(*, rollout: Rollout, actor, full: bool = False) -> Rollout:
                            "itself once it is ready; promote ends a pause or an analysis (or use full).")
         before = snapshot(locked)
         target = len(locked.steps) if full else locked.step_index + 1
-        add_timeline(locked, now, "promoted", f"by {_who(actor)}" + (" (full)" if full else ""))
+        add_timeline(locked, now, "promoted",
+                     f"by {_who(actor)}" + (" (full)" if full else "") + (f": {reason}" if reason else ""))
         enter_step(locked, target, now)
         locked.save()
-        audit_record(actor=actor, action="rollout.promote", obj=locked, before=before, after=snapshot(locked))
+        audit_record(actor=actor, action="rollout.promote", obj=locked, before=before,
+                     after={**snapshot(locked), **({"reason": reason} if reason else {})})
         request_reconcile(locked.deployment)
     return locked
 

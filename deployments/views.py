@@ -540,6 +540,17 @@ def get_rollout(name: str, pk: int) -> Rollout:
         pk=pk, deployment__name=name)
 
 
+def candidate_share_now(rollout: Rollout, holding_back: bool) -> int:
+    """Percent of traffic on the candidate now: its weight while the rollout runs; once it is over, all
+    of it after a promotion (less a holdback kept on stable during the watch), none after an abort or
+    a rollback."""
+    if rollout.active:
+        return rollout.weight
+    if rollout.status == RolloutStatus.SUCCEEDED:
+        return 100 - rollout.holdback_percent if holding_back else 100
+    return 0
+
+
 @login_required
 def rollout_detail(request, name: str, pk: int):
     rollout = get_rollout(name, pk)
@@ -561,10 +572,12 @@ def rollout_detail(request, name: str, pk: int):
     final_state = ("done" if completed
                    else "current" if rollout.active and rollout.step_index >= len(rollout.steps) else "")
     measurements = [measurement_row(m, rollout.steps) for m in rollout.measurements.order_by("-taken_at", "-id")[:200]]
+    holding_back = rollout.holding_back(now) and rollouts.undo_target(rollout.deployment) == rollout
+    candidate_share = candidate_share_now(rollout, holding_back)
     return render(request, "deployments/rollout.html", {
         "rollout": rollout, "deployment": rollout.deployment, "steps": steps, "final_state": final_state,
-        "stable_weight": 100 - rollout.weight, "measurements": measurements,
-        "holding_back": rollout.holding_back(now) and rollouts.undo_target(rollout.deployment) == rollout,
+        "candidate_share": candidate_share, "stable_share": 100 - candidate_share, "measurements": measurements,
+        "holding_back": holding_back,
         "preview_route": rollout.deployment.name + PREVIEW_SUFFIX,
         "timeline": [{**entry, "at": datetime.fromisoformat(entry["at"])} for entry in rollout.timeline],
         "chart_data": {"series": series, "timeline": rollout.timeline}, "chart_clipped": start > rollout.created_at,
@@ -622,14 +635,14 @@ def rollout_action(request, name: str, pk: int, action: str):
     require_operator(request, "Changing deployments")
     rollout = get_rollout(name, pk)
     back = safe_next(request) or reverse("deployments:rollout", args=[name, pk])  # e.g. an alert's page
-    text = request.POST.get("reason" if action == "abort" else "override_reason", "").strip()
+    text = request.POST.get("override_reason" if action == "retry" else "reason", "").strip()
     if len(text) > 500:
         messages.error(request, "The reason is too long (at most 500 characters).")
         return redirect(back)
     user = request.user
     calls = {
-        "promote": lambda: rollouts.rollout_promote(rollout=rollout, actor=user),
-        "promote-full": lambda: rollouts.rollout_promote(rollout=rollout, actor=user, full=True),
+        "promote": lambda: rollouts.rollout_promote(rollout=rollout, actor=user, reason=text),
+        "promote-full": lambda: rollouts.rollout_promote(rollout=rollout, actor=user, full=True, reason=text),
         "abort": lambda: rollouts.rollout_abort(rollout=rollout, actor=user, reason=text),
         "retry": lambda: rollouts.rollout_retry(rollout=rollout, actor=user, override_reason=text),
         "auto-rollback-on": lambda: rollouts.rollout_set_auto_rollback(rollout=rollout, actor=user, auto_rollback=True),

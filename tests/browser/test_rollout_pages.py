@@ -12,6 +12,8 @@ from django.utils import timezone
 from deployments import rollouts
 from deployments.choices import RolloutStatus
 from deployments.models import Deployment, Replica, Rollout, RolloutMeasurement
+from deployments.rollout_watch import roll_back
+from inferops.models import AuditEvent
 from registry.models import RegisteredModel
 from tenants.models import UsageEvent
 from tests.browser.conftest import log_in
@@ -99,9 +101,61 @@ def test_operator_reads_a_rollout_and_aborts_it(live_server, page, running_rollo
     assert "Traffic returns to v1" in dialogs[0]
     assert "aborted" in page.locator(".messages").inner_text()
     assert page.locator("#status").inner_text() == "aborted"
+    assert "0% candidate · 100% stable" in page.locator("#weight").inner_text()
     assert "candidate TTFT too high" in page.locator("#message").inner_text()
     assert page.locator("#retry").count() == 1 and page.locator("#abort").count() == 0
     assert "traffic on stable" in page.locator("#timeline").inner_text()
     rollout.refresh_from_db()
     assert rollout.status == RolloutStatus.ABORTED and rollout.weight == 0
     assert errors == []
+
+
+def test_a_promote_reason_is_recorded_and_each_action_has_its_own_reason_box(live_server, page, running_rollout):
+    rollout = running_rollout
+    log_in(page, live_server.url, "ops", "pw-ops-123456")
+    page.goto(f"{live_server.url}/deployments/chat/rollouts/{rollout.pk}/")
+    # The abort reason sits in Abort's form, labelled for it; Promote has a box of its own.
+    abort = page.locator("#abort-form")
+    assert abort.locator("#abort-reason").count() == 1 and abort.locator("#abort").count() == 1
+    assert "Reason for aborting" in abort.locator("label[for=abort-reason]").inner_text()
+    promote = page.locator("#promote-form")
+    assert promote.locator("#abort-reason").count() == 0 and promote.locator("#promote").count() == 1
+    assert "Reason for promoting" in promote.locator("label[for=promote-reason]").inner_text()
+
+    page.fill("#abort-reason", "typed for an abort, never sent with a promote")
+    page.fill("#promote-reason", "TTFT within 5% on the dashboards")
+    page.click("#promote")
+    page.wait_for_selector(".messages")
+    assert "promoted to its next step" in page.locator(".messages").inner_text()
+    promoted = page.locator("#timeline tr", has_text="promoted").inner_text()
+    assert "by ops: TTFT within 5% on the dashboards" in promoted
+    assert "never sent" not in page.locator("#timeline").inner_text()
+    event = AuditEvent.objects.get(action="rollout.promote")
+    assert event.after["reason"] == "TTFT within 5% on the dashboards"
+
+
+def test_a_rolled_back_rollout_reads_rolled_back_with_traffic_back_on_stable(live_server, page, running_rollout):
+    rollout = running_rollout
+    now = timezone.now()
+    # The canary succeeded (v2 serves everything), then the platform rolled it back during its watch.
+    Rollout.objects.filter(pk=rollout.pk).update(status=RolloutStatus.SUCCEEDED, weight=100, finished_at=now,
+                                                 step_index=2, watch_until=now + timedelta(minutes=10))
+    Deployment.objects.filter(pk=rollout.deployment_id).update(version=rollout.candidate_version)
+    rollout.refresh_from_db()
+    roll_back(rollout, Deployment.objects.get(pk=rollout.deployment_id), now, "TTFT p95 burned the budget")
+    rollout.refresh_from_db()
+    assert rollout.status == RolloutStatus.ROLLED_BACK and rollout.weight == 100  # the weight it ended at
+
+    log_in(page, live_server.url, "ops", "pw-ops-123456")
+    page.goto(f"{live_server.url}/deployments/chat/rollouts/{rollout.pk}/")
+    status = page.locator("#status")
+    assert status.inner_text() == "rolled back" and status.get_attribute("data-status") == "rolled_back"
+    weight = page.locator("#weight")
+    assert weight.get_attribute("data-candidate") == "0"
+    assert "0% candidate · 100% stable (back on v1)" in weight.inner_text()
+    assert page.locator("#weight .candidate").evaluate("el => el.getBoundingClientRect().width") == 0
+
+    page.goto(f"{live_server.url}/deployments/chat/")
+    row = page.locator(f"#rollouts tr[data-id='{rollout.pk}'] .state")
+    assert row.inner_text() == "rolled back" and row.get_attribute("data-status") == "rolled_back"
+    assert "rolled_back" not in page.locator("#rollouts").inner_text()

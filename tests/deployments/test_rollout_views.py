@@ -132,8 +132,11 @@ def test_operator_promotes_aborts_and_retries(client, operator, deployment):
     response = client.post(url(rollout, "promote"), follow=True)  # a weight is never skipped
     assert "moves on by itself once it is ready" in flashed(response)[0]
 
-    response = client.post(url(rollout, "promote-full"), follow=True)
+    response = client.post(url(rollout, "promote-full"), {"reason": "x" * 501}, follow=True)
+    assert "too long" in flashed(response)[0]
+    response = client.post(url(rollout, "promote-full"), {"reason": "eval set green"}, follow=True)
     assert "promoted through every step" in flashed(response)[0]
+    assert "promoted</td><td>by operator-console (full): eval set green" in response.content.decode()
     assert "the candidate takes all traffic at full size <span class=\"muted\">← now" in response.content.decode()
     rollout.refresh_from_db()
     assert rollout.step_index == len(rollout.steps) and rollout.active
@@ -264,7 +267,7 @@ def test_page_shows_the_watch_and_why_the_platform_rolled_back(client, viewer, d
     rollback = rollout_watch.roll_back(Rollout.objects.get(pk=rollout.pk), deployment, timezone.now(),
                                        "the new version burns an SLO the previous one did not: chat-ttft")
     page = client.get(url(rollout)).content.decode()
-    assert 'id="status">rolled_back<' in page and "refreshes every 5 s" not in page
+    assert 'id="status" data-status="rolled_back">rolled back<' in page and "refreshes every 5 s" not in page
     assert "Rolled back by the platform during its watch: the new version burns an SLO" in page
     assert f'href="/deployments/chat/rollouts/{rollback.pk}/" id="rolled-back-by">rollout {rollback.pk}</a>' in page
     assert "Watch after success" not in client.get(url(rollback)).content.decode()  # rollbacks are not watched

@@ -253,11 +253,14 @@ def test_promote_abort_retry_transitions_and_conflicts(api, deployment):
     assert (response.json()["status"], response.json()["current_step"]) == (
         "progressing", {"index": 1, "step": {"set_weight": 50}})
     assert response.json()["timeline"][-1]["event"] == "promoted"
-    for bad in ({"full": "all the way"}, {"ful": True}):
+    for bad in ({"full": "all the way"}, {"ful": True}, {"reason": "x" * 2001}, {"reason": ["why"]}):
         response = client.post(f"{url}promote/", bad, format="json")
         assert response.status_code == 400 and set(response.json()) == set(bad)
-    response = client.post(f"{url}promote/", {"full": True}, format="json")
+    response = client.post(f"{url}promote/", {"full": True, "reason": "v2 matches v1 on the eval set"}, format="json")
     assert response.json()["current_step"] == {"index": 3, "step": None}
+    assert response.json()["timeline"][-1]["detail"] == "by operator-api (full): v2 matches v1 on the eval set"
+    assert AuditEvent.objects.filter(action="rollout.promote").latest("id").after["reason"] == (
+        "v2 matches v1 on the eval set")
 
     assert client.post(f"{url}retry/", format="json").status_code == 409  # only an aborted one
     assert client.post(f"{url}abort/", {"reason": 7, "why": "x"}, format="json").status_code == 400
