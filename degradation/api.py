@@ -60,6 +60,9 @@ class ActionsSerializer(Strict):
         if not any(attrs.get(name) for name in services.ACTION_NAMES):
             raise serializers.ValidationError(
                 f"A level needs at least one action: {', '.join(services.ACTION_NAMES)}.")
+        # Judged per level, so one level's bad field does not hide another's bad fallback.
+        if errors := _check_actions(attrs, self.context["deployment"]):
+            raise serializers.ValidationError(errors)
         return attrs
 
 
@@ -101,7 +104,6 @@ class PolicySerializer(Strict):
     def validate_levels(self, levels: list[dict]) -> list[dict]:
         if not levels or len(levels) > MAX_LEVELS:
             raise serializers.ValidationError(f"Give 1 to {MAX_LEVELS} levels.")
-        deployment: Deployment = self.context["deployment"]
         errors: dict[str, dict] = defaultdict(dict)  # keyed by index, as DRF reports a list's items
         names = set()
         for index, level in enumerate(levels):
@@ -112,9 +114,6 @@ class PolicySerializer(Strict):
                 errors[str(index)]["enter_burn_rate"] = [
                     f"Levels must increase: level {index + 1}'s entry rate ({level['enter_burn_rate']:g}) must be "
                     f"above level {index}'s ({levels[index - 1]['enter_burn_rate']:g})."]
-            actions = _check_actions(level["actions"], deployment)
-            if actions:
-                errors[str(index)]["actions"] = actions
         if errors:
             raise serializers.ValidationError(dict(errors))
         return levels

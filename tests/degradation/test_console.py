@@ -138,11 +138,13 @@ def test_every_policy_error_shows_after_one_submit(browser_as, deployment, slo):
         assert message in page
     assert "This field is required." not in page  # the levels' own error stands alone
     # Two bad levels: each named, with the window, at once.
-    levels = [{**LEVELS[0], "exit_burn_rate": 6}, {**LEVELS[1], "enter_burn_rate": "lots"}]
+    levels = [{**LEVELS[0], "exit_burn_rate": 6}, {**LEVELS[1], "enter_burn_rate": "lots"},
+              {**LEVELS[1], "name": "elsewhere", "actions": {"fallback": {"deployment": "chat", "weight": 5}}}]
     page = operator.post(POLICY, policy_form(**{
         "policy-levels": json.dumps(levels), "policy-window": "90s"})).content.decode()
     assert "levels[0].exit_burn_rate: The exit rate (6) must not be above the entry rate (5)" in page
     assert "levels[1].enter_burn_rate: A valid number is required." in page
+    assert "levels[2].actions.fallback.deployment: A deployment cannot fall back to itself." in page
     assert "Give whole minutes from 1m to 1h" in page
     assert not DegradationPolicy.objects.exists() and not DegradationState.objects.exists()
 
