@@ -263,6 +263,10 @@ def test_page_shows_the_watch_and_why_the_platform_rolled_back(client, viewer, d
     page = client.get(url(rollout)).content.decode()
     assert f"Watching until {timezone.localtime(until):%H:%M}, auto-rollback on" in page
     assert "refreshes every 5 s" in page and '">watch</td>' in page
+    assert "95% candidate · 5% stable <span class=\"muted\">(v2 serves all but the holdback)" in page
+    Rollout.objects.filter(pk=rollout.pk).update(auto_rollback=False)  # no holdback without the watch's rollback
+    assert "100% candidate · 0% stable <span class=\"muted\">(v2 serves)" in client.get(url(rollout)).content.decode()
+    Rollout.objects.filter(pk=rollout.pk).update(auto_rollback=True)
 
     rollback = rollout_watch.roll_back(Rollout.objects.get(pk=rollout.pk), deployment, timezone.now(),
                                        "the new version burns an SLO the previous one did not: chat-ttft")
