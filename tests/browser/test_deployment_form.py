@@ -19,12 +19,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 def taken_name(settings):
     """An operator, a model with two versions, and a deployment already named "chat"."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-    user = User.objects.create_user("ops", password="pw-ops-123456")
-    user.groups.add(Group.objects.get(name="operator"))
+    User.objects.create_user("ops", password="pw-ops-123456").groups.add(Group.objects.get(name="operator"))
     model = RegisteredModel.objects.create(name="tiny", task="generate")
-    v1 = make_version(model, 1)
     make_version(model, 2)
-    return Deployment.objects.create(name="chat", model=model, version=v1, replicas=1)
+    return Deployment.objects.create(name="chat", model=model, version=make_version(model, 1), replicas=1)
 
 
 def submit(page, **fields: str) -> None:
