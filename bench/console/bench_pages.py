@@ -15,9 +15,10 @@ paint, DOMContentLoaded, load, and on chart pages the moment the first plotly ch
 
 Peers in the same run:
 - the Django admin's change lists on the same server (plain server-rendered pages, no charts);
-- each chart page with plotly.min.js loaded blocking in <head> (the document rewritten by a
-  pass-through proxy in this process), against the same page as served through the same proxy
-  (so both carry its hop) -- the effect of the deferral alone.
+- each chart page with plotly's full bundle (the plotly Python package's, served by a pass-through
+  proxy in this process with the console's own gzip and cache headers) against the same page as
+  served (the partial bundle) through the same proxy, so both carry its hop. The two variants
+  alternate load by load (paired samples), so a busy moment on a shared machine hits both.
 
     DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres REDIS_URL=redis://127.0.0.1:6379/5 \\
         INFEROPS_DATA_DIR=/tmp/inferops-pages .venv/bin/python bench/console/bench_pages.py [--reps 7]
@@ -43,6 +44,7 @@ import threading
 import time
 import urllib.request
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -124,7 +126,10 @@ def seed(now: datetime) -> dict:
     from django.db import connection
 
     from alerts.models import Alert, Integration
+    from alerts.schedules import schedule_save
     from alerts.services import alert_acknowledge, alert_raise, alert_resolve
+    from costing.ledger import ledger_sync
+    from costing.services import price_create
     from deployments.models import Deployment, Replica, ReplicaMetricsMinute
     from inferops.audit import audit_record, snapshot
     from inferops.models import AuditEvent
@@ -252,6 +257,15 @@ def seed(now: datetime) -> dict:
         elif i % 3 == 1:
             alert_acknowledge(alert=alert, actor=admin)
 
+    # An on-call schedule (its page charts the coming shifts) and a priced day (the cost report's charts).
+    schedule_save(instance=None, fields={"name": "primary", "time_zone": "UTC", "description": ""},
+                  layers=[{"name": "weekly", "rotation": "weekly", "starts_at": start, "ends_at": None,
+                           "users": [USERNAME]}], actor=admin)
+    for resource, usd in (("gpu:H100", "2.50"), ("cpu", "0.04"), ("memory", "0.005")):
+        price_create(resource=resource, usd_per_hour=Decimal(usd), effective_from=start - timedelta(days=1),
+                     tier="on-demand", actor=admin)
+    ledger_sync(now)
+
     # A month of console changes in the audit log (deployments scaled, limits moved).
     for i in range(400):
         deployment = deployments[i % len(deployments)]
@@ -286,16 +300,31 @@ def start_console(port: int) -> subprocess.Popen:
 # ---------------------------------------------------------------------------- the browser
 
 
-def blocking_plotly(html: str) -> str:
-    """The page with plotly.min.js as a plain blocking <script> in <head> instead of deferred."""
-    html, n = re.subn(r'<script defer src="(/assets/plotly\.min\.js)" onload="plotlyLoaded\(\)"></script>', "", html)
+FULL_BUNDLE_PATH = "/bench/plotly-full.min.js"
+PLOTLY_TAG = re.compile(r'<script defer src="/assets/plotly-[0-9a-f]+\.min\.js" onload="plotlyLoaded\(\)"></script>')
+
+
+def full_plotly(html: str) -> str:
+    """The page with plotly's full bundle in place of the partial one, loaded the same way (deferred)."""
+    html, n = PLOTLY_TAG.subn(f'<script defer src="{FULL_BUNDLE_PATH}" onload="plotlyLoaded()"></script>', html)
     if n != 1:
-        raise SystemExit("the plotly partial changed: no deferred plotly tag to move")
-    return html.replace("</head>", '<script src="/assets/plotly.min.js"></script>\n</head>', 1)
+        raise SystemExit("the plotly partial changed: no deferred plotly tag to swap")
+    return html
+
+
+def full_bundle_response() -> tuple[bytes, bytes]:
+    """The plotly package's full bundle, plain and gzipped as the console gzips its own."""
+    import gzip
+
+    from inferops.assets import full_bundle_path
+
+    plain = full_bundle_path().read_bytes()
+    return plain, gzip.compress(plain, compresslevel=6, mtime=0)
 
 
 class RewritingProxy:
-    """A pass-through HTTP proxy in front of the console that rewrites one page's HTML.
+    """A pass-through HTTP proxy in front of the console that rewrites one page's HTML and serves
+    plotly's full bundle at FULL_BUNDLE_PATH with the console's headers (plotly_js).
 
     Not Playwright's route interception: routing turns Chromium's HTTP cache off, and a warm load
     without its cache is not a warm load. Both variants of a chart page go through the proxy, so
@@ -303,12 +332,15 @@ class RewritingProxy:
 
     def __init__(self, upstream_port: int) -> None:
         self.rewrites: dict[str, object] = {}
+        self.full_plain, self.full_gzipped = full_bundle_response()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as against uvicorn directly
 
             def do_GET(self):  # noqa: N802 - http.server's name
+                if self.path == FULL_BUNDLE_PATH:
+                    return self.full_bundle()
                 rewrite = proxy.rewrites.get(self.path)
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
                 if rewrite is not None:
@@ -329,7 +361,26 @@ class RewritingProxy:
                     self.send_header(key, value)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.send_body(body)
+
+            def send_body(self, body: bytes) -> None:
+                try:
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the browser navigated on (a page that polls) before this answer was in
+
+            def full_bundle(self):
+                packed = "gzip" in self.headers.get("Accept-Encoding", "")
+                body = proxy.full_gzipped if packed else proxy.full_plain
+                self.send_response(200)
+                self.send_header("Content-Type", "application/javascript")
+                if packed:
+                    self.send_header("Content-Encoding", "gzip")
+                self.send_header("Vary", "Accept-Encoding")
+                self.send_header("Cache-Control", f"public, max-age={365 * 24 * 3600}, immutable")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.send_body(body)
 
             def log_message(self, *args):
                 pass
@@ -344,31 +395,35 @@ class RewritingProxy:
         self.server.server_close()
 
 
-def measure(browser, storage, base: str, path: str, *, chart: bool, reps: int) -> dict:
-    runs = {"cold": [], "warm": []}
-    for _ in range(reps):
-        context = browser.new_context(viewport={"width": 1400, "height": 900}, storage_state=storage)
-        context.add_init_script(CHART_OBSERVER)
-        page = context.new_page()
-        for kind in ("cold", "warm"):
-            response = page.goto(base + path, wait_until="load", timeout=60000)
-            if response is None or response.status != 200 or "/login/" in page.url:
-                raise SystemExit(f"{path}: {response and response.status} at {page.url}")
-            if chart:
-                try:
-                    page.wait_for_function("window.__firstChart !== undefined", timeout=60000)
-                except Exception as error:  # noqa: BLE001 - name the page, then stop
-                    page.screenshot(path=f"/tmp/bench-pages-{kind}.png", full_page=True)
-                    raise SystemExit(f"{path}: no plotly chart drawn within 60 s ({kind})") from error
-            time.sleep(0.1)  # let the paint entries settle
-            runs[kind].append(page.evaluate(TIMINGS))
-            # The page's other chart requests finish before the next load: the single server
-            # process still busy with them would be charged to the next page's responseEnd.
+def load_once(browser, storage, url: str, *, chart: bool) -> dict:
+    """One cold load in a fresh context and one warm load after it: {"cold": timings, "warm": timings}."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900}, storage_state=storage)
+    context.add_init_script(CHART_OBSERVER)
+    page = context.new_page()
+    timings = {}
+    for kind in ("cold", "warm"):
+        response = page.goto(url, wait_until="load", timeout=60000)
+        if response is None or response.status != 200 or "/login/" in page.url:
+            raise SystemExit(f"{url}: {response and response.status} at {page.url}")
+        if chart:
             try:
-                page.wait_for_load_state("networkidle", timeout=15000)
-            except Exception:  # noqa: BLE001 - a page that polls may never be idle for 500 ms
-                pass
-        context.close()
+                page.wait_for_function("window.__firstChart !== undefined", timeout=60000)
+            except Exception as error:  # noqa: BLE001 - name the page, then stop
+                page.screenshot(path=f"/tmp/bench-pages-{kind}.png", full_page=True)
+                raise SystemExit(f"{url}: no plotly chart drawn within 60 s ({kind})") from error
+        time.sleep(0.1)  # let the paint entries settle
+        timings[kind] = page.evaluate(TIMINGS)
+        # The page's other chart requests finish before the next load: the single server
+        # process still busy with them would be charged to the next page's responseEnd.
+        try:
+            page.wait_for_load_state("networkidle", timeout=15000)
+        except Exception:  # noqa: BLE001 - a page that polls may never be idle for 500 ms
+            pass
+    context.close()
+    return timings
+
+
+def summarise(path: str, runs: dict) -> dict:
     summary = {}
     for kind, samples in runs.items():
         summary[kind] = {}
@@ -378,6 +433,36 @@ def measure(browser, storage, base: str, path: str, *, chart: bool, reps: int) -
                 summary[kind][metric] = {"median": round(statistics.median(values), 1),
                                          "p90": round(percentile(values, 90), 1), "n": len(values)}
     return {"path": path, "summary": summary, "samples": runs}
+
+
+def measure(browser, storage, base: str, path: str, *, chart: bool, reps: int) -> dict:
+    runs = {"cold": [], "warm": []}
+    for _ in range(reps):
+        for kind, timings in load_once(browser, storage, base + path, chart=chart).items():
+            runs[kind].append(timings)
+    return summarise(path, runs)
+
+
+def measure_paired(browser, storage, proxy: RewritingProxy, path: str, variants: dict, reps: int) -> dict:
+    """Each variant (name -> HTML rewrite) of a chart page through the proxy, alternating load by load
+    (the order flips every rep), so that the machine's load at a moment hits both; with the ratio of
+    each pair's cold figures (second variant / first)."""
+    names = list(variants)
+    runs = {name: {"cold": [], "warm": []} for name in names}
+    for rep in range(reps):
+        for name in names if rep % 2 == 0 else reversed(names):
+            proxy.rewrites = {path: variants[name]}
+            for kind, timings in load_once(browser, storage, f"http://127.0.0.1:{proxy.port}{path}",
+                                           chart=True).items():
+                runs[name][kind].append(timings)
+    entries = {name: summarise(path, runs[name]) for name in names}
+    ratios = {}
+    for metric in ("fcp", "dcl", "chart"):
+        pairs = [(a[metric], b[metric]) for a, b in zip(runs[names[0]]["cold"], runs[names[1]]["cold"], strict=True)
+                 if a[metric] and b[metric]]
+        if pairs:
+            ratios[metric] = round(statistics.median(b / a for a, b in pairs), 2)
+    return {"variants": entries, "cold_ratio_median": ratios}
 
 
 def cpu_model() -> str:
@@ -399,10 +484,25 @@ def pages(seeded_ids: dict) -> list[tuple[str, str, bool, str]]:
         ("alert page", f"/alerts/{seeded_ids['alert']}/", True, "console"),
         ("model list", "/models/", False, "console"),
         ("tenant list", "/tenants/", False, "console"),
+        ("tenant page", "/tenants/acme/", True, "console"),
+        ("cost report", "/costs/", True, "console"),
+        ("schedule page", "/alerts/schedules/primary/", True, "console"),
         ("audit log", "/audit/", False, "console"),
         ("admin: deployments", "/admin/deployments/deployment/", False, "peer: Django admin"),
         ("admin: audit events", "/admin/inferops/auditevent/", False, "peer: Django admin"),
     ]
+
+
+def bundle_sizes(base: str) -> dict:
+    """What the console serves (it must be the partial bundle: `make install`) and the full bundle, in KB."""
+    from inferops.templatetags.console import plotly_src
+
+    served = urllib.request.urlopen(base + plotly_src()).read()
+    plain, gzipped = full_bundle_response()
+    if len(served) > len(plain) / 2:
+        raise SystemExit("the console serves plotly's full bundle: run `make install` (npm ci) first")
+    return {"served": round(len(served) / 1024), "full": round(len(plain) / 1024),
+            "full_gzipped": round(len(gzipped) / 1024)}
 
 
 def cell(entry: dict, kind: str, metric: str) -> str:
@@ -417,8 +517,9 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the scratch database")
     parser.add_argument("--result-json", type=Path, help="default: bench/console/results-<date>.json")
     args = parser.parse_args()
-    if os.environ.get("REDIS_URL", "").rstrip("/").split("/")[-1] != "5":
-        sys.exit("use REDIS_URL=redis://127.0.0.1:6379/5: the seeding enqueues tasks there")
+    if os.environ.get("REDIS_URL", "").rstrip("/").split("/")[-1] in ("", "0", "6379"):
+        sys.exit("use a Redis database of the benchmark's own (REDIS_URL=redis://127.0.0.1:6379/5): "
+                 "the seeding enqueues tasks there that no worker must pick up")
     os.environ.setdefault("INFEROPS_DATA_DIR", "/tmp/inferops-pages")
     Path(os.environ["INFEROPS_DATA_DIR"]).mkdir(parents=True, exist_ok=True)
     os.environ["DEBUG"] = "false"
@@ -455,7 +556,8 @@ def main() -> int:
             "date": datetime.now(UTC).date().isoformat(), "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "cpu": cpu_model(),
             "cores": os.cpu_count(), "load_average_before": [round(v, 2) for v in load_before], "reps": args.reps,
-            "seeded": seeded, "units": "ms from navigation start; median/p90 over reps", "pages": {}}
+            "seeded": seeded, "units": "ms from navigation start; median/p90 over reps", "pages": {}, "paired": {},
+            "bundles_kb": bundle_sizes(base)}
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
             results["chromium"] = browser.version
@@ -479,15 +581,14 @@ def main() -> int:
                 entry["load_average_1m"] = round(os.getloadavg()[0], 2)
                 results["pages"][name] = entry
                 if chart:
-                    for variant, rewrite in (("as served, through the proxy", lambda html: html),
-                                             ("plotly blocking in <head>, through the proxy", blocking_plotly)):
-                        log(f"{name}: {variant}")
-                        proxy.rewrites = {path: rewrite}
-                        peer = measure(browser, storage, f"http://127.0.0.1:{proxy.port}", path, chart=True,
-                                       reps=args.reps)
-                        peer["group"] = f"peer: {variant}"
-                        peer["load_average_1m"] = round(os.getloadavg()[0], 2)
-                        results["pages"][f"{name} ({variant})"] = peer
+                    log(f"{name}: partial and full plotly bundles, paired, through the proxy")
+                    paired = measure_paired(browser, storage, proxy, path, {
+                        "partial bundle (as served)": lambda html: html, "full bundle": full_plotly}, args.reps)
+                    paired["load_average_1m"] = round(os.getloadavg()[0], 2)
+                    results["paired"][name] = paired
+                    for variant, entry in paired["variants"].items():
+                        entry["group"] = f"peer: {variant}, through the proxy"
+                        results["pages"][f"{name} ({variant}, through the proxy)"] = entry
             browser.close()
         results["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
         out = args.result_json or HERE / f"results-{results['date']}.json"
@@ -500,6 +601,9 @@ def main() -> int:
                 kb = entry["summary"][kind].get("transfer_kb", {}).get("median")
                 print(f"{name:<58} {kind:<5} " + " ".join(f"{cell(entry, kind, m):>11}" for m in METRICS)
                       + f" {kb if kb is not None else '-':>7}")
+        print("\npaired, cold, median of (full bundle / partial bundle) per pair:")
+        for name, paired in results["paired"].items():
+            print(f"{name:<20} " + "  ".join(f"{m} {r}x" for m, r in paired["cold_ratio_median"].items()))
         print(f"\nwrote {out}; load average before {results['load_average_before']}, after "
               f"{results['load_average_after']}")
     finally:
