@@ -40,8 +40,10 @@ def on_call_panel(request, _obj) -> str:
     """Who is on call now and next on every schedule, and how many alerts are firing."""
     now = timezone.now()
     rows = [{"schedule": schedule, **on_call_summary(schedule, now)} for schedule in Schedule.objects.all()]
-    firing = Alert.objects.filter(status=AlertStatus.FIRING).count()
-    return render_to_string("alerts/schedule_on_call_panel.html", {"rows": rows, "firing": firing}, request=request)
+    firing = Alert.objects.filter(status=AlertStatus.FIRING)
+    total, muted = firing.count(), muted_count(firing, now)
+    return render_to_string("alerts/schedule_on_call_panel.html", {
+        "rows": rows, "firing": total, "muted": muted, "live": total - muted}, request=request)
 
 
 home_panels.register(firing_panel, FIRING)

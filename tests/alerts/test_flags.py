@@ -131,3 +131,16 @@ def test_the_slo_pages_show_the_badges_too(client, make_user):
         assert 'class="pill badge badge-silenced"' in text and 'data-severity="page"' in text, url
     detail = client.get(f"/slos/{slo.pk}/").content.decode()
     assert f'<tr data-alert="{muted.pk}" class="alert-muted">' in detail and "state-muted" in detail
+
+
+def test_the_on_call_panel_counts_muted_alerts_apart(rf, make_user):
+    from alerts.panels import on_call_panel
+
+    request = rf.get("/")
+    request.user = make_user("viewer")
+    silence("NodeDown")
+    alert("NodeDown")
+    assert "1 alert firing, all silenced or snoozed" in on_call_panel(request, None)
+    alert("DiskFull")
+    html = on_call_panel(request, None)
+    assert ">1 alert firing</strong>" in html and "and 1 silenced or snoozed" in html
