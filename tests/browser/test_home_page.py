@@ -43,9 +43,11 @@ def platform(settings):
     slo = slo_create(actor=None, name="chat-ttft", deployment=chat, sli_kind="latency", ttft_ms=150,
                      objective=0.99, window="1d", min_requests=10)
     now = timezone.now()
-    insert_events([event(now - timedelta(seconds=5), ttft_ms=100.0) for _ in range(20)]
-                  + [event(now - timedelta(seconds=5), ttft_ms=400.0) for _ in range(20)]
-                  + [event(now - timedelta(seconds=5), status=503, error_kind="upstream_error", ttft_ms=None)])
+    # In this minute: a 1d SLO pages on a 1-minute short window, which holds only the current minute.
+    at = max(now - timedelta(seconds=5), now.replace(second=0, microsecond=0))
+    insert_events([event(at, ttft_ms=100.0) for _ in range(20)]
+                  + [event(at, ttft_ms=400.0) for _ in range(20)]
+                  + [event(at, status=503, error_kind="upstream_error", ttft_ms=None)])
     evaluate_slos(now=now)
     weekly = {"name": "weekly", "rotation": "weekly", "starts_at": now - timedelta(days=1), "ends_at": None,
               "users": ["alice"]}
