@@ -52,7 +52,6 @@ def report_page(request):
     return render(request, "costing/report.html", {
         "report": report, "month": start.strftime("%Y-%m"), "tenant": tenant, "drill": drill,
         "allocation": allocation_method(report),
-        "query": request.GET.urlencode(),
         "period_query": _period_query(request.GET, start),
         "max_month": timezone.now().strftime("%Y-%m"),
     })

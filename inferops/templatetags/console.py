@@ -8,6 +8,7 @@ from django import template
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
+from inferops import numbers
 from inferops.assets import plotly_bundle
 from inferops.models import readable
 
@@ -41,3 +42,15 @@ def utc(moment, precision: str = "minutes"):
 def plotly_src() -> str:
     """The URL of the console's plotly.js, which names the bundle's digest (inferops.assets)."""
     return reverse("plotly-js", args=[plotly_bundle().digest])
+
+
+@register.filter
+def grouped(value):
+    """Thousands separators on a count or an amount: `{{ row.prompt_tokens|grouped }}`."""
+    return numbers.grouped(value)
+
+
+@register.filter
+def usd(value):
+    """Dollars with thousands separators: `{{ report.total_usd|usd }}` -> $1,234.50."""
+    return numbers.usd(value)
