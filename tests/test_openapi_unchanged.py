@@ -1,0 +1,111 @@
+"""The REST API's OpenAPI schema is the one recorded before the ViewSet move (issue 37).
+
+tests/fixtures/openapi-before.json is `manage.py spectacular --format openapi-json` at 9f32e02, before any
+hand-written APIView became a ViewSet. The live schema must match it on paths, methods, status codes,
+parameters, request bodies and response bodies (field names, types, formats, enums, required, nullable,
+read-only), security and tags. Ignored on purpose: operationId, summary, description and title, which a
+ViewSet may name differently, and the components' names: every $ref is resolved before comparing, so
+only the shape behind a name counts. Do not regenerate the fixture to make this pass; a deliberate API
+change updates it in the same commit that makes the change, and says so.
+"""
+import json
+from pathlib import Path
+
+from drf_spectacular.generators import SchemaGenerator
+from drf_spectacular.renderers import OpenApiJsonRenderer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "openapi-before.json"
+# Wording and names a ViewSet may change without changing what a client sends or receives.
+IGNORED_KEYS = {"operationId", "summary", "description", "title"}
+HTTP_METHODS = {"get", "put", "post", "patch", "delete", "head", "options", "trace"}
+
+
+def _resolve(node, components, stack=()):
+    """The node with every $ref replaced by what it names, wording dropped, `required` in a fixed order."""
+    if isinstance(node, list):
+        return [_resolve(item, components, stack) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        name = node["$ref"].rsplit("/", 1)[-1]
+        if name in stack:  # a recursive schema: compare the recursion, not an endless expansion
+            return {"$recursive": stack.index(name)}
+        rest = {k: v for k, v in node.items() if k != "$ref"}
+        resolved = _resolve(components[name], components, (*stack, name))
+        return {**resolved, **_resolve(rest, components, stack)} if rest else resolved
+    out = {}
+    for key, value in node.items():
+        if key in IGNORED_KEYS:
+            continue
+        if key == "required" and isinstance(value, list):
+            out[key] = sorted(value)
+        elif key == "properties":  # field names, where "description" or "title" is a field, not wording
+            out[key] = {field: _resolve(spec, components, stack) for field, spec in value.items()}
+        elif key == "parameters":  # keyed by where and what, not by list position
+            params = {f"{p.get('in')}:{p.get('name')}": p for p in _resolve(value, components, stack)}
+            out[key] = dict(sorted(params.items()))
+        else:
+            out[key] = _resolve(value, components, stack)
+    return out
+
+
+def _operations(schema):
+    """{'GET /api/v1/...': the operation with references resolved}, for every path and method."""
+    components = schema.get("components", {}).get("schemas", {})
+    ops = {}
+    for path, item in schema["paths"].items():
+        shared = item.get("parameters", [])
+        for method, op in item.items():
+            if method not in HTTP_METHODS:
+                continue
+            op = {**op, "parameters": [*shared, *op.get("parameters", [])]}
+            ops[f"{method.upper()} {path}"] = _resolve(op, components)
+    return ops
+
+
+def _flatten(node, prefix=""):
+    if isinstance(node, dict):
+        if not node:
+            return {prefix: {}}
+        out = {}
+        for key, value in node.items():
+            out.update(_flatten(value, f"{prefix}/{key}"))
+        return out
+    if isinstance(node, list):
+        if not node:
+            return {prefix: []}
+        out = {}
+        for i, value in enumerate(node):
+            out.update(_flatten(value, f"{prefix}[{i}]"))
+        return out
+    return {prefix: node}
+
+
+def _live_schema():
+    schema = SchemaGenerator().get_schema(request=None, public=True)
+    # The same rendering `manage.py spectacular` wrote the fixture with (lazy strings, decimals, enums).
+    return json.loads(OpenApiJsonRenderer().render(schema, renderer_context={}))
+
+
+def test_openapi_schema_is_unchanged_by_the_viewset_move():
+    before = _operations(json.loads(FIXTURE.read_text()))
+    now = _operations(_live_schema())
+
+    assert sorted(now) == sorted(before), "operations added or removed"
+    differences = []
+    for name in sorted(before):
+        old, new = _flatten(before[name]), _flatten(now[name])
+        for key in sorted(old.keys() | new.keys()):
+            if old.get(key, "<absent>") != new.get(key, "<absent>"):
+                differences.append(f"{name} {key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
+    assert not differences, f"{len(differences)} differences:\n" + "\n".join(differences[:40])
+
+
+def test_the_comparison_sees_a_changed_field():
+    # Guards the test above against comparing nothing: a renamed response field must be caught.
+    schema = json.loads(FIXTURE.read_text())
+    before = _operations(schema)
+    version = schema["components"]["schemas"]["Version"]["properties"]
+    version["digest_renamed"] = version.pop("digest")
+    changed = _operations(schema)
+    assert changed["POST /api/v1/models/{name}/versions/"] != before["POST /api/v1/models/{name}/versions/"]
