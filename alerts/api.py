@@ -13,7 +13,7 @@ from rest_framework.views import APIView
 from alerts import services
 from alerts.choices import AlertStatus, IncidentPer, ReceiverKind, Severity
 from alerts.models import Alert, AlertEvent, Delivery, Receiver
-from alerts.receivers import PAGERDUTY_EVENTS_URL
+from alerts.receivers.kinds import PAGERDUTY_EVENTS_URL
 from inferops.api import CONFLICT, ERRORS, Conflict, ErrorSerializer, RejectUnknownFields
 from inferops.roles import ADMIN
 from inferops.validators import slug_validator

@@ -19,7 +19,7 @@ from django.urls import NoReverseMatch, reverse
 
 from alerts.choices import OPEN_STATUSES, AlertStatus, DeliveryOutcome
 from alerts.models import Alert, Delivery, Silence
-from alerts.silences import active_silences, silence_matching
+from alerts.silences.muting import active_silences, silence_matching
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from django.utils import timezone
 from alerts.choices import AlertStatus
 from alerts.flags import attach_flags, muted_count, with_flag_columns
 from alerts.models import Alert, Schedule
-from alerts.schedules import on_call_summary
+from alerts.schedules.services import on_call_summary
 from inferops.panels import PanelRegistry, home_panels
 
 _registry = PanelRegistry()

@@ -1,5 +1,5 @@
 """Alert lifecycle from SLO evaluations, people acting on alerts, and receivers (delivery lives in
-alerts/delivery.py).
+alerts/receivers/delivery.py).
 
 An SLO has at most one firing alert per severity. It opens when any rule of that severity holds
 (burn rate at or above the factor over both its long and its short window, with enough traffic
@@ -21,7 +21,6 @@ from django.db.models import Q
 from django.urls import reverse
 from django.utils import timezone
 
-from alerts import routing
 from alerts.choices import (
     OPEN_STATUSES,
     AlertStatus,
@@ -32,7 +31,8 @@ from alerts.choices import (
     Severity,
 )
 from alerts.models import Alert, AlertEvent, AlertGroup, Notification, Receiver, fingerprint_of
-from alerts.silences import muting_reason
+from alerts.routing import dispatch as routing
+from alerts.silences.muting import muting_reason
 from alerts.timeline import record_event
 from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
@@ -100,7 +100,7 @@ ACK_KINDS = (ReceiverKind.PAGERDUTY, ReceiverKind.SLACK, ReceiverKind.EMAIL)
 
 def _enqueue_notifications(alert: Alert, status: str, now: datetime | None = None) -> None:
     """An opening joins the alert to its routes' groups, which notify their targets (at once or
-    after group_wait, see alerts/routing.py); a muted alert joins them too, and notifies no one
+    after group_wait, see alerts/routing/dispatch.py); a muted alert joins them too, and notifies no one
     until the mute ends. An acknowledgement or a resolution goes at once to every target the
     firing reached (people paged by email included), so each hears the end of what it was told;
     a PagerDuty receiver with one incident per group hears of the group (_tell_group_incident)."""

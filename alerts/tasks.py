@@ -5,8 +5,8 @@ from __future__ import annotations
 from celery import shared_task
 from django.conf import settings
 
-from alerts.delivery import notification_deliver
-from alerts.routing import groups_advance, groups_notify_waiting
+from alerts.receivers.delivery import notification_deliver
+from alerts.routing.dispatch import groups_advance, groups_notify_waiting
 from alerts.services import notify_unmuted
 
 

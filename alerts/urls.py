@@ -1,17 +1,14 @@
 from django.urls import path
 
-from alerts import (
-    api,
-    inbound_api,
-    integration_views,
-    receiver_urls,
-    routing_api,
-    routing_urls,
-    schedule_urls,
-    silence_api,
-    silence_views,
-    views,
-)
+from alerts import api, views
+from alerts.inbound import api as inbound_api
+from alerts.inbound import views as integration_views
+from alerts.receivers import urls as receiver_urls
+from alerts.routing import api as routing_api
+from alerts.routing import urls as routing_urls
+from alerts.schedules import urls as schedule_urls
+from alerts.silences import api as silence_api
+from alerts.silences import views as silence_views
 
 app_name = "alerts"
 

@@ -16,8 +16,8 @@ from alerts.choices import OPEN_STATUSES, AlertStatus, EventKind, NotificationSt
 from alerts.flags import attach_flags, with_flag_columns
 from alerts.models import Alert, Notification
 from alerts.panels import render_panels
-from alerts.routing import Tree
-from alerts.silences import muting_reason
+from alerts.routing.dispatch import Tree
+from alerts.silences.muting import muting_reason
 from inferops.api import Conflict
 from inferops.roles import require_operator
 

@@ -33,7 +33,7 @@ def django_on_scratch_database(name: str) -> str:
         sys.exit("set DATABASE_URL and REDIS_URL (see the module docstring)")
     recreate_scratch_database(admin_url, name)
     os.environ["DATABASE_URL"] = scratch_database_url(admin_url, name)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     sys.path.insert(0, str(ROOT))
     import django
 

@@ -2,7 +2,7 @@ from django.urls import path
 
 from degradation import api, views
 
-# Console forms, under deployments/<name>/degradation/ (inferops/urls.py); the page is the deployment's.
+# Console forms, under deployments/<name>/degradation/ (project/urls.py); the page is the deployment's.
 app_name = "degradation"
 
 urlpatterns = [

@@ -7,7 +7,7 @@ from django.template.loader import render_to_string
 
 from deployments.choices import ACTIVE_ROLLOUT, ReplicaState
 from deployments.models import Deployment
-from deployments.views import undo_offer
+from deployments.rollouts.forms import undo_offer
 
 RECENT_ROLLOUTS = 5
 

@@ -1,5 +1,5 @@
 """REST API for deployments: CRUD, replicas, and metrics series for CI and the console (rollouts:
-deployments/rollout_api.py)."""
+deployments/rollouts/api.py)."""
 
 from __future__ import annotations
 
@@ -216,7 +216,7 @@ class DeploymentMetrics(APIView):
         }), **ERRORS},
     )
     def get(self, request, name: str):
-        from deployments.metrics_query import deployment_error_rate, deployment_events, deployment_series
+        from deployments.replicas.metrics_query import deployment_error_rate, deployment_events, deployment_series
 
         deployment = get_deployment(name)
         params = request.query_params

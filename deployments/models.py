@@ -55,7 +55,7 @@ class Rollout(Authored):
     """Moving a deployment from its stable spec to a candidate spec, step by step.
 
     The row is the whole state: the reconcile pass reads it to keep two tracks of replicas and
-    publish their weights, and advances it (deployments/rollouts.py) one transition at a time,
+    publish their weights, and advances it (deployments/rollouts/services.py) one transition at a time,
     so a worker killed at any point leaves a row the next pass continues from.
     """
 
@@ -86,12 +86,12 @@ class Rollout(Authored):
     # Set while a degradation level that freezes rollouts holds the rollout where it is.
     frozen_since = models.DateTimeField(null=True, blank=True)
     # After success the platform watches the new version for this long and rolls back by itself
-    # when it burns an SLO the previous version did not (deployments/rollout_watch.py).
+    # when it burns an SLO the previous version did not (deployments/rollouts/watch.py).
     watch_s = models.FloatField(default=600, help_text="Watch after success, in seconds; 0: none.")
     auto_rollback = models.BooleanField(default=True, help_text="Roll back by itself during the watch.")
     watch_until = models.DateTimeField(null=True, blank=True, help_text="Set on success; rollbacks are not watched.")
     # During the watch this percent of traffic stays on the previous spec, so the new one is judged
-    # against it at the same time, under the same load (deployments/rollout_watch.py).
+    # against it at the same time, under the same load (deployments/rollouts/watch.py).
     holdback_percent = models.PositiveSmallIntegerField(default=5, help_text=(
         "During the watch, percent of traffic kept on the previous version to compare with; 0: none."))
     rolled_back_by = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",

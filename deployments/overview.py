@@ -22,7 +22,7 @@ from django.utils import timezone
 from deployments.choices import ACTIVE_ROLLOUT, ReplicaState
 from deployments.health import Verdict, health_verdict
 from deployments.models import Deployment, Rollout
-from deployments.rollout_gate import gate
+from deployments.rollouts.gate import gate
 
 WINDOW = timedelta(minutes=5)
 

@@ -84,7 +84,7 @@ def validate_runnable(*, version: ModelVersion, backend: str, driver: str, engin
     than the GPU count, a version that does not fit its GPUs' memory."""
     errors = gpus.check(version=version, backend=backend, engine_args=engine_args, resources=resources)
     if backend == Backend.VLLM and driver == DriverName.LOCAL:
-        from deployments.drivers.local import vllm_missing  # the driver knows where vLLM lives
+        from deployments.replicas.drivers.local import vllm_missing  # the driver knows where vLLM lives
 
         if missing := vllm_missing():
             errors["backend"] = [missing[0].upper() + missing[1:] + "."]

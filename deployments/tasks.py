@@ -2,8 +2,8 @@
 
 from celery import shared_task
 
-from deployments import reconcile, retention, scraping
 from deployments.models import Deployment
+from deployments.replicas import reconcile, retention, scraping
 from deployments.services import RECONCILE_TASK_EXPIRES_S
 
 

@@ -6,7 +6,7 @@ from redis.exceptions import RedisError
 
 from inferops.redis_client import redis_client
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
 
 app = Celery("inferops")
 app.config_from_object("django.conf:settings", namespace="CELERY")
@@ -19,7 +19,7 @@ def enqueue(task_name: str, *args, **options) -> None:
     app.signature(task_name, args=args).apply_async(**options)
 
 
-# Failed tasks by name, read by the control plane's /metrics (inferops/metrics.py says why Redis).
+# Failed tasks by name, read by the control plane's /metrics (project/metrics.py says why Redis).
 TASK_FAILURES_KEY = "inferops:celery:task_failures"
 
 

@@ -1,7 +1,7 @@
 """How Prometheus authenticates to inferops: a viewer's API token in its `authorization` block.
 
-Shared by the service-discovery endpoint (deployments/prometheus_sd.py) and the control plane's
-/metrics (inferops/metrics.py).
+Shared by the service-discovery endpoint (deployments/replicas/prometheus_sd.py) and the control plane's
+/metrics (project/metrics.py).
 """
 
 from __future__ import annotations

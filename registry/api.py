@@ -6,9 +6,8 @@ from django.db.models import Prefetch, Q
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import generics, serializers, status
+from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from inferops.api import CONFLICT, ERRORS, TOO_LARGE
 from inferops.validators import slug_validator
@@ -108,9 +107,30 @@ def checkpoint_error_response(exc: CheckpointError) -> Response:
     return Response({exc.field: [str(exc)]}, status=status.HTTP_400_BAD_REQUEST)
 
 
+def filter_models(queryset, params):
+    if search := params.get("search"):
+        queryset = queryset.filter(
+            Q(name__icontains=search) | Q(description__icontains=search) | Q(owner__icontains=search)
+        )
+    if task := params.get("task"):
+        queryset = queryset.filter(task=task)
+    if tag := params.get("tag"):
+        queryset = queryset.filter(tags__contains=[tag])
+    if owner := params.get("owner"):
+        queryset = queryset.filter(owner=owner)
+    return queryset
+
+
 @extend_schema(tags=["models"])
-class ModelListCreate(generics.ListCreateAPIView):
+class ModelViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = ModelSerializer
+    lookup_field = "name"
+
+    def get_queryset(self):
+        # The list's filters narrow the list only; a model's own URL finds it whatever the query string.
+        if self.action == "list":
+            return filter_models(model_queryset(), self.request.query_params)
+        return model_queryset()
 
     @extend_schema(parameters=[
         OpenApiParameter("search", OpenApiTypes.STR, description="Substring of name, description or owner."),
@@ -118,41 +138,23 @@ class ModelListCreate(generics.ListCreateAPIView):
         OpenApiParameter("tag", OpenApiTypes.STR, description="Only models carrying this tag."),
         OpenApiParameter("owner", OpenApiTypes.STR),
     ], responses={200: ModelSerializer(many=True), **ERRORS})
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
-
-    def get_queryset(self):
-        queryset = model_queryset()
-        params = self.request.query_params
-        if search := params.get("search"):
-            queryset = queryset.filter(
-                Q(name__icontains=search) | Q(description__icontains=search) | Q(owner__icontains=search)
-            )
-        if task := params.get("task"):
-            queryset = queryset.filter(task=task)
-        if tag := params.get("tag"):
-            queryset = queryset.filter(tags__contains=[tag])
-        if owner := params.get("owner"):
-            queryset = queryset.filter(owner=owner)
-        return queryset
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(responses={201: ModelSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
-    def post(self, request, *args, **kwargs):
+    def create(self, request, *args, **kwargs):
         serializer = ModelSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         model = services.model_create(actor=request.user, **serializer.validated_data)
         return Response(ModelSerializer(get_model(model.name)).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["models"])
-class ModelDetail(APIView):
     @extend_schema(responses={200: ModelSerializer, **ERRORS})
-    def get(self, request, name: str):
-        return Response(ModelSerializer(get_model(name)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(request=ModelUpdateSerializer, responses={200: ModelSerializer, **ERRORS})
-    def patch(self, request, name: str):
-        model = get_model(name)
+    def partial_update(self, request, name: str):
+        model = self.get_object()
         serializer = ModelUpdateSerializer(model, data=request.data, partial=True)
         serializer.is_valid(raise_exception=True)
         services.model_update(model=model, actor=request.user, **serializer.validated_data)
@@ -160,24 +162,28 @@ class ModelDetail(APIView):
 
 
 @extend_schema(tags=["versions"])
-class VersionListCreate(generics.GenericAPIView):
+class VersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = VersionSerializer
+    lookup_field = "number"
+
+    def get_queryset(self):
+        queryset = get_model(self.kwargs["name"]).versions.prefetch_related("aliases").select_related("model")
+        if self.action == "list":
+            queryset = queryset.order_by("-number")
+            if version_status := self.request.query_params.get("status"):
+                queryset = queryset.filter(status=version_status)
+        return queryset
 
     @extend_schema(
         parameters=[OpenApiParameter("status", OpenApiTypes.STR, enum=["ready", "deprecated", "archived"])],
         responses={200: VersionSerializer(many=True), **ERRORS},
     )
-    def get(self, request, name: str):
-        model = get_model(name)
-        queryset = model.versions.prefetch_related("aliases").select_related("model").order_by("-number")
-        if version_status := request.query_params.get("status"):
-            queryset = queryset.filter(status=version_status)
-        page = self.paginate_queryset(queryset)
-        return self.get_paginated_response(VersionSerializer(page, many=True).data)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=VersionCreateSerializer,
                    responses={201: VersionSerializer, **ERRORS, **TOO_LARGE})
-    def post(self, request, name: str):
+    def create(self, request, name: str):
         model = get_model(name)
         serializer = VersionCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -191,36 +197,35 @@ class VersionListCreate(generics.GenericAPIView):
             return checkpoint_error_response(exc)
         return Response(VersionSerializer(version).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["versions"])
-class VersionDetail(APIView):
     @extend_schema(responses={200: VersionSerializer, **ERRORS})
-    def get(self, request, name: str, number: int):
-        model = get_model(name)
-        version = get_object_or_404(model.versions.prefetch_related("aliases"), number=number)
-        return Response(VersionSerializer(version).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
 
 @extend_schema(tags=["aliases"])
-class AliasList(APIView):
+class AliasViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    """A model's aliases: the list is one page (a model has few), an alias reads as its version."""
+
+    serializer_class = AliasSerializer
+    pagination_class = None
+    lookup_field = "alias"
+
+    def get_queryset(self):
+        return get_model(self.kwargs["name"]).aliases.select_related("version", "model")
+
     @extend_schema(responses={200: AliasSerializer(many=True), **ERRORS})
-    def get(self, request, name: str):
-        model = get_model(name)
-        return Response(AliasSerializer(model.aliases.all(), many=True).data)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
-
-@extend_schema(tags=["aliases"])
-class AliasDetail(APIView):
     @extend_schema(responses={200: VersionSerializer, **ERRORS},
                    description="The version the alias points at.")
-    def get(self, request, name: str, alias: str):
-        model = get_model(name)
-        found = get_object_or_404(Alias.objects.select_related("version"), model=model, name=alias)
+    def retrieve(self, request, name: str, alias: str):
+        found = get_object_or_404(self.get_queryset(), name=alias)
         return Response(VersionSerializer(found.version).data)
 
     @extend_schema(request=AliasSetSerializer, responses={200: AliasSetResponseSerializer, **ERRORS},
                    description="Point the alias at a version; answers the previous version.")
-    def put(self, request, name: str, alias: str):
+    def update(self, request, name: str, alias: str):
         model = get_model(name)
         try:
             slug_validator(alias)
@@ -235,8 +240,7 @@ class AliasDetail(APIView):
         return Response(body)
 
     @extend_schema(responses={204: None, **ERRORS})
-    def delete(self, request, name: str, alias: str):
-        model = get_model(name)
-        found = get_object_or_404(Alias.objects.select_related("version", "model"), model=model, name=alias)
+    def destroy(self, request, name: str, alias: str):
+        found = get_object_or_404(self.get_queryset(), name=alias)
         services.alias_delete(alias=found, actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)

@@ -12,10 +12,15 @@ urlpatterns = [
 ]
 
 api_urlpatterns = [
-    path("models/", api.ModelListCreate.as_view(), name="api-model-list"),
-    path("models/<str:name>/", api.ModelDetail.as_view(), name="api-model-detail"),
-    path("models/<str:name>/versions/", api.VersionListCreate.as_view(), name="api-version-list"),
-    path("models/<str:name>/versions/<int:number>/", api.VersionDetail.as_view(), name="api-version-detail"),
-    path("models/<str:name>/aliases/", api.AliasList.as_view(), name="api-alias-list"),
-    path("models/<str:name>/aliases/<str:alias>/", api.AliasDetail.as_view(), name="api-alias-detail"),
+    path("models/", api.ModelViewSet.as_view({"get": "list", "post": "create"}), name="api-model-list"),
+    path("models/<str:name>/", api.ModelViewSet.as_view({"get": "retrieve", "patch": "partial_update"}),
+         name="api-model-detail"),
+    path("models/<str:name>/versions/", api.VersionViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-version-list"),
+    path("models/<str:name>/versions/<int:number>/", api.VersionViewSet.as_view({"get": "retrieve"}),
+         name="api-version-detail"),
+    path("models/<str:name>/aliases/", api.AliasViewSet.as_view({"get": "list"}), name="api-alias-list"),
+    path("models/<str:name>/aliases/<str:alias>/",
+         api.AliasViewSet.as_view({"get": "retrieve", "put": "update", "delete": "destroy"}),
+         name="api-alias-detail"),
 ]

@@ -10,7 +10,8 @@ class SloConfig(AppConfig):
         # through the interface it defines instead of importing slo (no app cycle). The alert page
         # shows the SLO's burn the same way: alerts is a lower layer.
         from alerts import panels as alert_panels
-        from deployments import overview, rollout_gate
+        from deployments import overview
+        from deployments.rollouts import gate as rollout_gate
         from inferops.panels import home_panels
         from slo import panels
         from slo.alert_panels import slo_panel

@@ -3,7 +3,7 @@
 For teams that alert from their own Prometheus: the rules read the gateway's metrics
 (`inferops_gateway_*`, labelled by `deployment` by the gateway itself) or the replicas' vLLM metrics
 (`vllm:*`, which get `deployment` as a target label from inferops' service-discovery endpoint,
-deployments/prometheus_sd.py, with `version`, `replica` and `track`), so a Prometheus scraping the
+deployments/replicas/prometheus_sd.py, with `version`, `replica` and `track`), so a Prometheus scraping the
 SD targets evaluates them unedited. They record the SLI's error ratio over every
 window the alerts need, and page or ticket on the same scaled multiwindow table inferops itself
 evaluates (`slo.budget.alert_rules`).

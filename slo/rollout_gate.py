@@ -1,4 +1,4 @@
-"""The SLO module's side of a rollout (deployments/rollout_gate.py): budgets that block a rollout,
+"""The SLO module's side of a rollout (deployments/rollouts/gate.py): budgets that block a rollout,
 the analysis that compares the candidate's track with stable's on the same SLIs, and the watch
 after success that compares the new version with the previous one the same way.
 """
@@ -13,7 +13,7 @@ from django.db.models import Q
 
 from deployments.choices import Verdict
 from deployments.models import Deployment, Rollout
-from deployments.rollout_gate import CANDIDATE_REPLICA_SQL, Measurement, candidate_params, not_enough_text
+from deployments.rollouts.gate import CANDIDATE_REPLICA_SQL, Measurement, candidate_params, not_enough_text
 from slo.choices import Scope, SliKind, SloState
 from slo.models import Slo
 from slo.sli import REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SERVER_FAILURE_SQL

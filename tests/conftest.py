@@ -23,7 +23,7 @@ def pytest_runtest_setup(item):
     INFEROPS_TEST_REQUIRE_VLLM=1 (.ci/run sets it), where a missing vLLM fails the test instead."""
     if item.get_closest_marker("vllm") is None:
         return
-    from deployments.drivers.local import vllm_missing
+    from deployments.replicas.drivers.local import vllm_missing
 
     missing = vllm_missing()
     if missing and os.environ.get("INFEROPS_TEST_REQUIRE_VLLM") == "1":

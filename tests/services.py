@@ -14,7 +14,7 @@ import httpx
 from django.conf import settings
 from django.db import connection
 
-from inferops.embedded import postgres_url_for_socket_dir
+from project.embedded import postgres_url_for_socket_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ class Process:
         self.health_url = health_url
         self.log = open(log_path, "w")
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "inferops.cli", *args], cwd=REPO_ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "project.cli", *args], cwd=REPO_ROOT, env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 120) -> None:

@@ -41,7 +41,7 @@ def test_control_plane_logs_are_json_lines_by_a_setting(tmp_path):
              "logging.getLogger('inferops.probe').warning('hello %s', 'there'); "
              "print(settings.CELERY_WORKER_HIJACK_ROOT_LOGGER)")
     for form, hijack in (("json", "False"), ("", "True")):
-        env = {**os.environ, "INFEROPS_LOG_FORMAT": form, "DJANGO_SETTINGS_MODULE": "inferops.settings"}
+        env = {**os.environ, "INFEROPS_LOG_FORMAT": form, "DJANGO_SETTINGS_MODULE": "project.settings"}
         result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == hijack

@@ -97,7 +97,7 @@ def test_compose_file_is_valid_for_docker_compose():
     # Replicas in the worker container publish an address the gateway container can reach.
     assert services["worker"]["environment"]["INFEROPS_ADVERTISE_ADDRESS"] == "worker"
     # The demo is seeded as `make run` seeds it.
-    assert "inferops.launcher import prepare" in " ".join(services["migrate"]["command"])
+    assert "project.launcher import prepare" in " ".join(services["migrate"]["command"])
     assert all(":" in service["image"] and not service["image"].endswith(":latest") for service in services.values())
 
 
@@ -153,7 +153,7 @@ def test_image_install_and_collectstatic_on_a_clean_copy(tmp_path):
     data = tmp_path / "data"
     env = {key: value for key, value in os.environ.items() if key not in {"DATABASE_URL", "REDIS_URL"}}
     env.update(INFEROPS_DATA_DIR=str(data), SECRET_KEY="collectstatic-only", PYTHONPATH=str(app),
-               DJANGO_SETTINGS_MODULE="inferops.settings")
+               DJANGO_SETTINGS_MODULE="project.settings")
     collect = subprocess.run([sys.executable, "manage.py", "collectstatic", "--noinput"], cwd=app, env=env,
                              capture_output=True, text=True, timeout=300)
     assert collect.returncode == 0, collect.stderr
@@ -181,8 +181,8 @@ class Blocked(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, Blocked())
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
-import inferops.asgi  # web
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+import project.asgi  # web
 from django.urls import get_resolver
 
 get_resolver().url_patterns  # every app's views and APIs
@@ -216,13 +216,13 @@ def test_web_worker_and_gateway_import_without_the_engine():
 EMBEDDED_PROBE = """
 import json, os
 from pathlib import Path
-os.environ["DJANGO_SETTINGS_MODULE"] = "inferops.settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "project.settings"
 import django
 django.setup()
 data = Path(os.environ["INFEROPS_DATA_DIR"])
 # Importing the settings (as a build's collectstatic does) started nothing.
 started_by_settings = (data / "postgres").exists() or (data / "redis").exists()
-from inferops import embedded
+from project import embedded
 exported = embedded.ensure_services()  # what `inferops run` and the test session do
 from django.conf import settings
 from django.db import connection
@@ -254,8 +254,8 @@ def test_embedded_services_start_from_run_commands_not_from_settings(tmp_path):
 
 
 def test_local_replicas_bind_and_publish_the_advertise_address(settings):
-    from deployments.drivers.base import ReplicaSpec
-    from deployments.drivers.local import LocalProcessDriver, free_port, replica_command
+    from deployments.replicas.drivers.base import ReplicaSpec
+    from deployments.replicas.drivers.local import LocalProcessDriver, free_port, replica_command
 
     # 127.0.0.2 stands in for the worker container's address: any loopback address binds on Linux.
     settings.INFEROPS_ADVERTISE_ADDRESS = "127.0.0.2"

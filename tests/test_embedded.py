@@ -11,13 +11,13 @@ import time
 PROBE = """
 import json, os, pathlib
 import django
-os.environ["DJANGO_SETTINGS_MODULE"] = "inferops.settings"
+os.environ["DJANGO_SETTINGS_MODULE"] = "project.settings"
 django.setup()
 from django.conf import settings
 # Reading the settings starts nothing (an image build or collectstatic must not); the launcher does.
 data = pathlib.Path(os.environ["INFEROPS_DATA_DIR"])
 assert not (data / "postgres" / "postmaster.pid").exists() and not (data / "redis" / "redis.pid").exists()
-from inferops import embedded
+from project import embedded
 embedded.ensure_services()
 from django.db import connection
 import redis

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferops.metrics import registry as control_plane_registry
+from project.metrics import registry as control_plane_registry
 from runtime.engine.metrics import ServerMetrics
 from runtime.gateway.metrics import GatewayMetrics
 

@@ -41,7 +41,7 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "INFEROPS_EXTERNAL_URL"}}
     env.update(INFEROPS_DATA_DIR=str(tmp_path / "data"), INFEROPS_HEARTBEAT_S="1")
     process = subprocess.Popen(
-        [sys.executable, "-m", "inferops.cli", "run", "--port", str(port), "--gateway-port", str(gateway_port),
+        [sys.executable, "-m", "project.cli", "run", "--port", str(port), "--gateway-port", str(gateway_port),
          "--worker-concurrency", "1"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )

@@ -14,9 +14,9 @@ import threading
 
 import pytest
 
-from inferops import launcher
 from inferops.celery import app
 from inferops.redis_client import redis_client
+from project import launcher
 from tests.waiting import wait_until
 
 
@@ -88,7 +88,7 @@ def test_task_lines_come_back_at_debug(tmp_path):
     probe = ("import django, logging; django.setup(); "
              "print(logging.getLogger('celery.app.trace').isEnabledFor(logging.INFO))")
     for level, shown in (("DEBUG", "True"), ("INFO", "False")):
-        env = {**os.environ, "INFEROPS_LOG_LEVEL": level, "DJANGO_SETTINGS_MODULE": "inferops.settings",
+        env = {**os.environ, "INFEROPS_LOG_LEVEL": level, "DJANGO_SETTINGS_MODULE": "project.settings",
                "INFEROPS_DATA_DIR": str(tmp_path)}
         result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
         assert result.stdout.strip() == shown, result.stderr

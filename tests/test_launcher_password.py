@@ -6,8 +6,8 @@ tests/test_launcher.py.
 
 from __future__ import annotations
 
-from inferops.bootstrap import save_admin_password
-from inferops.launcher import external_url
+from project.bootstrap import save_admin_password
+from project.launcher import external_url
 
 
 def test_password_file_is_readable_by_its_owner_only(tmp_path):

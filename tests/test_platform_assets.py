@@ -203,7 +203,7 @@ def test_a_wrong_type_is_refused():
 
 
 def driver_specs():
-    from deployments.drivers.base import ReplicaSpec
+    from deployments.replicas.drivers.base import ReplicaSpec
 
     gpu = {"gpu_type": "nvidia-h100", "gpu_count": 2, "cpu": "8", "memory": "64Gi"}
     return {
@@ -222,7 +222,7 @@ def driver_specs():
 @pytest.mark.parametrize("case", ["builtin-cpu", "vllm-gpu", "no-resources"])
 @pytest.mark.parametrize("host_path", ["", "/srv/models"])
 def test_driver_generated_manifests_are_valid_for_the_pinned_kubernetes(case, host_path):
-    from deployments.drivers.kubernetes import INSTALLATION_LABEL, KubernetesSettings, ManifestRenderer
+    from deployments.replicas.drivers.kubernetes import INSTALLATION_LABEL, KubernetesSettings, ManifestRenderer
 
     renderer = ManifestRenderer(KubernetesSettings(models_host_path=host_path))
     spec = driver_specs()[case]
@@ -261,7 +261,7 @@ def test_every_container_is_sized_pinned_and_locked_down(rendered):
 
 
 def test_health_probes_use_the_real_endpoints(rendered):
-    from inferops.urls import urlpatterns
+    from project.urls import urlpatterns
 
     _, documents = rendered
     web = containers(documents[("Deployment", "inferops-web")])[0]

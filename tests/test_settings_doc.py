@@ -31,7 +31,7 @@ READ_METHODS = {"get", "pop"}
 
 
 def _kubernetes_variables() -> list[str]:
-    from deployments.drivers.kubernetes import KubernetesSettings
+    from deployments.replicas.drivers.kubernetes import KubernetesSettings
 
     return [f"INFEROPS_K8S_{name.upper()}" for name in KubernetesSettings.__dataclass_fields__]
 

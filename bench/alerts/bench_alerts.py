@@ -4,7 +4,7 @@ against Prometheus Alertmanager 0.25 in the same run (issue 29's figure).
 Both systems run for real, side by side, and get the same schedule of POSTs:
 
 - inferops: the web app under uvicorn (as `inferops run` starts it: `python -m uvicorn
-  inferops.asgi:application --no-access-log`) and one Celery worker with its embedded beat
+  project.asgi:application --no-access-log`) and one Celery worker with its embedded beat
   (`celery -A inferops.celery worker --beat --concurrency 2`, as tests/deployments/
   test_worker_e2e.py starts it), on a scratch database and the Redis database of REDIS_URL.
   One route under the default route (matcher bench="alerts", group_by ["group"], group_wait_s
@@ -301,9 +301,9 @@ class Processes:
 
 def setup_inferops(recorder: Recorder) -> tuple[str, dict]:
     """The route, its webhook receiver and an integration, through the services and the ORM."""
-    from alerts.inbound import integration_create
+    from alerts.inbound.alertmanager import integration_create
     from alerts.models import Receiver, Route
-    from alerts.routing import default_route
+    from alerts.routing.dispatch import default_route
 
     receiver = Receiver.objects.create(name="bench-recorder", kind="webhook",
                                        url=f"http://127.0.0.1:{recorder.port}/inferops")
@@ -488,11 +488,11 @@ def main() -> None:
         token, result["inferops_route"] = setup_inferops(recorders["inferops"])
         connection.close()
         env = {**os.environ, "DATABASE_URL": scratch_database_url(admin_url, args.database),
-               "DJANGO_SETTINGS_MODULE": "inferops.settings", "PYTHONUNBUFFERED": "1"}
+               "DJANGO_SETTINGS_MODULE": "project.settings", "PYTHONUNBUFFERED": "1"}
         result["inferops_alert_tick_s"] = float(env.get("INFEROPS_ALERT_TICK_S", 5))
         web_port, am_port = free_port(), free_port()
         python = sys.executable
-        processes.start("web", [python, "-m", "uvicorn", "inferops.asgi:application", "--host", "127.0.0.1",
+        processes.start("web", [python, "-m", "uvicorn", "project.asgi:application", "--host", "127.0.0.1",
                                 "--port", str(web_port), "--no-access-log"], env)
         processes.start("worker", [python, "-m", "celery", "-A", "inferops.celery", "worker", "--beat",
                                    "--loglevel", "INFO", "--concurrency", "2", "--hostname", "bench-alerts@%h",

@@ -4,7 +4,7 @@ Seeds a scratch database with a day of console data (3 models with versions, 4 d
 2 replicas each and a day of per-minute replica metrics, usage events and their minute ledger for
 6 tenants, 8 SLOs created a day ago and evaluated (the first cycle backfills their minute rows),
 the alerts that evaluation and an integration opened, an audit log), starts the console as
-`inferops run` does (`python -m uvicorn inferops.asgi:application --no-access-log`, DEBUG off,
+`inferops run` does (`python -m uvicorn project.asgi:application --no-access-log`, DEBUG off,
 static files through WhiteNoise) on a free port, and drives Debian's Chromium through Playwright, logged in as an admin.
 
 For each page, `--reps` times: COLD is a fresh browser context (empty HTTP cache, the session
@@ -126,7 +126,7 @@ def seed(now: datetime) -> dict:
     from django.db import connection
 
     from alerts.models import Alert, Integration
-    from alerts.schedules import schedule_save
+    from alerts.schedules.services import schedule_save
     from alerts.services import alert_acknowledge, alert_raise, alert_resolve
     from costing.ledger import ledger_sync
     from costing.services import price_create
@@ -286,11 +286,11 @@ def seed(now: datetime) -> dict:
 
 
 def start_console(port: int) -> subprocess.Popen:
-    env = {**os.environ, "DEBUG": "false", "DJANGO_SETTINGS_MODULE": "inferops.settings"}
+    env = {**os.environ, "DEBUG": "false", "DJANGO_SETTINGS_MODULE": "project.settings"}
     env.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
-    # As inferops/launcher.py `children` starts the web process.
+    # As project/launcher.py `children` starts the web process.
     process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "inferops.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+        [sys.executable, "-m", "uvicorn", "project.asgi:application", "--host", "127.0.0.1", "--port", str(port),
          "--no-access-log"], cwd=ROOT, env=env, start_new_session=True)
     wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2).status == 200, 60,
              "the console to answer /healthz")

@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--database", default="inferops_bench_costing")
     args = parser.parse_args()
     use_database(args.database)
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     import django
 
     django.setup()

@@ -118,9 +118,9 @@ class Platform:
         self.replica_pid, self.replica_url = 0, ""
 
     def start(self) -> None:
-        from deployments.drivers.local import free_port
         from deployments.models import Replica, ReplicaState
-        from deployments.reconcile import reconcile_deployment
+        from deployments.replicas.drivers.local import free_port
+        from deployments.replicas.reconcile import reconcile_deployment
         from deployments.services import deployment_create
         from registry.services import model_create, version_register
         from tenants.publish import publish_keys
@@ -146,7 +146,7 @@ class Platform:
         port = free_port("127.0.0.1")
         spool = Path(os.environ["INFEROPS_DATA_DIR"]) / "gateway-spool"
         self.gateway = subprocess.Popen(
-            [sys.executable, "-m", "inferops.cli", "gateway", "--port", str(port), "--redis-url", self.redis_url,
+            [sys.executable, "-m", "project.cli", "gateway", "--port", str(port), "--redis-url", self.redis_url,
              "--spool-dir", str(spool), "--log-level", "warning"],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.base_url = f"http://127.0.0.1:{port}"
@@ -157,8 +157,8 @@ class Platform:
                      30, "the gateway to learn the keys and the route")
 
     def stop(self) -> None:
-        from deployments.drivers.local import LocalProcessDriver
         from deployments.models import Replica
+        from deployments.replicas.drivers.local import LocalProcessDriver
 
         if self.gateway is not None and self.gateway.poll() is None:
             os.killpg(self.gateway.pid, signal.SIGTERM)
@@ -191,7 +191,7 @@ class ControlLoop(threading.Thread):
         from django.db import connection
 
         from degradation.models import DegradationState
-        from deployments.reconcile import reconcile_deployment
+        from deployments.replicas.reconcile import reconcile_deployment
         from slo.evaluation import evaluate_slos
         from tenants.ingest import ingest_usage
 

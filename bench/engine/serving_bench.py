@@ -154,7 +154,7 @@ def server_specs(model_dir: Path, port: int, threads: int, dtype: str = "float32
         [
             sys.executable,
             "-m",
-            "inferops.cli",
+            "project.cli",
             "serve",
             "--model",
             str(model_dir),

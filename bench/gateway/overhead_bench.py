@@ -457,7 +457,7 @@ class Bench:
             tight_secret: {"key": tight, "tenant": {"rpm": None, "tpm": None, "max_concurrent": None}}})
         port = free_port()
         gateway = self.processes.start("inferops", args.proxy_cpu, [
-            str(REPO / ".venv/bin/python"), "-m", "inferops.cli", "gateway", "--port", str(port),
+            str(REPO / ".venv/bin/python"), "-m", "project.cli", "gateway", "--port", str(port),
             "--redis-url", self.redis_url, "--instance", "overhead-bench", "--spool-dir", str(self.work / "spool"),
             "--max-outstanding-per-replica", str(4 * args.concurrency), "--log-level", "warning"], cwd=REPO)
         self.base_urls["inferops"] = f"http://127.0.0.1:{port}/v1/chat/completions"

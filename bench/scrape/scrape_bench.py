@@ -2,7 +2,7 @@
 
 Each stub serves the recorded vLLM 0.32 /metrics page (vllm-0.32-cpu-metrics.txt, 53 KB) on its
 own loopback port, with counters, histograms and gauges that move on every request. The
-scraper under test is `deployments.scraping.scrape_cycle` (bounded concurrent httpx fetches, one
+scraper under test is `deployments.replicas.scraping.scrape_cycle` (bounded concurrent httpx fetches, one
 batched store), the same code the Celery task runs. The peer, in the same run, is the naive
 loop: `requests.get` one replica after the other, each stored on its own as it arrives.
 
@@ -170,7 +170,7 @@ def naive_cycle(replicas) -> dict:
     import requests
     from django.utils import timezone
 
-    from deployments.scraping import MetricsParseError, ScrapeResult, parse_metrics, store_results
+    from deployments.replicas.scraping import MetricsParseError, ScrapeResult, parse_metrics, store_results
 
     began = time.perf_counter()
     failed = 0
@@ -188,7 +188,7 @@ def naive_cycle(replicas) -> dict:
 
 
 def concurrent_cycle() -> dict:
-    from deployments.scraping import scrape_cycle
+    from deployments.replicas.scraping import scrape_cycle
 
     began = time.perf_counter()
     report = scrape_cycle()
@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> dict:
                     "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]}},
         "replicas": args.replicas,
         "page_bytes": len(StubPage(RECORDED_PAGE.read_text()).render(1)),
-        "scraper": {"name": "deployments.scraping.scrape_cycle",
+        "scraper": {"name": "deployments.replicas.scraping.scrape_cycle",
                     "concurrency": 32, "timeouts_s": {"connect": 2.0, "total": 5.0},
                     **concurrent_summary},
         "peer": {"name": "naive sequential: requests.get one by one, each stored on arrival",

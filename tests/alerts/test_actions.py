@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from alerts import services
 from alerts.models import Alert, AlertEvent, Notification, Receiver, Silence
-from alerts.silences import matcher_holds, muting_reason
+from alerts.silences.muting import matcher_holds, muting_reason
 from inferops.models import AuditEvent
 
 pytestmark = pytest.mark.django_db

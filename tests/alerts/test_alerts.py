@@ -8,9 +8,9 @@ from datetime import timedelta
 import pytest
 from django.test import override_settings
 
-from alerts.delivery import notification_deliver
 from alerts.models import Alert, Delivery, Notification, Receiver
-from alerts.routing import groups_advance
+from alerts.receivers.delivery import notification_deliver
+from alerts.routing.dispatch import groups_advance
 from alerts.services import notify_unmuted
 from alerts.tasks import deliver_notification
 from slo.budget import MINUTE

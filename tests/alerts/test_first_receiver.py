@@ -17,7 +17,7 @@ from django.utils import timezone
 import alerts.tasks  # noqa: F401 (registers the tasks enqueued by name, so eager mode runs them here)
 from alerts import services
 from alerts.models import AlertGroup, Notification, Receiver, Silence
-from alerts.routing import default_route, groups_notify_waiting
+from alerts.routing.dispatch import default_route, groups_notify_waiting
 from inferops.celery import app as celery_app
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -12,7 +12,7 @@ from django.conf import settings
 from django.utils import timezone
 
 from alerts.models import Alert, AlertEvent, Integration, Notification, Receiver
-from alerts.routing import groups_advance
+from alerts.routing.dispatch import groups_advance
 from inferops.models import AuditEvent
 from runtime.gateway.contract import hash_api_key
 

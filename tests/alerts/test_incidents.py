@@ -26,8 +26,8 @@ from django.utils import timezone
 import alerts.tasks  # noqa: F401 (registers the tasks enqueued by name, so eager mode runs them here)
 from alerts import services
 from alerts.models import Alert, AlertGroup, Notification, Receiver
-from alerts.route_services import route_save
-from alerts.routing import default_route, group_key, groups_advance
+from alerts.routing.dispatch import default_route, group_key, groups_advance
+from alerts.routing.services import route_save
 from inferops.celery import app as celery_app
 from tests.alerts.conftest import RecordingReceiver
 from tests.alerts.test_receivers import smtp, smtp_server  # noqa: F401

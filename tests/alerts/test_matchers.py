@@ -16,7 +16,7 @@ from django.utils import timezone
 from alerts import services
 from alerts.matchers import parse_line
 from alerts.models import Receiver, Route, Silence
-from alerts.routing import Tree, default_route
+from alerts.routing.dispatch import Tree, default_route
 from inferops.models import AuditEvent
 
 pytestmark = pytest.mark.django_db
@@ -145,7 +145,7 @@ def test_the_route_service_refuses_what_the_api_refuses():
     same checks."""
     from django.core.exceptions import ValidationError
 
-    from alerts.route_services import route_save
+    from alerts.routing.services import route_save
 
     with pytest.raises(ValidationError, match=re.escape("matchers[1] value: '=demo' begins with '='")):
         route_save(instance=None, actor=None,
@@ -223,7 +223,7 @@ def test_the_route_form_names_every_bad_line(operator):
 
 
 def test_editing_a_route_with_a_bad_line_keeps_the_stored_route(operator):
-    from alerts.route_services import route_save
+    from alerts.routing.services import route_save
 
     route = route_save(instance=None, actor=None, fields={"matchers": [GOOD_ROUTE], "group_wait_s": 5})
     response = operator.post(f"/alerts/routes/{route.pk}/edit/", {

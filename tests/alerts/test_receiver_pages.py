@@ -9,7 +9,7 @@ import re
 import pytest
 
 from alerts.models import Receiver
-from alerts.route_services import route_save
+from alerts.routing.services import route_save
 from inferops.models import AuditEvent
 
 pytestmark = pytest.mark.django_db

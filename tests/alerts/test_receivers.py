@@ -13,9 +13,10 @@ import pytest
 from aiosmtpd.controller import Controller
 from django.utils import timezone
 
-from alerts import receivers, services
-from alerts.delivery import notification_deliver
+from alerts import services
 from alerts.models import Alert, Notification, Receiver
+from alerts.receivers import kinds as receivers
+from alerts.receivers.delivery import notification_deliver
 from inferops.models import AuditEvent
 from tests.conftest import free_port
 

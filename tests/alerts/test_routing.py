@@ -1,4 +1,4 @@
-"""Routing, grouping, escalation and repeats (alerts/routing.py), driven with explicit times:
+"""Routing, grouping, escalation and repeats (alerts/routing/dispatch.py), driven with explicit times:
 which routes take an alert, when a group is notified, one message per group and target, each
 alert notified once per round, escalation that stops on acknowledgement, and the REST API."""
 
@@ -10,10 +10,10 @@ import pytest
 from django.utils import timezone
 
 from alerts import services
-from alerts.delivery import notification_deliver
 from alerts.models import Alert, AlertGroup, EscalationPolicy, Notification, Receiver, Route
-from alerts.route_services import route_save
-from alerts.routing import Tree, default_route, groups_advance, matcher_holds
+from alerts.receivers.delivery import notification_deliver
+from alerts.routing.dispatch import Tree, default_route, groups_advance, matcher_holds
+from alerts.routing.services import route_save
 from inferops.models import AuditEvent
 
 pytestmark = pytest.mark.django_db

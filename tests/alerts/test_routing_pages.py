@@ -10,8 +10,8 @@ from django.utils import timezone
 
 from alerts import services
 from alerts.models import EscalationPolicy, Receiver, Route, Schedule
-from alerts.route_services import policy_save, route_save
-from alerts.routing import default_route
+from alerts.routing.dispatch import default_route
+from alerts.routing.services import policy_save, route_save
 from inferops.models import AuditEvent
 
 pytestmark = pytest.mark.django_db

@@ -12,7 +12,7 @@ import pytest
 from django.core.exceptions import ValidationError
 
 from alerts.models import EscalationPolicy, EscalationStep, Schedule, ScheduleOverride
-from alerts.schedules import (
+from alerts.schedules.services import (
     next_change,
     on_call,
     override_create,

@@ -24,7 +24,7 @@ from django.utils import timezone
 import alerts.tasks  # noqa: F401 (registers the tasks enqueued by name, so eager mode runs them here)
 from alerts.models import Alert, Notification, Receiver
 from deployments.models import Rollout
-from deployments.rollout_machine import abort, resolve_abort_alerts
+from deployments.rollouts.machine import abort, resolve_abort_alerts
 from inferops.celery import app as celery_app
 from slo.budget import MINUTE
 from slo.evaluation import evaluate_slos

@@ -13,7 +13,7 @@ from rest_framework.test import APIClient
 
 from alerts import services
 from alerts.models import AlertEvent, Notification, Receiver, Silence
-from alerts.routing import groups_advance
+from alerts.routing.dispatch import groups_advance
 from inferops.models import AuditEvent
 
 pytestmark = pytest.mark.django_db

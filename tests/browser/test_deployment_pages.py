@@ -8,8 +8,8 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from deployments.drivers.local import LocalProcessDriver
 from deployments.models import Replica, ReplicaMetricsMinute
+from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services
 from tests.browser.conftest import log_in
 from tests.deployments.test_reconcile import all_ready, reconcile_until

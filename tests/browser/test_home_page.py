@@ -14,10 +14,10 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from alerts.models import Alert
-from alerts.schedules import schedule_save
-from deployments import rollouts
+from alerts.schedules.services import schedule_save
 from deployments.choices import ReplicaState
 from deployments.models import Deployment, Replica
+from deployments.rollouts import services as rollouts
 from slo.evaluation import evaluate_slos
 from slo.models import Slo, SloStatus
 from slo.services import slo_create

@@ -9,10 +9,10 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from deployments import rollouts
 from deployments.choices import RolloutStatus
 from deployments.models import Deployment, Replica, Rollout, RolloutMeasurement
-from deployments.rollout_watch import roll_back
+from deployments.rollouts import services as rollouts
+from deployments.rollouts.watch import roll_back
 from inferops.models import AuditEvent
 from registry.models import RegisteredModel
 from tenants.models import UsageEvent

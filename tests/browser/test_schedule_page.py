@@ -12,7 +12,7 @@ from django.utils import timezone
 from playwright.sync_api import expect
 
 from alerts.models import ScheduleOverride
-from alerts.schedules import schedule_save
+from alerts.schedules.services import schedule_save
 from tests.browser.conftest import log_in
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]

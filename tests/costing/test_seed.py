@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from costing.ledger import ledger_sync
 from costing.models import CostHour, Price
-from inferops.bootstrap import ensure_demo_prices
+from project.bootstrap import ensure_demo_prices
 from tests.costing.conftest import make_deployment, make_replica
 
 pytestmark = pytest.mark.django_db

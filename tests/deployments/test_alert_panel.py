@@ -7,9 +7,9 @@ import pytest
 from django.utils import timezone
 
 from alerts import services as alert_services
-from deployments import rollouts
 from deployments.choices import RolloutStatus
 from deployments.models import Deployment, Replica, Rollout
+from deployments.rollouts import services as rollouts
 from registry.models import RegisteredModel
 from tests.deployments.conftest import make_version
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from deployments.autoscale import MinuteLoad, Policy, decide
+from deployments.replicas.autoscale import MinuteLoad, Policy, decide
 
 NOW = datetime(2026, 11, 30, 12, 10, 30, tzinfo=UTC)
 LAST_COMPLETE = datetime(2026, 11, 30, 12, 9, tzinfo=UTC)
@@ -77,8 +77,8 @@ def test_threshold_is_strict(waiting):
 
 @pytest.mark.django_db
 def test_autoscale_reads_minute_rows_and_records_the_change(make_user, tiny_llama_dir):
-    from deployments.autoscale import autoscale
     from deployments.models import Deployment, Replica, ReplicaMetricsMinute
+    from deployments.replicas.autoscale import autoscale
     from inferops.models import AuditEvent
     from registry import services
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from deployments import engine_args
-from deployments.drivers.base import ReplicaSpec
-from deployments.drivers.local import replica_command, vllm_missing, vllm_python
 from deployments.models import Deployment
+from deployments.replicas.drivers.base import ReplicaSpec
+from deployments.replicas.drivers.local import replica_command, vllm_missing, vllm_python
 
 ROOT = Path(__file__).resolve().parents[2]
 

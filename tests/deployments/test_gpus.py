@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from deployments import gpus
-from deployments.drivers.base import ReplicaSpec
-from deployments.drivers.local import LocalProcessDriver, NoFreeGpus, replica_env
 from deployments.models import Deployment
+from deployments.replicas.drivers.base import ReplicaSpec
+from deployments.replicas.drivers.local import LocalProcessDriver, NoFreeGpus, replica_env
 from registry import services as registry_services
 from registry.models import ModelVersion
 from tests.deployments.test_local_driver import environ_of, server_pid, sleeper
@@ -156,7 +156,7 @@ def test_a_replica_without_free_gpus_waits_pending_with_the_reason(settings, tmp
     from deployments import services as deployment_services
     from deployments.choices import ReplicaState
     from deployments.models import Replica
-    from deployments.reconcile import reconcile_deployment
+    from deployments.replicas.reconcile import reconcile_deployment
 
     ModelVersion.objects.filter(model=big_model).update(weight_bytes=4)  # fits one GPU, so it gets through
     settings.INFEROPS_VLLM_PYTHON = str(sleeper(tmp_path))

@@ -28,8 +28,9 @@ from kubernetes.config import kube_config
 from kubernetes.utils import parse_quantity
 
 from deployments.choices import ReplicaState
-from deployments.drivers.base import DriverError, ReplicaSpec
-from deployments.drivers.kubernetes import (
+from deployments.models import Deployment, Replica
+from deployments.replicas.drivers.base import DriverError, ReplicaSpec
+from deployments.replicas.drivers.kubernetes import (
     APPLY_CONTENT_TYPE,
     ClusterObjects,
     KubernetesDriver,
@@ -38,8 +39,7 @@ from deployments.drivers.kubernetes import (
     model_path_in_pod,
     object_name,
 )
-from deployments.models import Deployment, Replica
-from deployments.reconcile import Reconciler
+from deployments.replicas.reconcile import Reconciler
 from registry import services
 from registry.models import ModelVersion
 from runtime.engine.server import add_arguments as builtin_server_arguments

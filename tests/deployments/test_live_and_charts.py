@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from alerts.models import Alert
 from deployments.choices import ReplicaState
-from deployments.metrics_query import deployment_error_rate, deployment_events, deployment_series
 from deployments.models import Deployment, Replica, ReplicaMetricsMinute, Rollout
+from deployments.replicas.metrics_query import deployment_error_rate, deployment_events, deployment_series
 from inferops.audit import audit_record
 from registry.models import RegisteredModel
 from tenants.models import UsageEvent

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments.drivers.base import ReplicaSpec
-from deployments.drivers.local import LocalProcessDriver, process_start_time, replica_env
+from deployments.replicas.drivers.base import ReplicaSpec
+from deployments.replicas.drivers.local import LocalProcessDriver, process_start_time, replica_env
 from inferops.models import installation_id
 from runtime.vllm_preload import vllm_cpu_preload
 from tests.waiting import wait_until
@@ -128,7 +128,7 @@ SECRETS = {
     "DATABASE_URL": "postgres://inferops:db-password-123@db.internal:5432/inferops",
     "REDIS_URL": "redis://:redis-password-456@cache.internal:6379/0",
     "SECRET_KEY": "django-secret-key-789",
-    "DJANGO_SETTINGS_MODULE": "inferops.settings",
+    "DJANGO_SETTINGS_MODULE": "project.settings",
     "CELERY_BROKER_URL": "redis://:broker-password@cache.internal:6379/1",
     "AWS_SECRET_ACCESS_KEY": "aws-secret-000",
     "PGPASSWORD": "pg-password-111",
@@ -216,7 +216,7 @@ def test_a_process_that_is_not_provably_ours_is_never_signalled(settings, tmp_pa
         ours = LocalProcessDriver(log_dir=tmp_path / "ours")
         our_row = SimpleNamespace(pk=9, identity=dict(their_replica.identity), log_path="",
                                   deployment=SimpleNamespace(name="chat"))
-        with caplog.at_level(logging.WARNING, logger="deployments.drivers.local"):
+        with caplog.at_level(logging.WARNING, logger="deployments.replicas.drivers.local"):
             assert not ours.is_alive(our_row)
             assert ours.adopt(our_row) is None
             ours.stop(our_row)

@@ -7,8 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from deployments.metrics_query import deployment_series, histogram_quantile
 from deployments.models import Replica, ReplicaMetricsHour, ReplicaMetricsMinute
+from deployments.replicas.metrics_query import deployment_series, histogram_quantile
 from tests.deployments.metrics_helpers import deployment_with_replicas, metrics_row
 
 # --- histogram_quantile, worked by hand -----------------------------------------------------

@@ -9,10 +9,10 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from deployments import rollouts
 from deployments.choices import ReplicaState
 from deployments.models import Deployment, Replica
 from deployments.overview import deployment_health, freshness
+from deployments.rollouts import services as rollouts
 from slo.models import Slo, SloStatus
 from tests.deployments.conftest import make_version
 from tests.slo.conftest import event, insert_events, make_deployment

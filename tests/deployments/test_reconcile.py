@@ -15,12 +15,12 @@ import time
 import httpx
 import pytest
 
-from deployments import routing
 from deployments import services as deployment_services
 from deployments.choices import ReplicaState
-from deployments.drivers.local import LocalProcessDriver, find_replica_process, process_start_time
 from deployments.models import Deployment, Replica
-from deployments.reconcile import Reconciler, backoff_s, reconcile_deployment
+from deployments.replicas import routing
+from deployments.replicas.drivers.local import LocalProcessDriver, find_replica_process, process_start_time
+from deployments.replicas.reconcile import Reconciler, backoff_s, reconcile_deployment
 from registry import services as registry_services
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -246,7 +246,7 @@ def test_broken_checkpoint_crash_loops_with_backoff(tiny_model, operator, cleanu
 
 
 def test_backoff_grows_and_caps():
-    from deployments.reconcile import Timings
+    from deployments.replicas.reconcile import Timings
 
     timings = Timings(backoff_base_s=2, backoff_max_s=60)
     assert [backoff_s(n, timings) for n in range(1, 8)] == [0, 2, 4, 8, 16, 32, 60]

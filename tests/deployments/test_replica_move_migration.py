@@ -98,7 +98,7 @@ def make_database():
 
 
 def run(name: str, *args: str) -> str:
-    env = {**os.environ, "DATABASE_URL": database_url(name), "DJANGO_SETTINGS_MODULE": "inferops.settings"}
+    env = {**os.environ, "DATABASE_URL": database_url(name), "DJANGO_SETTINGS_MODULE": "project.settings"}
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{args[:3]}: {done.stdout[-2000:]}{done.stderr[-3000:]}"
     return done.stdout

@@ -6,8 +6,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from deployments import retention, tasks
+from deployments import tasks
 from deployments.models import ReplicaMetricsHour, ReplicaMetricsMinute
+from deployments.replicas import retention
 from tests.deployments.metrics_helpers import deployment_with_replicas, metrics_row
 
 HOUR = datetime(2026, 11, 20, 9, 0, tzinfo=UTC)

@@ -11,9 +11,11 @@ from django.db import connection
 from django.utils import timezone
 from rest_framework.authtoken.models import Token
 
-from deployments import rollout_machine, rollout_watch, rollouts
 from deployments.models import Deployment, Rollout
-from inferops import cli
+from deployments.rollouts import machine as rollout_machine
+from deployments.rollouts import services as rollouts
+from deployments.rollouts import watch as rollout_watch
+from project import cli
 from registry.models import RegisteredModel
 from tests.conftest import free_port
 from tests.deployments.conftest import make_version

@@ -13,8 +13,8 @@ from django.core.exceptions import ValidationError
 
 from deployments.choices import Verdict
 from deployments.models import RolloutMeasurement
-from deployments.rollout_gate import Measurement, low_traffic_guard, min_events
-from deployments.rollout_spec import normalise
+from deployments.rollouts.gate import Measurement, low_traffic_guard, min_events
+from deployments.rollouts.spec import normalise
 from tests.deployments.test_rollouts import start, world  # noqa: F401  (the fixture)
 
 CONFIG = {"duration": 120.0, "min_requests": 20, "max_burn_rate": 2.0, "thresholds": {}}

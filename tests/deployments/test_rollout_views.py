@@ -14,10 +14,11 @@ import pytest
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from deployments import rollout_watch, rollouts
 from deployments.choices import RolloutStatus
 from deployments.models import Deployment, Replica, Rollout, RolloutMeasurement
-from deployments.rollout_series import bucket_seconds, rollout_series
+from deployments.rollouts import services as rollouts
+from deployments.rollouts import watch as rollout_watch
+from deployments.rollouts.series import bucket_seconds, rollout_series
 from registry.models import RegisteredModel
 from slo.models import Slo, SloStatus
 from tenants.models import UsageEvent

@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 
 from alerts.models import Alert
-from deployments import rollouts
 from deployments import services as deployment_services
 from deployments.models import Deployment, Rollout, RolloutMeasurement
+from deployments.rollouts import services as rollouts
 from inferops.api import Conflict
 from inferops.models import AuditEvent
 from registry.models import Alias

@@ -13,9 +13,9 @@ from datetime import timedelta
 
 import pytest
 
-from deployments import rollouts
 from deployments.models import Deployment, ReplicaMetricsMinute, Rollout, RolloutMeasurement
-from deployments.rollout_spec import normalise
+from deployments.rollouts import services as rollouts
+from deployments.rollouts.spec import normalise
 from inferops.api import Conflict
 from inferops.models import AuditEvent
 from slo.models import SloStatus

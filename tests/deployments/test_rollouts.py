@@ -15,12 +15,14 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 
 from alerts.models import Alert
-from deployments import reconcile, rollout_machine, rollouts, routing
 from deployments import services as deployment_services
 from deployments.choices import ReplicaState
-from deployments.drivers.base import Started
 from deployments.models import Deployment, Replica, Rollout, RolloutMeasurement
-from deployments.rollout_spec import normalise, parse_duration
+from deployments.replicas import reconcile, routing
+from deployments.replicas.drivers.base import Started
+from deployments.rollouts import machine as rollout_machine
+from deployments.rollouts import services as rollouts
+from deployments.rollouts.spec import normalise, parse_duration
 from inferops.api import Conflict
 from inferops.models import AuditEvent
 from registry import services as registry_services

@@ -13,8 +13,10 @@ from django.core.exceptions import ValidationError
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
-from deployments import rollout_machine, rollout_watch, rollouts
 from deployments.models import Deployment, Rollout, RolloutMeasurement
+from deployments.rollouts import machine as rollout_machine
+from deployments.rollouts import services as rollouts
+from deployments.rollouts import watch as rollout_watch
 from inferops.models import AuditEvent
 from registry.models import Alias, RegisteredModel
 from slo.models import SloStatus

@@ -19,11 +19,12 @@ import pytest
 from django.db.models import Sum
 from django.utils import timezone
 
-from deployments import scraping, tasks
+from deployments import tasks
 from deployments.choices import ReplicaState
-from deployments.metrics_query import histogram_quantile
 from deployments.models import Replica, ReplicaMetricsMinute
-from deployments.scraping import (
+from deployments.replicas import scraping
+from deployments.replicas.metrics_query import histogram_quantile
+from deployments.replicas.scraping import (
     HistogramValues,
     MetricsFetcher,
     MetricsSample,

@@ -21,11 +21,11 @@ import pytest
 import redis
 from django.db import connection
 
-from deployments import routing
 from deployments import services as deployment_services
 from deployments.choices import ReplicaState
-from deployments.drivers.local import LocalProcessDriver, process_start_time
 from deployments.models import Replica
+from deployments.replicas import routing
+from deployments.replicas.drivers.local import LocalProcessDriver, process_start_time
 from registry import services as registry_services
 from tests.deployments.test_reconcile import FAST, all_ready, live_replicas, reconcile_until
 from tests.services import database_url, redis_db, redis_url
@@ -49,7 +49,7 @@ def twin(tmp_path, tiny_llama_dir):
         admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.execute(f'CREATE DATABASE "{name}"')
     env = {**os.environ, "DATABASE_URL": database_url(name), "REDIS_URL": redis_url((redis_db() + 1) % 16),
-           "INFEROPS_DATA_DIR": str(tmp_path / "twin"), "DJANGO_SETTINGS_MODULE": "inferops.settings",
+           "INFEROPS_DATA_DIR": str(tmp_path / "twin"), "DJANGO_SETTINGS_MODULE": "project.settings",
            "TWIN_DEPLOYMENT": f"twin-{uuid.uuid4().hex[:8]}"}
     env.pop("DATABASE_TEST_NAME", None)
 
@@ -125,7 +125,7 @@ def test_replica_1_of_each_installation_is_left_alone_by_the_other(
 
 
 def reconcile_deployment_passes(deployment, passes: int) -> None:
-    from deployments.reconcile import reconcile_deployment
+    from deployments.replicas.reconcile import reconcile_deployment
 
     for _ in range(passes):
         assert reconcile_deployment(deployment.pk) == "ok"

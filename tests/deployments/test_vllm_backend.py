@@ -24,10 +24,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments import routing, scraping
 from deployments.choices import ReplicaState
-from deployments.drivers.local import LocalProcessDriver
 from deployments.models import Replica, ReplicaMetricsMinute
+from deployments.replicas import routing, scraping
+from deployments.replicas.drivers.local import LocalProcessDriver
 from tenants.models import UsageEvent
 from tests.conftest import free_port
 from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401

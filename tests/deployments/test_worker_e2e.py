@@ -16,8 +16,8 @@ import pytest
 from django.utils import timezone
 
 from deployments.choices import ReplicaState
-from deployments.drivers.local import LocalProcessDriver
 from deployments.models import Replica, ReplicaMetricsMinute
+from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services as registry_services
 from tests.services import database_url
 from tests.waiting import wait_until

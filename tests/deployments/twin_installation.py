@@ -23,7 +23,7 @@ DEPLOYMENT = os.environ.get("TWIN_DEPLOYMENT", "twin")
 
 def reconcile_until(predicate, timeout: float = 90) -> None:
     from deployments.models import Deployment
-    from deployments.reconcile import reconcile_deployment
+    from deployments.replicas.reconcile import reconcile_deployment
 
     deadline = time.monotonic() + timeout
     deployment = Deployment.objects.get(name=DEPLOYMENT)
@@ -47,15 +47,15 @@ def ready() -> bool:
 
 
 def main(argv: list[str]) -> None:
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "inferops.settings")
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
     import django
 
     django.setup()
     from django.conf import settings
 
     from deployments import services as deployment_services
-    from deployments.drivers.local import LocalProcessDriver
     from deployments.models import Deployment
+    from deployments.replicas.drivers.local import LocalProcessDriver
     from registry import services as registry_services
 
     settings.INFEROPS_RECONCILE_TIMINGS = {"routing_propagation_s": 0.2, "backoff_base_s": 0.2}

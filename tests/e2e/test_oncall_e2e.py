@@ -115,7 +115,7 @@ def test_alertmanager_payload_routed_grouped_and_escalated(worker_env, tmp_path,
     unacknowledged, escalates to step 2 a minute later; resolving it sends `resolve` to everyone
     who was paged."""
     from alerts.models import EscalationPolicy
-    from alerts.route_services import route_save
+    from alerts.routing.services import route_save
     from tests.alerts.test_inbound import am_alert, payload
 
     settings.INFEROPS_EXTERNAL_URL = EXTERNAL

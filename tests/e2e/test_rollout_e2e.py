@@ -26,11 +26,12 @@ from django.db import connection
 from django.utils import timezone
 
 from alerts.models import Alert
-from deployments import rollouts, routing
 from deployments import services as deployment_services
-from deployments.drivers.local import LocalProcessDriver
 from deployments.models import Replica, Rollout
-from deployments.reconcile import reconcile_deployment
+from deployments.replicas import routing
+from deployments.replicas.drivers.local import LocalProcessDriver
+from deployments.replicas.reconcile import reconcile_deployment
+from deployments.rollouts import services as rollouts
 from inferops.api import Conflict
 from registry import services as registry_services
 from slo.evaluation import evaluate_slos

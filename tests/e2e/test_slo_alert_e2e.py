@@ -21,8 +21,8 @@ import pytest
 
 from alerts.models import Alert, Receiver
 from deployments import services as deployment_services
-from deployments.drivers.local import LocalProcessDriver
 from deployments.models import Replica
+from deployments.replicas.drivers.local import LocalProcessDriver
 from inferops.celery import app as celery_app
 from registry import services as registry_services
 from slo.evaluation import evaluate_slos

@@ -367,7 +367,7 @@ def test_same_seed_gives_the_same_prompts(responder, make_config):
 
 
 def test_cli_prints_the_table_and_writes_the_result_json(responder_server, tmp_path, capsys):
-    from inferops.cli import main
+    from project.cli import main
 
     _, base_url = responder_server
     result_path = tmp_path / "result.json"

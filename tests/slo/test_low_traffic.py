@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from alerts.models import Alert
-from deployments.rollouts import _check_budget
+from deployments.rollouts.services import _check_budget
 from inferops.api import Conflict
 from slo.budget import MINUTE, slo_state
 from slo.evaluation import evaluate_slos

@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from deployments.prometheus_sd import gateway_targets, replica_targets
+from deployments.replicas.prometheus_sd import gateway_targets, replica_targets
 from inferops.redis_client import redis_client
 from runtime.gateway.contract import GATEWAYS_KEY
 from runtime.gateway.heartbeat import gateway_entry

@@ -43,7 +43,7 @@ class ServerProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_seen: list[tuple[int, str]] = []
-        command = [sys.executable, "-m", "inferops.cli", "serve", "--model", str(model_dir),
+        command = [sys.executable, "-m", "project.cli", "serve", "--model", str(model_dir),
                    "--port", str(self.port), "--served-model-name", MODEL,
                    "--max-model-len", str(MAX_MODEL_LEN), "--admin-token", "test-admin",
                    "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "warning",

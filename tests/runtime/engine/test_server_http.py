@@ -172,7 +172,7 @@ def test_generation_config_is_read_and_checked(tmp_path):
 
 
 def test_serve_refuses_an_unusable_generation_config_and_says_how_to_go_on(tmp_path, caplog):
-    from inferops.cli import main
+    from project.cli import main
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))

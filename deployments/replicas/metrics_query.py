@@ -1,0 +1,334 @@
+"""Time series of a deployment's replica metrics, for the API and the console charts.
+
+`deployment_series(deployment, series, start, end, step_s)` returns `[[iso_time, value], ...]`,
+one point per step beginning at `start`; a step with no data has the value `None` (null in
+JSON), so charts show a gap rather than a false zero. Units:
+
+- `*_per_s` series: events per second (sum of the deltas in the step / step seconds);
+  `requests_per_s` counts finished requests of every finish reason (stop, length, abort, error);
+- latency percentiles (`ttft_p50`, `itl_p95`, `e2e_p99`, ...): milliseconds, estimated from the
+  replicas' summed histogram bucket deltas over the step (see `histogram_quantile`);
+- `kv_cache_usage`: fraction 0..1, the mean over replicas (per period, then over the step);
+- `queue_depth` / `running`: requests, the sum over replicas of their average (per period,
+  then averaged over the step).
+
+Minute rows serve ranges that start inside the minute retention; older ranges use hour rows,
+for which a step shorter than an hour leaves gaps. A rate's last step, cut short by `end` or by
+now, is divided by the seconds it covers, so the step in progress does not read as a drop.
+
+`deployment_error_rate` reads the usage ledger instead (every request, shed ones included), and
+`deployment_events` lists what happened to the deployment, for markers on its charts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db import connection
+from django.utils import timezone
+
+from alerts.models import Alert
+from deployments.models import ReplicaMetricsHour, ReplicaMetricsMinute, Rollout
+from deployments.replicas.retention import minute_retention
+from deployments.rollouts.gate import gate
+from deployments.rollouts.series import rollout_series
+from inferops.models import AuditEvent
+from registry.models import ModelVersion
+from runtime.gateway.contract import PREVIEW_SUFFIX
+
+MAX_POINTS = 5000
+
+
+def histogram_quantile(q: float, buckets: Mapping[str | float, float]) -> float | None:
+    """Estimate the q-quantile from cumulative buckets {le: count}, as Prometheus does.
+
+    Finds the bucket where the rank q * total falls and interpolates linearly inside it (the
+    first bucket starts at 0). A rank in the +Inf bucket returns the highest finite bound.
+    Returns None without observations or without a +Inf bucket.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be within [0, 1], got {q}")
+    bounds = sorted((float(le), float(count)) for le, count in buckets.items())
+    if len(bounds) < 2 or not math.isinf(bounds[-1][0]):
+        return None
+    # Summed or rounded buckets can dip; a cumulative count never does (Prometheus fixes it too).
+    cumulative, running = [], 0.0
+    for upper, count in bounds:
+        running = max(running, count)
+        cumulative.append((upper, running))
+    total = cumulative[-1][1]
+    if total <= 0:
+        return None
+    rank = q * total
+    index = next((i for i, (_, count) in enumerate(cumulative[:-1]) if count >= rank),
+                 len(cumulative) - 1)
+    if index == len(cumulative) - 1:
+        return cumulative[-2][0]
+    upper, count = cumulative[index]
+    if index == 0 and upper <= 0:
+        return upper
+    lower, below = cumulative[index - 1] if index > 0 else (0.0, 0.0)
+    if count == below:  # an empty bucket reached only by rank 0
+        return lower
+    return lower + (upper - lower) * (rank - below) / (count - below)
+
+
+@dataclass(frozen=True)
+class PercentileSeries:
+    histogram: str  # ttft, itl or e2e
+    quantile: float
+
+
+@dataclass(frozen=True)
+class RateSeries:
+    counter: str  # a counter column, or "requests" for the sum over finish reasons
+
+
+@dataclass(frozen=True)
+class GaugeSeries:
+    column: str  # a *_avg column
+    across_replicas: str  # "sum" or "mean"
+
+
+SERIES: dict[str, PercentileSeries | RateSeries | GaugeSeries] = {
+    "requests_per_s": RateSeries("requests"),
+    "output_tokens_per_s": RateSeries("generation_tokens"),
+    "prompt_tokens_per_s": RateSeries("prompt_tokens"),
+    "preemptions_per_s": RateSeries("preemptions"),
+    **{f"{name}_p{round(q * 100)}": PercentileSeries(name, q)
+       for name in ("ttft", "itl", "e2e") for q in (0.5, 0.95, 0.99)},
+    "kv_cache_usage": GaugeSeries("kv_cache_usage_avg", "mean"),
+    "queue_depth": GaugeSeries("waiting_avg", "sum"),
+    "running": GaugeSeries("running_avg", "sum"),
+}
+
+
+def rows_model(start: datetime, now: datetime | None = None):
+    """Minute rows while `start` lies within their retention, else hour rows."""
+    now = now or timezone.now()
+    return ReplicaMetricsMinute if start >= now - minute_retention() else ReplicaMetricsHour
+
+
+def deployment_series(deployment, series: str, start: datetime, end: datetime, step_s: int,
+                      *, version=None, now: datetime | None = None) -> list[list]:
+    """[[iso_time, value or None], ...] for `series` over the deployment's replicas.
+
+    `version` (a ModelVersion, or a version number of the deployment's model) restricts to
+    replicas of that version, for a canary beside its baseline. Raises ValueError naming the
+    bad argument.
+    """
+    spec = SERIES.get(series)
+    if spec is None:
+        raise ValueError(f"series: unknown {series!r}; choose one of {', '.join(SERIES)}")
+    if step_s <= 0:
+        raise ValueError("step_s: must be a positive number of seconds")
+    if end <= start:
+        raise ValueError("end: must be after start")
+    steps = math.ceil((end - start).total_seconds() / step_s)
+    if steps > MAX_POINTS:
+        raise ValueError(f"step_s: {steps} points requested, at most {MAX_POINTS}; "
+                         "use a larger step")
+    rows = rows_model(start, now).objects.filter(
+        deployment=deployment, start__gte=start, start__lt=end)
+    if isinstance(version, ModelVersion):
+        rows = rows.filter(version=version)
+    elif version is not None:
+        # A deployment serves one model, so a number names one of its versions.
+        rows = rows.filter(version__number=version)
+    in_step: dict[int, list] = defaultdict(list)
+    for row in rows.only(*_columns(spec)):
+        in_step[int((row.start - start).total_seconds() // step_s)].append(row)
+    cut = min(end, now or timezone.now())
+    return [
+        [(start + timedelta(seconds=index * step_s)).isoformat(),
+         _value(spec, in_step[index], _covered_s(start, index, step_s, cut)) if index in in_step else None]
+        for index in range(steps)
+    ]
+
+
+def _covered_s(start: datetime, index: int, step_s: int, cut: datetime) -> float:
+    """Seconds of step `index` before `cut` (the end of the range or now), at least one."""
+    begins = start + timedelta(seconds=index * step_s)
+    return max(1.0, min(float(step_s), (cut - begins).total_seconds()))
+
+
+def _columns(spec) -> list[str]:
+    if isinstance(spec, PercentileSeries):
+        return ["start", f"{spec.histogram}_buckets"]
+    if isinstance(spec, RateSeries):
+        return ["start", "requests_by_reason" if spec.counter == "requests" else spec.counter]
+    return ["start", spec.column]
+
+
+def _value(spec, rows: list, step_s: float) -> float | None:
+    if isinstance(spec, PercentileSeries):
+        summed: dict[str, float] = defaultdict(float)
+        for row in rows:
+            for le, count in getattr(row, f"{spec.histogram}_buckets").items():
+                summed[le] += count
+        seconds = histogram_quantile(spec.quantile, summed)
+        return None if seconds is None else seconds * 1000.0
+    if isinstance(spec, RateSeries):
+        if spec.counter == "requests":
+            total = sum(sum(row.requests_by_reason.values()) for row in rows)
+        else:
+            total = sum(getattr(row, spec.counter) for row in rows)
+        return total / step_s
+    # One row per replica and period (a unique pair), so a period's rows are its replicas.
+    by_period: dict[datetime, list[float]] = defaultdict(list)
+    for row in rows:
+        by_period[row.start].append(getattr(row, spec.column))
+    combine = sum if spec.across_replicas == "sum" else (lambda values: sum(values) / len(values))
+    per_period = [combine(values) for values in by_period.values()]
+    return sum(per_period) / len(per_period)
+
+
+# ---------------------------------------------------------------------------- error rate
+
+
+def error_rate_sql() -> str:
+    # Every event of the deployment counts, with or without a replica: a request the gateway shed
+    # (no replica ready, all saturated) or failed before choosing one is the deployment's failure.
+    return f"""
+    SELECT date_bin(make_interval(secs => %(step)s), e.time, %(start)s) AS bucket,
+           count(*) AS requests,
+           count(*) FILTER (WHERE {gate().server_failure_sql}) AS failed,
+           count(*) FILTER (WHERE {gate().server_failure_sql} AND e.replica IS NULL) AS failed_unrouted
+    FROM tenants_usageevent e
+    WHERE e.deployment IN (%(deployment)s, %(preview)s) AND e.time >= %(start)s AND e.time < %(end)s
+    GROUP BY 1
+"""
+
+
+def deployment_error_rate(deployment, start: datetime, end: datetime, step_s: int) -> dict:
+    """Server failures / requests per step over every request of the deployment, from the usage ledger.
+
+    Returns {"points": [[iso_time, rate or None]], "counts": [[iso_time, requests, failed,
+    failed before a replica]], "tracks": {"stable": [[iso_time, rate or None]], "candidate": ...}}.
+    A failure is what the SLOs call one (status >= 500 or a shed / upstream / internal error; a
+    degradation policy's deliberate 503 is not). Tracks exist while a rollout runs: each step that
+    a rollout spans gets the stable and candidate rates of rollout_series (by the replica that
+    served or failed each attempt); a request failed before any replica belongs to no track and
+    counts in the deployment's line only. Steps without a request are None.
+    """
+    steps = math.ceil((end - start).total_seconds() / step_s)
+    if steps > MAX_POINTS:
+        raise ValueError(f"step_s: {steps} points requested, at most {MAX_POINTS}; use a larger step")
+    times = [(start + timedelta(seconds=i * step_s)) for i in range(steps)]
+    counts = [[0, 0, 0] for _ in range(steps)]
+    params = {"step": step_s, "start": start, "end": end, "deployment": deployment.name,
+              "preview": deployment.name + PREVIEW_SUFFIX}
+    with connection.cursor() as cursor:
+        cursor.execute(error_rate_sql(), params)
+        for bucket, requests, failed, unrouted in cursor.fetchall():
+            index = round((bucket - start).total_seconds() / step_s)
+            if 0 <= index < steps:
+                counts[index] = [requests, failed, unrouted]
+    tracks: dict[str, list] = {}
+    for rollout in _rollouts_within(deployment, start, end):
+        # Only the steps the rollout spans, on the same step boundaries as the deployment's line.
+        first = max(0, int((rollout.created_at - start).total_seconds() // step_s))
+        last = steps if rollout.finished_at is None else min(
+            steps, int((rollout.finished_at - start).total_seconds() // step_s) + 1)
+        if first >= last:
+            continue
+        series = rollout_series(rollout, times[first], min(end, times[last - 1] + timedelta(seconds=step_s)),
+                                bucket_s=step_s)
+        for track in ("stable", "candidate"):
+            rates = tracks.setdefault(track, [None] * steps)
+            for offset, rate in enumerate(series[track]["error_rate"][:last - first]):
+                if rate is not None:
+                    rates[first + offset] = rate
+    return {
+        "points": [[t.isoformat(), round(failed / requests, 4) if requests else None]
+                   for t, (requests, failed, _) in zip(times, counts, strict=True)],
+        "counts": [[t.isoformat(), *row] for t, row in zip(times, counts, strict=True)],
+        "tracks": {track: [[t.isoformat(), rate] for t, rate in zip(times, rates, strict=True)]
+                   for track, rates in tracks.items()},
+    }
+
+
+# At most this many rollouts are split into tracks on one chart (the newest ones).
+MAX_ROLLOUTS = 20
+
+
+def _rollouts_within(deployment, start: datetime, end: datetime) -> list:
+    rollouts = (Rollout.objects.filter(deployment=deployment, created_at__lt=end)
+                .exclude(finished_at__lt=start).order_by("-created_at")[:MAX_ROLLOUTS])
+    return list(reversed(rollouts))
+
+
+# ---------------------------------------------------------------------------- events
+
+# Rollout timeline entries worth a marker on every chart (weights and analyses stay on the rollout page,
+# except a failed analysis, which explains the abort beside it).
+ROLLOUT_MARKERS = {"created", "promoted", "aborted", "succeeded", "retried", "rolled back", "analysis failed"}
+MAX_EVENTS = 200
+
+
+def deployment_events(deployment, start: datetime, end: datetime) -> list[dict]:
+    """What happened to the deployment in [start, end), oldest first: [{"at", "kind", "text"}].
+
+    Kinds: `deploy` (created, version or replica count changed: from the audit log), `rollout`
+    (started, promoted, aborted, succeeded, rolled back: from the rollouts' timelines), `restart`
+    (a replica's latest restart with its last error) and `alert` (fired or resolved, for alerts
+    labelled with the deployment).
+    """
+    def inside(at) -> bool:
+        return at is not None and start <= at < end
+
+    events = []
+    audits = AuditEvent.objects.filter(object_type="deployments.deployment", object_id=str(deployment.pk),
+                                       created_at__gte=start, created_at__lt=end).order_by("created_at")[:MAX_EVENTS]
+    audits = list(audits)
+    version_ids = {snap.get("version") for a in audits for snap in (a.before or {}, a.after or {})}
+    numbers = dict(ModelVersion.objects.filter(pk__in=version_ids - {None}).values_list("pk", "number"))
+    for audit in audits:
+        text = _deploy_text(audit, numbers)
+        if text:
+            events.append({"at": audit.created_at, "kind": "deploy", "text": f"{text} by {audit.actor_name}"})
+    for rollout in _rollouts_within(deployment, start, end):
+        name = f"{'Rollback' if rollout.rollback else 'Rollout'} {rollout.pk}"
+        for entry in rollout.timeline:
+            at = datetime.fromisoformat(entry["at"])
+            if entry["event"] in ROLLOUT_MARKERS and inside(at):
+                detail = f": {entry['detail']}" if entry.get("detail") else ""
+                verb = "started" if entry["event"] == "created" else entry["event"]
+                events.append({"at": at, "kind": "rollout", "text": f"{name} {verb}{detail}"})
+    restarted = (deployment.replica_set.filter(restarts__gt=0, started_at__gte=start, started_at__lt=end)
+                 .order_by("-started_at")[:MAX_EVENTS])
+    for replica in restarted:
+        reason = replica.last_error.strip() or "no error recorded"
+        events.append({"at": replica.started_at, "kind": "restart",
+                       "text": f"Replica {replica.pk} restarted (restart {replica.restarts}): {reason[:300]}"})
+    alerts = (Alert.objects.filter(labels__deployment=deployment.name, starts_at__lt=end)
+              .exclude(ends_at__lt=start).order_by("-starts_at")[:MAX_EVENTS])
+    for alert in alerts:
+        title = alert.annotations.get("summary") or alert.labels.get("alertname") or f"alert {alert.pk}"
+        if inside(alert.starts_at):
+            events.append({"at": alert.starts_at, "kind": "alert", "text": f"Alert fired ({alert.severity}): {title}"})
+        if inside(alert.ends_at):
+            events.append({"at": alert.ends_at, "kind": "alert", "text": f"Alert resolved: {title}"})
+    events.sort(key=lambda event: event["at"])
+    return [{**event, "at": event["at"].isoformat()} for event in events[-MAX_EVENTS:]]
+
+
+def _deploy_text(audit, numbers: dict) -> str:
+    before, after = audit.before or {}, audit.after or {}
+    if audit.action == "deployment.create":
+        return f"Deployed v{numbers.get(after.get('version'), '?')} × {after.get('replicas', '?')}"
+    if audit.action == "deployment.delete":
+        return "Deleted"
+    changes = []
+    if before.get("version") != after.get("version"):
+        old, new = (numbers.get(snap.get("version"), "?") for snap in (before, after))
+        changes.append(f"version v{old} → v{new}")
+    if before.get("replicas") != after.get("replicas"):
+        changes.append(f"replicas {before.get('replicas')} → {after.get('replicas')}")
+    if before.get("engine_args") != after.get("engine_args"):
+        changes.append("engine arguments changed")
+    return ("Changed " + ", ".join(changes)) if changes else ""

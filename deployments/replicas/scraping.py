@@ -1,0 +1,671 @@
+"""Scrape every ready replica's Prometheus `/metrics` into per-replica, per-minute rows.
+
+Built-in and vLLM replicas expose the same vLLM metric names, so one parser serves both. A cycle
+has two phases: fetch all replicas concurrently (bounded, with timeouts, so one slow or dead
+replica costs only its own timeout), then store every sample in short transactions. One cycle
+runs at a time (a Postgres advisory lock); a cycle that finds another running skips its turn.
+
+Counters and histograms are stored as deltas since the replica's previous scrape, whose raw
+values live in `Replica.scrape_state`. Storing locks the replica rows (in id order, so two
+writers never deadlock) and drops a sample older than the stored state, so a late writer never
+counts an increase twice. A value lower than before is a counter reset (the replica restarted):
+the delta is the new value itself. A replica's first scrape only sets the baseline, unless the
+replica started (or became ready) within the last minute, when its raw values are the delta.
+
+A Kubernetes replica is scraped pod by pod, never through its Service (which reaches one pod at
+random, so two scrapes could read two pods and take the difference for an increase). Rows of a
+Kubernetes version are slots, not pods: the version's ready pods are dealt over its ready rows
+(one each when the counts match, as they do between scalings), every pod counted on exactly one
+row, with its own previous sample; a row with two pods sums their deltas and combines their
+gauges. A pod dealt to another row than last time continues from its newest sample on any row of
+the version, so moves neither lose nor repeat an increase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+import httpx
+from django.db import transaction
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from deployments.choices import DriverName, ReplicaState
+from deployments.models import Replica, ReplicaMetricsMinute
+from deployments.replicas.drivers import DriverError, driver_for
+from inferops.locks import LockId, try_advisory_lock
+
+logger = logging.getLogger(__name__)
+
+# Minute-row field prefix -> Prometheus family (as the parser names it: counters lose `_total`).
+GAUGES = {
+    "running": "vllm:num_requests_running",
+    "waiting": "vllm:num_requests_waiting",
+    "kv_cache_usage": "vllm:kv_cache_usage_perc",
+}
+# A fraction per engine: several label sets (data-parallel engines) are averaged, not summed.
+MEAN_GAUGES = {"kv_cache_usage"}
+COUNTERS = {
+    "prompt_tokens": "vllm:prompt_tokens",
+    "generation_tokens": "vllm:generation_tokens",
+    "preemptions": "vllm:num_preemptions",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+}
+REQUESTS_FAMILY = "vllm:request_success"
+HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+}
+# vLLM exposes it; a changed value proves a restart even when counters grew past the old ones.
+PROCESS_START_FAMILY = "process_start_time_seconds"
+
+_WANTED_FAMILIES = (*GAUGES.values(), *COUNTERS.values(), REQUESTS_FAMILY, *HISTOGRAMS.values(),
+                    PROCESS_START_FAMILY)
+# A vLLM /metrics page is ~650 lines of which ~120 matter; parsing only those is ~8x faster,
+# which is what lets one worker scrape hundreds of replicas well inside the interval.
+_WANTED_LINE = re.compile(
+    r"^(?:# (?:HELP|TYPE) )?(?:" + "|".join(re.escape(name) for name in _WANTED_FAMILIES)
+    + r")(?:_total|_bucket|_sum|_count)?[ {]",
+    re.MULTILINE,
+)
+
+SCRAPE_ERROR_PREFIX = "scrape: "
+# A replica first seen this soon after it started has counted everything since zero.
+FRESH_REPLICA_WINDOW = timedelta(seconds=60)
+# A delta over a longer gap (scraper stopped, replica unreachable) would land in one minute as a
+# spike; such a sample only re-baselines.
+MAX_DELTA_SPAN = timedelta(minutes=5)
+STORE_BATCH = 100
+
+
+class MetricsParseError(ValueError):
+    pass
+
+
+@dataclass
+class HistogramValues:
+    buckets: dict[str, float]  # le (as Prometheus writes it, "+Inf" included) -> cumulative count
+    sum: float = 0.0
+    count: float = 0.0
+
+    def as_json(self) -> dict:
+        return {"buckets": self.buckets, "sum": self.sum, "count": self.count}
+
+    @classmethod
+    def from_json(cls, data: dict) -> HistogramValues:
+        return cls(buckets=dict(data.get("buckets", {})), sum=data.get("sum", 0.0),
+                   count=data.get("count", 0.0))
+
+
+@dataclass
+class MetricsSample:
+    """One scrape's raw values, summed over label sets except `finished_reason`."""
+
+    gauges: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    requests_by_reason: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, HistogramValues] = field(default_factory=dict)
+    process_start: float | None = None
+
+
+def parse_metrics(text: str) -> MetricsSample:
+    """Parse Prometheus text exposition into a MetricsSample; raises MetricsParseError."""
+    relevant = "\n".join(line for line in text.splitlines() if _WANTED_LINE.match(line)) + "\n"
+    # Samples are looked up by their own names (`..._total`, `..._bucket`), which holds whether
+    # or not the page declared the families' types.
+    by_name: dict[str, list] = defaultdict(list)
+    try:
+        for family in text_string_to_metric_families(relevant):
+            for sample in family.samples:
+                by_name[sample.name].append(sample)
+    except ValueError as error:
+        raise MetricsParseError(f"unparsable metrics text: {error}") from None
+    if not any(name.startswith("vllm:") for name in by_name):
+        raise MetricsParseError("no vllm: metrics in the response (is this a replica?)")
+    parsed = MetricsSample()
+    for key, name in GAUGES.items():
+        values = [s.value for s in by_name.get(name, [])]
+        if values:
+            parsed.gauges[key] = sum(values) / len(values) if key in MEAN_GAUGES else sum(values)
+    for key, name in COUNTERS.items():
+        if f"{name}_total" in by_name:
+            parsed.counters[key] = sum(s.value for s in by_name[f"{name}_total"])
+    for s in by_name.get(f"{REQUESTS_FAMILY}_total", []):
+        reason = s.labels.get("finished_reason", "")
+        parsed.requests_by_reason[reason] = parsed.requests_by_reason.get(reason, 0.0) + s.value
+    for key, name in HISTOGRAMS.items():
+        if f"{name}_bucket" in by_name:
+            parsed.histograms[key] = _histogram(by_name, name)
+    starts = [s.value for s in by_name.get(PROCESS_START_FAMILY, [])]
+    parsed.process_start = min(starts) if starts else None
+    return parsed
+
+
+def _histogram(by_name: dict[str, list], name: str) -> HistogramValues:
+    values = HistogramValues(buckets={})
+    for s in by_name[f"{name}_bucket"]:
+        le = s.labels["le"]
+        values.buckets[le] = values.buckets.get(le, 0.0) + s.value
+    values.sum = sum(s.value for s in by_name.get(f"{name}_sum", []))
+    values.count = sum(s.value for s in by_name.get(f"{name}_count", []))
+    return values
+
+
+# --- deltas ---------------------------------------------------------------------------------
+
+
+def counter_delta(previous: float | None, current: float) -> float:
+    """Increase since the previous scrape. A series new since then counted from zero; a value
+    lower than before means the replica restarted, so everything it shows is new."""
+    if previous is None or current < previous:
+        return current
+    return current - previous
+
+
+def histogram_delta(previous: HistogramValues | None, current: HistogramValues) -> HistogramValues:
+    """Bucket-wise increase; a lower count, a lower bucket or a changed bucket layout is a reset."""
+    if previous is None or _histogram_reset(previous, current):
+        return HistogramValues(dict(current.buckets), current.sum, current.count)
+    return HistogramValues(
+        buckets={le: value - previous.buckets[le] for le, value in current.buckets.items()},
+        sum=max(current.sum - previous.sum, 0.0),
+        count=current.count - previous.count,
+    )
+
+
+def _histogram_reset(previous: HistogramValues, current: HistogramValues) -> bool:
+    if current.count < previous.count or previous.buckets.keys() != current.buckets.keys():
+        return True
+    return any(value < previous.buckets[le] for le, value in current.buckets.items())
+
+
+@dataclass
+class SampleDeltas:
+    counters: dict[str, float]
+    requests_by_reason: dict[str, float]
+    histograms: dict[str, HistogramValues]
+
+
+def sample_deltas(previous: MetricsSample | None, current: MetricsSample) -> SampleDeltas:
+    """Deltas of `current` over `previous`; with no previous sample the raw values are deltas."""
+    if previous is not None and _restarted(previous, current):
+        previous = None
+    old = previous or MetricsSample()
+    return SampleDeltas(
+        counters={key: counter_delta(old.counters.get(key), value)
+                  for key, value in current.counters.items()},
+        requests_by_reason={reason: counter_delta(old.requests_by_reason.get(reason), value)
+                            for reason, value in current.requests_by_reason.items()},
+        histograms={key: histogram_delta(old.histograms.get(key), value)
+                    for key, value in current.histograms.items()},
+    )
+
+
+def _restarted(previous: MetricsSample, current: MetricsSample) -> bool:
+    return (previous.process_start is not None and current.process_start is not None
+            and previous.process_start != current.process_start)
+
+
+# --- scrape state kept on the replica row ---------------------------------------------------
+
+
+def state_to_json(sample: MetricsSample, scraped_at: datetime) -> dict:
+    return {
+        "scraped_at": scraped_at.isoformat(),
+        "counters": sample.counters,
+        "requests_by_reason": sample.requests_by_reason,
+        "histograms": {key: value.as_json() for key, value in sample.histograms.items()},
+        "process_start": sample.process_start,
+    }
+
+
+def state_from_json(state: dict) -> tuple[MetricsSample | None, datetime | None]:
+    if not state or "scraped_at" not in state:
+        return None, None
+    sample = MetricsSample(
+        counters=dict(state.get("counters", {})),
+        requests_by_reason=dict(state.get("requests_by_reason", {})),
+        histograms={key: HistogramValues.from_json(value)
+                    for key, value in state.get("histograms", {}).items()},
+        process_start=state.get("process_start"),
+    )
+    return sample, datetime.fromisoformat(state["scraped_at"])
+
+
+def targets_from_json(state: dict) -> dict[str, dict]:
+    """A replica's scrape state per target: "" for the replica itself, else a pod's URL."""
+    if "pods" in state:
+        return dict(state["pods"])
+    return {"": state} if "scraped_at" in state else {}
+
+
+def targets_to_json(states: dict[str, dict]) -> dict:
+    # A replica scraped at its own URL keeps the flat shape it always had.
+    if set(states) == {""}:
+        return states[""]
+    return {"pods": {key: value for key, value in states.items() if key}}
+
+
+# --- fetching -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScrapeTarget:
+    replica_id: int
+    url: str  # the replica's base URL, or one of its pods'
+    pod: str = ""  # the pod's URL when the target is one pod of a Kubernetes replica
+    error: str = ""  # set when the targets could not even be listed: nothing to fetch
+
+
+@dataclass
+class ScrapeResult:
+    replica_id: int
+    scraped_at: datetime
+    sample: MetricsSample | None = None
+    error: str = ""
+    pod: str = ""
+
+
+def metrics_url(base_url: str) -> str:
+    """`/metrics` sits at the server root, beside (not under) the OpenAI `/v1` prefix."""
+    base = base_url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[: -len("/v1")]
+    return f"{base}/metrics"
+
+
+class MetricsFetcher:
+    """Fetches and parses many replicas' /metrics at once, at most `concurrency` in flight.
+
+    Each replica has its own deadline (`connect_timeout` to connect, `total_timeout` for the
+    whole response) counted from when its turn comes, not from the start of the cycle.
+    """
+
+    def __init__(self, *, concurrency: int = 32, connect_timeout: float = 2.0,
+                 total_timeout: float = 5.0, max_bytes: int = 8 * 1024 * 1024) -> None:
+        self.concurrency = concurrency
+        self.connect_timeout = connect_timeout
+        self.total_timeout = total_timeout
+        self.max_bytes = max_bytes
+
+    def fetch_all(self, targets: Iterable[ScrapeTarget]) -> list[ScrapeResult]:
+        return asyncio.run(self._fetch_all(list(targets)))
+
+    async def _fetch_all(self, targets: list[ScrapeTarget]) -> list[ScrapeResult]:
+        semaphore = asyncio.Semaphore(self.concurrency)
+        timeout = httpx.Timeout(self.total_timeout, connect=self.connect_timeout)
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+            return await asyncio.gather(
+                *(self._fetch_one(client, semaphore, target) for target in targets))
+
+    async def _fetch_one(self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore,
+                         target: ScrapeTarget) -> ScrapeResult:
+        if target.error:
+            return ScrapeResult(target.replica_id, timezone.now(), error=target.error)
+        async with semaphore:
+            # Stamped when the request leaves: of two overlapping scrapes of one replica, the one
+            # sent first is answered first, and storing keeps only the newer (see _fold_samples).
+            scraped_at = timezone.now()
+            try:
+                async with asyncio.timeout(self.total_timeout):
+                    text = await self._get_text(client, metrics_url(target.url))
+                return ScrapeResult(target.replica_id, scraped_at, sample=parse_metrics(text),
+                                    pod=target.pod)
+            except TimeoutError:
+                error = f"no complete response within {self.total_timeout:g} s"
+            except httpx.HTTPError as exc:
+                error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            except (MetricsParseError, UnicodeDecodeError) as exc:
+                error = str(exc)
+            if target.pod:
+                error = f"pod {target.pod}: {error}"
+            return ScrapeResult(target.replica_id, scraped_at, error=error, pod=target.pod)
+
+    async def _get_text(self, client: httpx.AsyncClient, url: str) -> str:
+        async with client.stream("GET", url) as response:
+            if response.status_code != 200:
+                raise httpx.HTTPStatusError(f"HTTP {response.status_code} from {url}",
+                                            request=response.request, response=response)
+            body = bytearray()
+            async for chunk in response.aiter_bytes():
+                body += chunk
+                if len(body) > self.max_bytes:
+                    raise MetricsParseError(f"response from {url} exceeds {self.max_bytes} bytes")
+            return body.decode("utf-8")
+
+
+# --- storing --------------------------------------------------------------------------------
+
+
+@dataclass
+class StoreReport:
+    stored: int = 0  # samples written into minute rows
+    baselines: int = 0  # of which first or re-baselining samples (no counter deltas)
+    stale: int = 0  # samples older than what another scraper already stored
+    failed: int = 0  # failed scrapes recorded in last_error
+
+
+MinuteKey = tuple[int, datetime]  # (replica id, minute start)
+
+
+def minute_start(moment: datetime) -> datetime:
+    return moment.replace(second=0, microsecond=0)
+
+
+class MinuteAccumulator:
+    """Folds one scrape (gauges + deltas) into a replica's minute row, in memory."""
+
+    def __init__(self, row: ReplicaMetricsMinute) -> None:
+        self.row = row
+
+    def add_gauges(self, gauges: dict[str, float]) -> None:
+        row = self.row
+        for key in GAUGES:
+            value = gauges.get(key, 0.0)
+            average = getattr(row, f"{key}_avg")
+            # Running mean over this minute's scrapes, so the row never needs the raw points.
+            setattr(row, f"{key}_avg", average + (value - average) / (row.scrapes + 1))
+            maximum = getattr(row, f"{key}_max")
+            setattr(row, f"{key}_max", value if row.scrapes == 0 else max(maximum, value))
+        row.scrapes += 1
+
+    def add_deltas(self, deltas: SampleDeltas) -> None:
+        row = self.row
+        for key, value in deltas.counters.items():
+            setattr(row, key, getattr(row, key) + round(value))
+        row.requests_by_reason = add_counts(row.requests_by_reason, deltas.requests_by_reason)
+        for key, hist in deltas.histograms.items():
+            setattr(row, f"{key}_buckets", add_counts(getattr(row, f"{key}_buckets"), hist.buckets))
+            setattr(row, f"{key}_sum", getattr(row, f"{key}_sum") + hist.sum)
+            setattr(row, f"{key}_count", getattr(row, f"{key}_count") + round(hist.count))
+
+
+def add_counts(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    """Key-wise sum of two {label: count} maps (a new dict; counts stay integers when whole)."""
+    merged = dict(total)
+    for key, value in more.items():
+        summed = merged.get(key, 0) + value
+        merged[key] = int(summed) if float(summed).is_integer() else summed
+    return merged
+
+
+_MINUTE_FIELDS = [f.name for f in ReplicaMetricsMinute._meta.concrete_fields
+                  if f.name not in {"id", "replica", "start"}]
+
+
+def store_results(results: list[ScrapeResult]) -> StoreReport:
+    """Write a cycle's results: minute rows for samples, last_error for failures."""
+    report = StoreReport()
+    # A replica's pods are folded together, so its results never straddle two batches.
+    by_replica: dict[int, list[ScrapeResult]] = defaultdict(list)
+    for result in results:
+        by_replica[result.replica_id].append(result)
+    ordered = sorted(by_replica.items())
+    for begin in range(0, len(ordered), STORE_BATCH):
+        _store_batch(dict(ordered[begin:begin + STORE_BATCH]), report)
+    return report
+
+
+def _store_batch(groups: dict[int, list[ScrapeResult]], report: StoreReport) -> None:
+    with transaction.atomic():
+        # Locking in id order serialises writers per replica without deadlocks; `of` keeps the
+        # lock off the deployment rows that Replica's default ordering would join.
+        replicas = {
+            replica.pk: replica
+            for replica in Replica.objects.select_for_update(of=("self",))
+            .filter(pk__in=list(groups)).order_by("pk")
+            .only("pk", "deployment_id", "version_id", "started_at", "ready_at", "last_error",
+                  "scrape_state")
+        }
+        # One minute row per replica and cycle: its pods' answers may straddle a minute edge.
+        minutes = {replica_id: minute_start(min(r.scraped_at for r in group if r.sample))
+                   for replica_id, group in groups.items()
+                   if any(r.sample is not None for r in group)}
+        rows = _minute_rows(set(minutes.items()))
+        pod_states = _version_pod_states(replicas.values(), groups)
+        touched: dict[MinuteKey, ReplicaMetricsMinute] = {}
+        changed: list[Replica] = []
+        for replica_id, group in groups.items():
+            replica = replicas.get(replica_id)
+            if replica is None:  # deleted since the fetch
+                continue
+            failures = [result.error for result in group if result.sample is None]
+            report.failed += len(failures)
+            samples = [result for result in group if result.sample is not None]
+            if samples:
+                key = (replica.pk, minutes[replica.pk])
+                row = rows.get(key) or ReplicaMetricsMinute(
+                    replica_id=replica.pk, deployment_id=replica.deployment_id,
+                    version_id=replica.version_id, start=key[1])
+                if not _fold_samples(replica, row, samples, pod_states, report):
+                    continue
+                rows[key] = touched[key] = row
+            if failures:
+                replica.last_error = SCRAPE_ERROR_PREFIX + "; ".join(failures)
+            elif replica.last_error.startswith(SCRAPE_ERROR_PREFIX):
+                replica.last_error = ""
+            changed.append(replica)
+        if touched:
+            # One INSERT .. ON CONFLICT for new and existing rows alike: the unique
+            # (replica, start) pair picks the row, the replica lock makes the values current.
+            for row in touched.values():
+                row.pk = None
+            ReplicaMetricsMinute.objects.bulk_create(
+                list(touched.values()), update_conflicts=True,
+                unique_fields=["replica", "start"], update_fields=_MINUTE_FIELDS)
+        if changed:
+            Replica.objects.bulk_update(changed, ["scrape_state", "last_error"])
+
+
+def _minute_rows(keys: set[MinuteKey]) -> dict[MinuteKey, ReplicaMetricsMinute]:
+    if not keys:
+        return {}
+    existing = ReplicaMetricsMinute.objects.filter(
+        replica_id__in={replica_id for replica_id, _ in keys},
+        start__in={start for _, start in keys})
+    return {(row.replica_id, row.start): row for row in existing
+            if (row.replica_id, row.start) in keys}
+
+
+PodKey = tuple[int, int, str]  # (deployment id, version id, pod URL)
+
+
+def _version_pod_states(replicas: Iterable[Replica],
+                        groups: dict[int, list[ScrapeResult]]) -> dict[PodKey, dict]:
+    """The newest stored state of every pod of the versions scraped pod by pod, whichever of the
+    version's rows holds it: a pod dealt to another row (pods or rows came or went) continues
+    its deltas there instead of re-baselining, or counting twice when it comes back."""
+    versions = {(r.deployment_id, r.version_id) for r in replicas
+                if any(result.pod for result in groups[r.pk])}
+    if not versions:
+        return {}
+    newest: dict[PodKey, dict] = {}
+    rows = Replica.objects.filter(version_id__in={version for _, version in versions}) \
+        .values_list("deployment_id", "version_id", "scrape_state")
+    for deployment_id, version_id, state in rows:
+        if (deployment_id, version_id) not in versions:
+            continue
+        for pod, pod_state in targets_from_json(state or {}).items():
+            key = (deployment_id, version_id, pod)
+            if pod and (key not in newest or _at(pod_state) > _at(newest[key])):
+                newest[key] = pod_state
+    return newest
+
+
+def _at(state: dict) -> datetime:
+    return datetime.fromisoformat(state["scraped_at"])
+
+
+def combine_gauges(per_target: list[dict[str, float]]) -> dict[str, float]:
+    """One replica's gauges from its pods': counts add up, fractions average."""
+    combined: dict[str, float] = {}
+    for key in GAUGES:
+        values = [gauges[key] for gauges in per_target if key in gauges]
+        if values:
+            combined[key] = sum(values) / len(values) if key in MEAN_GAUGES else sum(values)
+    return combined
+
+
+def _fold_samples(replica: Replica, row: ReplicaMetricsMinute, results: list[ScrapeResult],
+                  pod_states: dict[PodKey, dict], report: StoreReport) -> bool:
+    """Add one cycle's samples of a replica (one, or one per pod) to its minute row and advance
+    the replica's scrape state. Returns False when every sample was stale (another scraper
+    already stored a newer one)."""
+    states = targets_from_json(replica.scrape_state or {})
+    if any(result.pod for result in results):
+        # Pods only: a state from when the replica was scraped through its Service is no pod's.
+        states = {pod: state for pod, state in states.items() if pod}
+    accumulator = MinuteAccumulator(row)
+    gauges = []
+    for result in results:
+        stored = states.get(result.pod)
+        if result.pod:
+            newest = pod_states.get((replica.deployment_id, replica.version_id, result.pod))
+            if newest and (stored is None or _at(newest) > _at(stored)):
+                stored = newest
+        previous, previous_at = state_from_json(stored or {})
+        if previous_at is not None and (result.scraped_at <= previous_at
+                                        or _went_backwards(previous, result.sample)):
+            report.stale += 1
+            continue
+        if previous is not None and result.scraped_at - previous_at <= MAX_DELTA_SPAN:
+            accumulator.add_deltas(sample_deltas(previous, result.sample))
+        elif previous is None and _fresh(replica, result):
+            accumulator.add_deltas(sample_deltas(None, result.sample))
+        else:
+            report.baselines += 1
+        gauges.append(result.sample.gauges)
+        states[result.pod] = state_to_json(result.sample, result.scraped_at)
+        report.stored += 1
+    if not gauges:
+        return False
+    accumulator.add_gauges(combine_gauges(gauges))
+    # A pod gone for longer than a delta may span will only ever re-baseline: forget it.
+    horizon = max(result.scraped_at for result in results) - MAX_DELTA_SPAN
+    replica.scrape_state = targets_to_json(
+        {pod: state for pod, state in states.items() if _at(state) >= horizon})
+    return True
+
+
+def _went_backwards(previous: MetricsSample, current: MetricsSample) -> bool:
+    """Lower counters from the same process (known by its start time) mean an older answer that
+    arrived late, not a reset."""
+    if previous.process_start is None or previous.process_start != current.process_start:
+        return False
+    return any(value < previous.counters.get(key, 0.0) for key, value in current.counters.items())
+
+
+def _fresh(replica: Replica, result: ScrapeResult) -> bool:
+    """Started (or became ready) within the last minute: its counters began at zero recently
+    enough that everything they show belongs to this minute. A pod that joined a running
+    version says when its process started."""
+    moments = [moment for moment in (replica.started_at, replica.ready_at) if moment is not None]
+    if result.pod and result.sample.process_start is not None:
+        moments = [datetime.fromtimestamp(result.sample.process_start, tz=result.scraped_at.tzinfo)]
+    return bool(moments) and result.scraped_at - max(moments) <= FRESH_REPLICA_WINDOW
+
+
+# --- one cycle ------------------------------------------------------------------------------
+
+
+@dataclass
+class CycleReport:
+    replicas: int = 0
+    fetch_s: float = 0.0
+    store_s: float = 0.0
+    store: StoreReport = field(default_factory=StoreReport)
+    skipped: bool = False  # another cycle was still running
+    targets: int = 0  # replicas scraped at their own URL, plus one per pod of a Kubernetes one
+
+    def as_dict(self) -> dict:
+        return {"replicas": self.replicas, "targets": self.targets, "fetch_s": round(self.fetch_s, 3),
+                "store_s": round(self.store_s, 3), "skipped": self.skipped, **self.store.__dict__}
+
+
+
+
+def exclusive_cycle():
+    """Whether this process may scrape now (a context manager yielding a bool).
+
+    Two cycles whose fetches overlap can have one replica answer them in the other order than
+    they were sent, and an older answer stored last would look like a counter reset; a cycle
+    that finds another one running therefore skips its turn instead of racing it.
+    """
+    return try_advisory_lock(LockId.SCRAPE)
+
+
+PodLister = Callable[[Replica], list[str]]
+
+
+def ready_targets(*, pod_urls: PodLister | None = None) -> list[ScrapeTarget]:
+    """Ready replicas, those whose last scrape failed first: their timeouts then run beside the
+    healthy replicas' fetches instead of after them, and the cycle ends sooner.
+
+    A Kubernetes version's ready pods are targets of their own, dealt over its ready rows;
+    `pod_urls` lists them (the Kubernetes driver's `ready_pod_urls` by default), once a version.
+    """
+    rows = (Replica.objects.filter(state=ReplicaState.READY).exclude(url="")
+            .order_by("pk").values_list("pk", "url", "last_error", "driver", "version_id"))
+    rows = sorted(rows, key=lambda row: not row[2].startswith(SCRAPE_ERROR_PREFIX))
+    slots: dict[int, list[int]] = defaultdict(list)  # Kubernetes version id -> its ready rows
+    for pk, _, _, driver, version_id in rows:
+        if driver == DriverName.KUBERNETES:
+            slots[version_id].append(pk)
+    pods = _pod_targets(slots, pod_urls)
+    targets: list[ScrapeTarget] = []
+    for pk, url, _, driver, _ in rows:
+        if driver != DriverName.KUBERNETES:
+            targets.append(ScrapeTarget(pk, url))
+        else:
+            targets += pods.get(pk, [])
+    return targets
+
+
+def _pod_targets(slots: dict[int, list[int]], pod_urls: PodLister | None) -> dict[int, list[ScrapeTarget]]:
+    if not slots:
+        return {}
+    if pod_urls is None:
+        pod_urls = driver_for(DriverName.KUBERNETES).ready_pod_urls
+    listed_on = {min(row_ids): sorted(row_ids) for row_ids in slots.values()}
+    targets: dict[int, list[ScrapeTarget]] = defaultdict(list)
+    for replica in Replica.objects.filter(pk__in=listed_on).select_related("deployment", "version"):
+        row_ids = listed_on[replica.pk]
+        try:
+            urls = sorted(pod_urls(replica))
+        except DriverError as exc:
+            targets[replica.pk].append(ScrapeTarget(replica.pk, "", error=f"listing its pods: {exc}"))
+            continue
+        # Sorted pods over sorted rows: the same pods land on the same rows from cycle to cycle.
+        for index, url in enumerate(urls):
+            row_id = row_ids[index % len(row_ids)]
+            targets[row_id].append(ScrapeTarget(row_id, url, pod=url))
+    return targets
+
+
+def scrape_cycle(*, fetcher: MetricsFetcher | None = None,
+                 targets: list[ScrapeTarget] | None = None) -> CycleReport:
+    """Scrape every ready replica once and store the results (skipped while another runs)."""
+    with exclusive_cycle() as acquired:
+        if not acquired:
+            return CycleReport(skipped=True)
+        targets = ready_targets() if targets is None else targets
+        began = time.perf_counter()
+        results = (fetcher or MetricsFetcher()).fetch_all(targets)
+        fetched = time.perf_counter()
+        store = store_results(results)
+    replicas = len({target.replica_id for target in targets})
+    report = CycleReport(replicas, fetched - began, time.perf_counter() - fetched, store,
+                         targets=len(targets))
+    if store.failed:
+        logger.info("scrape cycle: %d of %d targets failed", store.failed, len(targets))
+    return report

@@ -1,0 +1,50 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+from alerts.urls import api_urlpatterns as alerts_api
+from costing import views as costing_views
+from costing.urls import api_urlpatterns as costing_api
+from degradation.urls import api_urlpatterns as degradation_api
+from deployments.urls import api_urlpatterns as deployments_api
+from inferops import api, user_views, views
+from project.metrics import ControlPlaneMetrics
+from registry.urls import api_urlpatterns as registry_api
+from slo.urls import api_urlpatterns as slo_api
+from tenants.urls import api_urlpatterns as tenants_api
+
+urlpatterns = [
+    path("", views.home, name="home"),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("models/", include("registry.urls")),
+    path("deployments/", include("deployments.urls")),
+    path("deployments/<slug:name>/degradation/", include("degradation.urls")),
+    path("tenants/", include("tenants.urls")),
+    path("slos/", include("slo.urls")),
+    path("alerts/", include("alerts.urls")),
+    path("costs/", costing_views.report_page, name="costs"),
+    path("costs/", include("costing.urls")),
+    path("assets/plotly-<str:digest>.min.js", views.plotly_js, name="plotly-js"),
+    path("audit/", views.audit_log, name="audit"),
+    path("users/", user_views.user_list, name="users"),
+    path("users/<int:pk>/role/", user_views.user_role_change, name="user-role"),
+    path("users/<int:pk>/deactivate/", user_views.user_deactivate_view, name="user-deactivate"),
+    path("healthz", views.healthz, name="healthz"),
+    path("favicon.ico", views.favicon, name="favicon"),
+    path("metrics", ControlPlaneMetrics.as_view(), name="metrics"),
+    path("admin/", admin.site.urls),
+    path("api/v1/audit/", api.AuditList.as_view(), name="api-audit-list"),
+    path("api/v1/", include(registry_api)),
+    path("api/v1/", include(deployments_api)),
+    path("api/v1/", include(degradation_api)),
+    path("api/v1/", include(slo_api)),
+    path("api/v1/", include(alerts_api)),
+    path("api/v1/", include(tenants_api)),
+    path("api/v1/", include(costing_api)),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+]
+
+handler404 = views.page_not_found
