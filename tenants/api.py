@@ -10,7 +10,7 @@ from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
-from rest_framework import generics, serializers, status
+from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -100,34 +100,32 @@ def get_key(tenant: Tenant, prefix: str) -> ApiKey:
 
 
 @extend_schema(tags=["tenants"])
-class TenantListCreate(generics.ListAPIView):
+class TenantViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = TenantSerializer
+    lookup_field = "name"
 
     def get_queryset(self):
         return tenant_queryset()
 
     @extend_schema(responses={200: TenantSerializer(many=True), **ERRORS})
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=TenantCreateSerializer, responses={201: TenantSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
-    def post(self, request):
+    def create(self, request):
         serializer = TenantCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         tenant = services.tenant_create(actor=request.user, **serializer.validated_data)
         return Response(TenantSerializer(get_tenant(tenant.name)).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["tenants"])
-class TenantDetail(APIView):
     @extend_schema(responses={200: TenantSerializer, **ERRORS})
-    def get(self, request, name: str):
-        return Response(TenantSerializer(get_tenant(name)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(request=TenantLimitsSerializer, responses={200: TenantSerializer, **ERRORS},
                    description="Change the display name or limits; keys pick up new limits within seconds.")
-    def patch(self, request, name: str):
-        tenant = get_tenant(name)
+    def partial_update(self, request, name: str):
+        tenant = self.get_object()
         serializer = TenantLimitsSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         services.tenant_update(tenant=tenant, actor=request.user, **serializer.validated_data)
@@ -135,19 +133,20 @@ class TenantDetail(APIView):
 
 
 @extend_schema(tags=["tenants"])
-class ApiKeyListCreate(generics.ListAPIView):
+class ApiKeyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = ApiKeySerializer
+    lookup_field = "prefix"
 
     def get_queryset(self):
         return ApiKey.objects.filter(tenant=get_tenant(self.kwargs["name"])).select_related("tenant", "created_by")
 
     @extend_schema(responses={200: ApiKeySerializer(many=True), **ERRORS})
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=ApiKeyCreateSerializer, responses={201: ApiKeyCreatedSerializer, **ERRORS, **TOO_LARGE},
                    description="Create a key. The answer's `key` is the only time the secret is shown.")
-    def post(self, request, name: str):
+    def create(self, request, name: str):
         tenant = get_tenant(name)
         serializer = ApiKeyCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -156,17 +155,14 @@ class ApiKeyListCreate(generics.ListAPIView):
         body["key"] = secret
         return Response(body, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["tenants"])
-class ApiKeyDetail(APIView):
     @extend_schema(responses={200: ApiKeySerializer, **ERRORS})
-    def get(self, request, name: str, prefix: str):
-        return Response(ApiKeySerializer(get_key(get_tenant(name), prefix)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(responses={204: None, **ERRORS},
                    description="Revoke the key: every gateway refuses it within 5 s. Revoking twice is harmless.")
-    def delete(self, request, name: str, prefix: str):
-        services.key_revoke(key=get_key(get_tenant(name), prefix), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        services.key_revoke(key=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

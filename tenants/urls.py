@@ -12,9 +12,12 @@ urlpatterns = [
 ]
 
 api_urlpatterns = [
-    path("tenants/", api.TenantListCreate.as_view(), name="api-tenant-list"),
-    path("tenants/<str:name>/", api.TenantDetail.as_view(), name="api-tenant-detail"),
-    path("tenants/<str:name>/keys/", api.ApiKeyListCreate.as_view(), name="api-key-list"),
-    path("tenants/<str:name>/keys/<str:prefix>/", api.ApiKeyDetail.as_view(), name="api-key-detail"),
+    path("tenants/", api.TenantViewSet.as_view({"get": "list", "post": "create"}), name="api-tenant-list"),
+    path("tenants/<str:name>/", api.TenantViewSet.as_view({"get": "retrieve", "patch": "partial_update"}),
+         name="api-tenant-detail"),
+    path("tenants/<str:name>/keys/", api.ApiKeyViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-key-list"),
+    path("tenants/<str:name>/keys/<str:prefix>/", api.ApiKeyViewSet.as_view({"get": "retrieve", "delete": "destroy"}),
+         name="api-key-detail"),
     path("usage/", api.Usage.as_view(), name="api-usage"),
 ]
