@@ -9,10 +9,10 @@ from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, inline_serializer
-from rest_framework import generics, serializers, status
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from alerts.api import AlertSerializer
 from alerts.choices import OPEN_STATUSES
@@ -141,90 +141,10 @@ def get_slo(pk: int) -> Slo:
     return get_object_or_404(slo_queryset(), pk=pk)
 
 
-@extend_schema(tags=["slos"])
-class SloListCreate(generics.ListAPIView):
-    serializer_class = SloSerializer
-
-    def get_queryset(self):
-        queryset = slo_queryset().order_by("status__budget_remaining", "name")
-        params = self.request.query_params
-        if deployment := params.get("deployment"):
-            queryset = queryset.filter(deployment__name=deployment)
-        if state := params.get("status"):
-            queryset = queryset.filter(status__state=state)
-        return queryset
-
-    @extend_schema(parameters=[OpenApiParameter("deployment", OpenApiTypes.STR),
-                               OpenApiParameter("status", OpenApiTypes.STR, enum=SloState.values)],
-                   responses={200: SloSerializer(many=True), **ERRORS},
-                   description="SLOs sorted by remaining error budget, the most burnt first.")
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
-
-    @extend_schema(request=SloWriteSerializer, responses={201: SloSerializer, **ERRORS, **CONFLICT})
-    def post(self, request):
-        serializer = SloWriteSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        try:
-            slo = services.slo_create(actor=request.user, **serializer.to_fields())
-        except DjangoValidationError as exc:
-            raise api_validation_error(exc) from None
-        return Response(SloSerializer(get_slo(slo.pk)).data, status=status.HTTP_201_CREATED)
-
-
-@extend_schema(tags=["slos"])
-class SloDetail(APIView):
-    @extend_schema(responses={200: SloSerializer, **ERRORS})
-    def get(self, request, pk: int):
-        return Response(SloSerializer(get_slo(pk)).data)
-
-    @extend_schema(request=SloWriteSerializer, responses={200: SloSerializer, **ERRORS, **CONFLICT},
-                   description="Partial update. Changing what the SLI counts (kind, thresholds, scope, "
-                               "budgeting) drops the stored minutes and back-fills them again.")
-    def patch(self, request, pk: int):
-        slo = get_slo(pk)
-        serializer = SloWriteSerializer(data=request.data, partial=True)
-        serializer.is_valid(raise_exception=True)
-        try:
-            services.slo_update(slo=slo, actor=request.user, **serializer.to_fields())
-        except DjangoValidationError as exc:
-            raise api_validation_error(exc) from None
-        return Response(SloSerializer(get_slo(pk)).data)
-
-    @extend_schema(responses={204: None, **ERRORS})
-    def delete(self, request, pk: int):
-        services.slo_delete(slo=get_slo(pk), actor=request.user)
-        return Response(status=status.HTTP_204_NO_CONTENT)
-
-
 def alert_thresholds(slo: Slo) -> list[dict]:
     return [{"severity": rule.severity, "factor": rule.factor, "long_window_minutes": rule.long_minutes,
              "short_window_minutes": rule.short_minutes, "long_window": format_duration(rule.long_minutes * 60),
              "short_window": format_duration(rule.short_minutes * 60)} for rule in alert_rules(slo.window)]
-
-
-@extend_schema(tags=["slos"])
-class SloStatusView(APIView):
-    @extend_schema(responses={200: inline_serializer("SloStatus", {
-        "slo": serializers.CharField(), "sli": serializers.FloatField(allow_null=True),
-        "budget_remaining": serializers.FloatField(), "burn_rates": serializers.DictField(),
-        "status": serializers.ChoiceField(SloState.choices), "alerts": AlertSerializer(many=True),
-        "good": serializers.IntegerField(), "total": serializers.IntegerField(),
-        "budget_total": serializers.FloatField(), "budget_consumed": serializers.FloatField(),
-        "min_events": serializers.IntegerField(),
-        "time_to_exhaustion_s": serializers.FloatField(allow_null=True),
-        "window_start": serializers.DateTimeField(allow_null=True),
-        "evaluated_at": serializers.DateTimeField(allow_null=True),
-        "backfilled_from": serializers.DateTimeField(allow_null=True),
-        "alert_thresholds": serializers.ListField(child=serializers.DictField()),
-    }), **ERRORS})
-    def get(self, request, pk: int):
-        slo = get_slo(pk)
-        body = {"slo": slo.name, **StatusSerializer(slo.status).data}
-        firing = slo.alerts.filter(status__in=OPEN_STATUSES).select_related("slo")
-        body.update(alerts=AlertSerializer(firing, many=True).data, backfilled_from=slo.backfilled_from,
-                    alert_thresholds=alert_thresholds(slo))
-        return Response(body)
 
 
 def data_start(slo: Slo) -> datetime:
@@ -261,7 +181,83 @@ def chart_points(slo: Slo, start: datetime, end: datetime, step: str) -> list[da
 
 
 @extend_schema(tags=["slos"])
-class SloHistory(APIView):
+class SloViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """SLOs (CRUD) and, per SLO, its evaluated status and its history for charts."""
+
+    serializer_class = SloSerializer
+
+    def get_queryset(self):
+        if self.action != "list":
+            return slo_queryset()
+        queryset = slo_queryset().order_by("status__budget_remaining", "name")
+        params = self.request.query_params
+        if deployment := params.get("deployment"):
+            queryset = queryset.filter(deployment__name=deployment)
+        if state := params.get("status"):
+            queryset = queryset.filter(status__state=state)
+        return queryset
+
+    @extend_schema(parameters=[OpenApiParameter("deployment", OpenApiTypes.STR),
+                               OpenApiParameter("status", OpenApiTypes.STR, enum=SloState.values)],
+                   responses={200: SloSerializer(many=True), **ERRORS},
+                   description="SLOs sorted by remaining error budget, the most burnt first.")
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
+    @extend_schema(request=SloWriteSerializer, responses={201: SloSerializer, **ERRORS, **CONFLICT})
+    def create(self, request):
+        serializer = SloWriteSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        try:
+            slo = services.slo_create(actor=request.user, **serializer.to_fields())
+        except DjangoValidationError as exc:
+            raise api_validation_error(exc) from None
+        return Response(SloSerializer(get_slo(slo.pk)).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses={200: SloSerializer, **ERRORS})
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
+
+    @extend_schema(request=SloWriteSerializer, responses={200: SloSerializer, **ERRORS, **CONFLICT},
+                   description="Partial update. Changing what the SLI counts (kind, thresholds, scope, "
+                               "budgeting) drops the stored minutes and back-fills them again.")
+    def partial_update(self, request, pk: int):
+        slo = self.get_object()
+        serializer = SloWriteSerializer(data=request.data, partial=True)
+        serializer.is_valid(raise_exception=True)
+        try:
+            services.slo_update(slo=slo, actor=request.user, **serializer.to_fields())
+        except DjangoValidationError as exc:
+            raise api_validation_error(exc) from None
+        return Response(SloSerializer(get_slo(pk)).data)
+
+    @extend_schema(responses={204: None, **ERRORS})
+    def destroy(self, request, *args, **kwargs):
+        services.slo_delete(slo=self.get_object(), actor=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(responses={200: inline_serializer("SloStatus", {
+        "slo": serializers.CharField(), "sli": serializers.FloatField(allow_null=True),
+        "budget_remaining": serializers.FloatField(), "burn_rates": serializers.DictField(),
+        "status": serializers.ChoiceField(SloState.choices), "alerts": AlertSerializer(many=True),
+        "good": serializers.IntegerField(), "total": serializers.IntegerField(),
+        "budget_total": serializers.FloatField(), "budget_consumed": serializers.FloatField(),
+        "min_events": serializers.IntegerField(),
+        "time_to_exhaustion_s": serializers.FloatField(allow_null=True),
+        "window_start": serializers.DateTimeField(allow_null=True),
+        "evaluated_at": serializers.DateTimeField(allow_null=True),
+        "backfilled_from": serializers.DateTimeField(allow_null=True),
+        "alert_thresholds": serializers.ListField(child=serializers.DictField()),
+    }), **ERRORS})
+    @action(detail=True, methods=["get"], url_path="status")
+    def evaluated_status(self, request, pk: int):
+        slo = self.get_object()
+        body = {"slo": slo.name, **StatusSerializer(slo.status).data}
+        firing = slo.alerts.filter(status__in=OPEN_STATUSES).select_related("slo")
+        body.update(alerts=AlertSerializer(firing, many=True).data, backfilled_from=slo.backfilled_from,
+                    alert_thresholds=alert_thresholds(slo))
+        return Response(body)
+
     @extend_schema(
         parameters=[
             OpenApiParameter("start", OpenApiTypes.DATETIME, description="Default: 24 hours before end."),
@@ -275,8 +271,9 @@ class SloHistory(APIView):
                     "Points start no earlier than `data_start` (the SLO's first minute of data) and end at the "
                     "last evaluation (`evaluated_at`), whose figures are those of the status.",
     )
-    def get(self, request, pk: int):
-        slo = get_slo(pk)
+    @action(detail=True, methods=["get"])
+    def history(self, request, pk: int):
+        slo = self.get_object()
         params = request.query_params
         end = query_time(params.get("end"), "end", timezone.now())
         start = query_time(params.get("start"), "start", end - timedelta(days=1))

@@ -15,10 +15,12 @@ urlpatterns = [
 ]
 
 api_urlpatterns = [
-    path("slos/", api.SloListCreate.as_view(), name="api-slo-list"),
-    path("slos/<int:pk>/", api.SloDetail.as_view(), name="api-slo-detail"),
-    path("slos/<int:pk>/status/", api.SloStatusView.as_view(), name="api-slo-status"),
-    path("slos/<int:pk>/history/", api.SloHistory.as_view(), name="api-slo-history"),
+    path("slos/", api.SloViewSet.as_view({"get": "list", "post": "create"}), name="api-slo-list"),
+    path("slos/<int:pk>/",
+         api.SloViewSet.as_view({"get": "retrieve", "patch": "partial_update", "delete": "destroy"}),
+         name="api-slo-detail"),
+    path("slos/<int:pk>/status/", api.SloViewSet.as_view({"get": "evaluated_status"}), name="api-slo-status"),
+    path("slos/<int:pk>/history/", api.SloViewSet.as_view({"get": "history"}), name="api-slo-history"),
     path("slos/import/", interchange_api.SloImport.as_view(), name="api-slo-import"),
     path("slos/<int:pk>/openslo/", interchange_api.SloOpenSlo.as_view(), name="api-slo-openslo"),
     path("slos/<int:pk>/prometheus-rules/", interchange_api.SloPrometheusRules.as_view(),
