@@ -7,11 +7,10 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from django.http import HttpResponse
-from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework import generics, renderers, serializers, status
+from rest_framework import mixins, renderers, serializers, status, viewsets
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -129,60 +128,58 @@ class BudgetUpdateSerializer(RejectUnknownFields, serializers.Serializer):
 
 
 @extend_schema(tags=["costing"])
-class PriceListCreate(generics.ListAPIView):
+class PriceViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = PriceSerializer
 
     def get_queryset(self):
         prices = Price.objects.select_related("created_by")
-        for param in ("resource", "tier"):
-            if value := self.request.query_params.get(param):
-                prices = prices.filter(**{param: value})
+        if self.action == "list":
+            for param in ("resource", "tier"):
+                if value := self.request.query_params.get(param):
+                    prices = prices.filter(**{param: value})
         return prices
 
     @extend_schema(parameters=[OpenApiParameter("resource", OpenApiTypes.STR),
                                OpenApiParameter("tier", OpenApiTypes.STR)],
                    responses={200: PriceSerializer(many=True), **ERRORS})
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=PriceCreateSerializer, responses={201: PriceCreatedSerializer, **ERRORS, **TOO_LARGE},
                    description="Add a price. An open-ended price of the same resource and tier that started "
                                "earlier ends where this one starts; other overlaps, and starts inside a closed "
                                "month, are refused (400 on effective_from). A start back-dated into an ended "
                                "month, or a resource no replica holds, is added with `warnings`.")
-    def post(self, request):
+    def create(self, request):
         serializer = PriceCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         price = services.price_create(actor=request.user, **serializer.validated_data)
         price.warnings = services.price_warnings(price)
         return Response(PriceCreatedSerializer(price).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["costing"])
-class PriceDetail(APIView):
     @extend_schema(responses={200: PriceSerializer, **ERRORS})
-    def get(self, request, pk: int):
-        return Response(PriceSerializer(get_object_or_404(Price, pk=pk)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(responses={204: None, **ERRORS, **CONFLICT},
                    description="Only a price that has not started yet; change a charged one by adding a new price.")
-    def delete(self, request, pk: int):
-        services.price_delete(price=get_object_or_404(Price, pk=pk), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        services.price_delete(price=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
 @extend_schema(tags=["costing"])
-class ListPriceListCreate(generics.ListAPIView):
+class ListPriceViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
     serializer_class = ListPriceSerializer
     queryset = ListPrice.objects.all()
 
     @extend_schema(responses={200: ListPriceSerializer(many=True), **ERRORS})
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=ListPriceCreateSerializer,
                    responses={201: ListPriceSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
-    def post(self, request):
+    def create(self, request):
         serializer = ListPriceCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         price = services.list_price_create(actor=request.user, **serializer.validated_data)
@@ -190,17 +187,17 @@ class ListPriceListCreate(generics.ListAPIView):
 
 
 @extend_schema(tags=["costing"])
-class BudgetListCreate(generics.ListAPIView):
+class BudgetViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = BudgetSerializer
     queryset = Budget.objects.select_related("tenant")
 
     @extend_schema(responses={200: BudgetSerializer(many=True), **ERRORS})
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=BudgetCreateSerializer,
                    responses={201: BudgetSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
-    def post(self, request):
+    def create(self, request):
         serializer = BudgetCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
@@ -209,25 +206,22 @@ class BudgetListCreate(generics.ListAPIView):
             monthly_usd=data["monthly_usd"], thresholds=data["thresholds"], actor=request.user)
         return Response(BudgetSerializer(budget).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["costing"])
-class BudgetDetail(APIView):
     @extend_schema(responses={200: BudgetSerializer, **ERRORS})
-    def get(self, request, pk: int):
-        return Response(BudgetSerializer(get_object_or_404(Budget.objects.select_related("tenant"), pk=pk)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(request=BudgetUpdateSerializer, responses={200: BudgetSerializer, **ERRORS},
                    description="Raising a budget above its spend resolves its alerts at once.")
-    def patch(self, request, pk: int):
-        budget = get_object_or_404(Budget, pk=pk)
+    def partial_update(self, request, *args, **kwargs):
+        budget = self.get_object()
         serializer = BudgetUpdateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         budget = services.budget_update(budget=budget, actor=request.user, **serializer.validated_data)
         return Response(BudgetSerializer(budget).data)
 
     @extend_schema(responses={204: None, **ERRORS})
-    def delete(self, request, pk: int):
-        services.budget_delete(budget=get_object_or_404(Budget, pk=pk), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        services.budget_delete(budget=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

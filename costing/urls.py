@@ -13,10 +13,15 @@ urlpatterns = [
 ]
 
 api_urlpatterns = [
-    path("costing/prices/", api.PriceListCreate.as_view(), name="api-costing-prices"),
-    path("costing/prices/<int:pk>/", api.PriceDetail.as_view(), name="api-costing-price"),
-    path("costing/list-prices/", api.ListPriceListCreate.as_view(), name="api-costing-list-prices"),
-    path("costing/budgets/", api.BudgetListCreate.as_view(), name="api-costing-budgets"),
-    path("costing/budgets/<int:pk>/", api.BudgetDetail.as_view(), name="api-costing-budget"),
+    path("costing/prices/", api.PriceViewSet.as_view({"get": "list", "post": "create"}), name="api-costing-prices"),
+    path("costing/prices/<int:pk>/", api.PriceViewSet.as_view({"get": "retrieve", "delete": "destroy"}),
+         name="api-costing-price"),
+    path("costing/list-prices/", api.ListPriceViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-costing-list-prices"),
+    path("costing/budgets/", api.BudgetViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-costing-budgets"),
+    path("costing/budgets/<int:pk>/",
+         api.BudgetViewSet.as_view({"get": "retrieve", "patch": "partial_update", "delete": "destroy"}),
+         name="api-costing-budget"),
     path("costing/report/", api.Report.as_view(), name="api-costing-report"),
 ]
