@@ -8,9 +8,9 @@ from datetime import timedelta
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import serializers
+from rest_framework import serializers, viewsets
+from rest_framework.decorators import action
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from degradation import services
 from degradation.engine import covering_slos
@@ -244,10 +244,12 @@ def _deployment(name: str) -> Deployment:
     return get_object_or_404(Deployment.objects.select_related("model"), name=name, deleted_at__isnull=True)
 
 
-class DegradationView(APIView):
+class DegradationViewSet(viewsets.GenericViewSet):
+    # A deployment's one policy (get, create or replace) and the operator's override of its level.
+    # Comments, not a docstring: drf-spectacular would print a docstring as every operation's description.
     @extend_schema(responses={200: DegradationSerializer, **DEGRADATION_ERRORS},
                    summary="A deployment's degradation policy and where it stands")
-    def get(self, request, name: str):
+    def retrieve(self, request, name: str):
         deployment = _deployment(name)
         policy = DegradationPolicy.objects.filter(deployment=deployment).first()
         if policy is None:
@@ -256,7 +258,7 @@ class DegradationView(APIView):
 
     @extend_schema(request=PolicySerializer, responses={200: DegradationSerializer, **DEGRADATION_ERRORS},
                    summary="Create or replace a deployment's degradation policy")
-    def put(self, request, name: str):
+    def update(self, request, name: str):
         deployment = _deployment(name)
         serializer = PolicySerializer(data=request.data, context={"deployment": deployment})
         serializer.is_valid(raise_exception=True)
@@ -264,11 +266,10 @@ class DegradationView(APIView):
         deployment.refresh_from_db(fields=["degradation"])
         return Response(degradation_document(deployment, policy))
 
-
-class OverrideView(APIView):
     @extend_schema(request=OverrideSerializer, responses={200: DegradationSerializer, **DEGRADATION_ERRORS},
                    summary="Hold a degradation level (0: off) until a time, with a reason")
-    def post(self, request, name: str):
+    @action(detail=True, methods=["post"])
+    def override(self, request, name: str):
         deployment = _deployment(name)
         policy = get_object_or_404(DegradationPolicy, deployment=deployment)
         serializer = OverrideSerializer(data=request.data, context={"policy": policy})
@@ -279,7 +280,8 @@ class OverrideView(APIView):
 
     @extend_schema(request=ClearSerializer, responses={200: DegradationSerializer, **DEGRADATION_ERRORS},
                    summary="End an override now; the policy decides again at the next cycle")
-    def delete(self, request, name: str):
+    @override.mapping.delete
+    def override_clear(self, request, name: str):
         deployment = _deployment(name)
         policy = get_object_or_404(DegradationPolicy, deployment=deployment)
         serializer = ClearSerializer(data=request.data or {})

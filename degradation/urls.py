@@ -12,7 +12,9 @@ urlpatterns = [
 ]
 
 api_urlpatterns = [
-    path("deployments/<str:name>/degradation/", api.DegradationView.as_view(), name="api-degradation"),
-    path("deployments/<str:name>/degradation/override/", api.OverrideView.as_view(),
+    path("deployments/<str:name>/degradation/", api.DegradationViewSet.as_view({"get": "retrieve", "put": "update"}),
+         name="api-degradation"),
+    path("deployments/<str:name>/degradation/override/",
+         api.DegradationViewSet.as_view({"post": "override", "delete": "override_clear"}),
          name="api-degradation-override"),
 ]

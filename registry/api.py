@@ -204,8 +204,7 @@ class VersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
 
 @extend_schema(tags=["aliases"])
 class AliasViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
-    """A model's aliases: the list is one page (a model has few), an alias reads as its version."""
-
+    # A model's aliases: the list is one page (a model has few), an alias reads as its version.
     serializer_class = AliasSerializer
     pagination_class = None
     lookup_field = "alias"

@@ -182,8 +182,7 @@ def chart_points(slo: Slo, start: datetime, end: datetime, step: str) -> list[da
 
 @extend_schema(tags=["slos"])
 class SloViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
-    """SLOs (CRUD) and, per SLO, its evaluated status and its history for charts."""
-
+    # SLOs (CRUD) and, per SLO, its evaluated status and its history for charts.
     serializer_class = SloSerializer
 
     def get_queryset(self):
