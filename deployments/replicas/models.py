@@ -1,0 +1,108 @@
+"""Replicas (one serving process or pod each) and their scraped metrics, per minute and rolled up per hour."""
+
+
+from django.db import models
+
+from deployments.choices import (
+    DriverName,
+    ReplicaState,
+)
+from deployments.rollouts.models import Rollout
+from registry.models import ModelVersion
+
+
+class Replica(models.Model):
+    deployment = models.ForeignKey("deployments.Deployment", on_delete=models.CASCADE, related_name="replica_set")
+    version = models.ForeignKey(ModelVersion, on_delete=models.PROTECT, related_name="replicas")
+    driver = models.CharField(max_length=16, choices=DriverName.choices, default=DriverName.LOCAL)
+    node = models.CharField(max_length=255, help_text="Host (local driver) or cluster/namespace.")
+    url = models.CharField(max_length=255, blank=True, help_text="Base URL of its OpenAI API.")
+    port = models.PositiveIntegerField(null=True, blank=True)
+    # Process identity (pid + start time, so a recycled pid is never mistaken for ours) or pod name.
+    identity = models.JSONField(default=dict, blank=True)
+    engine_args = models.JSONField(default=dict, blank=True)
+    # Set on replicas a rollout started as its candidate: analysis tells the tracks apart by it
+    # (a candidate may differ only in engine args), and an abort drains exactly these.
+    rollout = models.ForeignKey(Rollout, null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="replicas")
+    state = models.CharField(max_length=16, choices=ReplicaState.choices, default=ReplicaState.PENDING)
+    restarts = models.PositiveIntegerField(default=0)
+    consecutive_failures = models.PositiveIntegerField(default=0)
+    crash_looping = models.BooleanField(default=False)
+    not_before = models.DateTimeField(null=True, blank=True, help_text="Backoff: do not start before.")
+    log_path = models.CharField(max_length=1024, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    draining_since = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    last_health_at = models.DateTimeField(null=True, blank=True)
+    last_health_ok = models.BooleanField(null=True)
+    last_error = models.TextField(blank=True)
+    # The previous scrape's raw counter and histogram values, for deltas and reset detection.
+    scrape_state = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        db_table = "runtime_replica"  # made by the runtime app, before the replica layer moved here
+        ordering = ["deployment__name", "id"]
+        indexes = [models.Index(fields=["deployment", "state"]), models.Index(fields=["node", "state"])]
+
+    def __str__(self) -> str:
+        return f"{self.deployment.name}/{self.pk}"
+
+
+class MetricsBucket(models.Model):
+    """Per-replica aggregates over one period (a minute, or an hour in the roll-up).
+
+    Gauges are averaged and maxed over the scrapes in the period; counters and histograms are
+    deltas (resets handled by the scraper). Histograms are {le: count} of bucket deltas, from
+    which percentiles are estimated.
+    """
+
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="+")
+    deployment = models.ForeignKey("deployments.Deployment", on_delete=models.CASCADE, related_name="+")
+    version = models.ForeignKey(ModelVersion, on_delete=models.CASCADE, related_name="+")
+    start = models.DateTimeField()
+    scrapes = models.PositiveIntegerField(default=0)
+    running_avg = models.FloatField(default=0)
+    running_max = models.FloatField(default=0)
+    waiting_avg = models.FloatField(default=0)
+    waiting_max = models.FloatField(default=0)
+    kv_cache_usage_avg = models.FloatField(default=0)
+    kv_cache_usage_max = models.FloatField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    generation_tokens = models.BigIntegerField(default=0)
+    requests_by_reason = models.JSONField(default=dict, blank=True)  # {"stop": n, "length": n, ...}
+    preemptions = models.BigIntegerField(default=0)
+    prefix_cache_queries = models.BigIntegerField(default=0)
+    prefix_cache_hits = models.BigIntegerField(default=0)
+    ttft_buckets = models.JSONField(default=dict, blank=True)
+    ttft_sum = models.FloatField(default=0)
+    ttft_count = models.BigIntegerField(default=0)
+    itl_buckets = models.JSONField(default=dict, blank=True)
+    itl_sum = models.FloatField(default=0)
+    itl_count = models.BigIntegerField(default=0)
+    e2e_buckets = models.JSONField(default=dict, blank=True)
+    e2e_sum = models.FloatField(default=0)
+    e2e_count = models.BigIntegerField(default=0)
+
+    class Meta:
+        abstract = True
+
+    def __str__(self) -> str:
+        return f"replica {self.replica_id} @ {self.start:%Y-%m-%d %H:%M}"
+
+
+class ReplicaMetricsMinute(MetricsBucket):
+    class Meta:
+        db_table = "runtime_replicametricsminute"
+        constraints = [models.UniqueConstraint(fields=["replica", "start"], name="unique_minute_per_replica")]
+        indexes = [models.Index(fields=["deployment", "start"]), models.Index(fields=["start"])]
+
+
+class ReplicaMetricsHour(MetricsBucket):
+    class Meta:
+        db_table = "runtime_replicametricshour"
+        constraints = [models.UniqueConstraint(fields=["replica", "start"], name="unique_hour_per_replica")]
+        indexes = [models.Index(fields=["deployment", "start"]), models.Index(fields=["start"])]
