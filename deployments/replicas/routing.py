@@ -12,14 +12,8 @@ from __future__ import annotations
 import json
 import time
 
-import redis
-from django.conf import settings
-
+from inferops.redis_client import redis_client
 from runtime.gateway.contract import PREVIEW_SUFFIX, ROUTING_CHANNEL, ROUTING_GENERATION_KEY, ROUTING_KEY
-
-
-def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL, socket_timeout=3, socket_connect_timeout=3)
 
 
 def routing_entry(deployment, groups: list[tuple[str, int, int | None, list]], name: str | None = None) -> dict:
