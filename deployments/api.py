@@ -13,9 +13,9 @@ from drf_spectacular.utils import (
     extend_schema,
     inline_serializer,
 )
-from rest_framework import generics, serializers, status
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from deployments import services
 from deployments.choices import Backend, DriverName, ReplicaState
@@ -29,6 +29,8 @@ SERIES_UNITS = {
     "ttft_p99": "ms", "itl_p95": "ms", "kv_cache_usage": "fraction", "queue_depth": "requests",
 }
 SERIES = list(SERIES_UNITS)
+# Series read from the usage ledger rather than the replicas' scraped metrics.
+LEDGER_SERIES = {"error_rate": "fraction"}
 MAX_POINTS = 5000
 
 
@@ -125,42 +127,42 @@ def get_deployment(name: str) -> Deployment:
 
 
 @extend_schema(tags=["deployments"])
-class DeploymentListCreate(generics.ListAPIView):
+class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    # Deployments (CRUD), and per deployment its replicas and its metrics series.
     serializer_class = DeploymentSerializer
+    lookup_field = "name"
 
     def get_queryset(self):
         queryset = deployment_queryset()
-        if model := self.request.query_params.get("model"):
-            queryset = queryset.filter(model__name=model)
-        if state := self.request.query_params.get("status"):
-            queryset = queryset.filter(status=state)
+        if self.action == "list":
+            if model := self.request.query_params.get("model"):
+                queryset = queryset.filter(model__name=model)
+            if state := self.request.query_params.get("status"):
+                queryset = queryset.filter(status=state)
         return queryset
 
     @extend_schema(parameters=[OpenApiParameter("model", OpenApiTypes.STR),
                                OpenApiParameter("status", OpenApiTypes.STR)],
                    responses={200: DeploymentSerializer(many=True), **ERRORS})
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=DeploymentCreateSerializer,
                    responses={201: DeploymentSerializer, **ERRORS, **CONFLICT, **TOO_LARGE})
-    def post(self, request):
+    def create(self, request):
         serializer = DeploymentCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = dict(serializer.validated_data)
         deployment = services.deployment_create(actor=request.user, **data)
         return Response(DeploymentSerializer(get_deployment(deployment.name)).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["deployments"])
-class DeploymentDetail(APIView):
     @extend_schema(responses={200: DeploymentSerializer, **ERRORS})
-    def get(self, request, name: str):
-        return Response(DeploymentSerializer(get_deployment(name)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(request=DeploymentUpdateSerializer, responses={200: DeploymentSerializer, **ERRORS})
-    def patch(self, request, name: str):
-        deployment = get_deployment(name)
+    def partial_update(self, request, name: str):
+        deployment = self.get_object()
         serializer = DeploymentUpdateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         services.deployment_update(deployment=deployment, actor=request.user, **serializer.validated_data)
@@ -168,28 +170,20 @@ class DeploymentDetail(APIView):
 
     @extend_schema(responses={202: DeploymentSerializer, **ERRORS},
                    description="Drains and stops every replica, then removes the deployment.")
-    def delete(self, request, name: str):
-        deployment = services.deployment_delete(deployment=get_deployment(name), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        deployment = services.deployment_delete(deployment=self.get_object(), actor=request.user)
         return Response(DeploymentSerializer(get_deployment(deployment.name)).data, status=status.HTTP_202_ACCEPTED)
 
-
-@extend_schema(tags=["deployments"])
-class ReplicaList(APIView):
     @extend_schema(parameters=[OpenApiParameter("all", OpenApiTypes.BOOL,
                                                 description="Include stopped replicas.")],
                    responses={200: ReplicaSerializer(many=True), **ERRORS})
-    def get(self, request, name: str):
-        deployment = get_deployment(name)
+    @action(detail=True, methods=["get"])
+    def replicas(self, request, name: str):
+        deployment = self.get_object()
         replicas = deployment.replica_set.select_related("version").order_by("id")
         if request.query_params.get("all") not in ("1", "true"):
             replicas = replicas.exclude(state=ReplicaState.STOPPED)
         return Response(ReplicaSerializer(replicas, many=True).data)
-
-
-@extend_schema(tags=["deployments"])
-class DeploymentMetrics(APIView):
-    # Series read from the usage ledger rather than the replicas' scraped metrics.
-    LEDGER_SERIES = {"error_rate": "fraction"}
 
     @extend_schema(
         parameters=[
@@ -215,14 +209,15 @@ class DeploymentMetrics(APIView):
             }), required=False),
         }), **ERRORS},
     )
-    def get(self, request, name: str):
+    @action(detail=True, methods=["get"])
+    def metrics(self, request, name: str):
         from deployments.replicas.metrics_query import deployment_error_rate, deployment_events, deployment_series
 
-        deployment = get_deployment(name)
+        deployment = self.get_object()
         params = request.query_params
         series = params.get("series")
-        if series not in SERIES and series not in self.LEDGER_SERIES:
-            return Response({"series": [f"One of: {', '.join([*SERIES, *self.LEDGER_SERIES])}."]},
+        if series not in SERIES and series not in LEDGER_SERIES:
+            return Response({"series": [f"One of: {', '.join([*SERIES, *LEDGER_SERIES])}."]},
                             status=status.HTTP_400_BAD_REQUEST)
         end = query_time(params.get("end"), "end", timezone.now())
         start = query_time(params.get("start"), "start", end - timedelta(hours=1))
@@ -238,11 +233,11 @@ class DeploymentMetrics(APIView):
         events = params.get("events", "").lower()
         if events not in ("", "0", "1", "true", "false"):
             return Response({"events": ["Must be true or false."]}, status=status.HTTP_400_BAD_REQUEST)
-        if series in self.LEDGER_SERIES:
+        if series in LEDGER_SERIES:
             if version is not None:
                 return Response({"version": ["error_rate is per rollout track (see `tracks`), not per version."]},
                                 status=status.HTTP_400_BAD_REQUEST)
-            body = {"series": series, "unit": self.LEDGER_SERIES[series],
+            body = {"series": series, "unit": LEDGER_SERIES[series],
                     **deployment_error_rate(deployment, start, end, step)}
         else:
             points = deployment_series(deployment, series, start, end, step,

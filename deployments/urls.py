@@ -17,9 +17,15 @@ urlpatterns = [
 
 api_urlpatterns = [
     path("prometheus/sd/", PrometheusTargets.as_view(), name="api-prometheus-sd"),
-    path("deployments/", api.DeploymentListCreate.as_view(), name="api-deployment-list"),
-    path("deployments/<str:name>/", api.DeploymentDetail.as_view(), name="api-deployment-detail"),
-    path("deployments/<str:name>/replicas/", api.ReplicaList.as_view(), name="api-deployment-replicas"),
-    path("deployments/<str:name>/metrics/", api.DeploymentMetrics.as_view(), name="api-deployment-metrics"),
+    path("deployments/", api.DeploymentViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-deployment-list"),
+    path("deployments/<str:name>/",
+         api.DeploymentViewSet.as_view({"get": "retrieve", "patch": "partial_update", "delete": "destroy"}),
+         name="api-deployment-detail"),
+    # The replicas are one unpaginated list, as they always were.
+    path("deployments/<str:name>/replicas/", api.DeploymentViewSet.as_view({"get": "replicas"}, pagination_class=None),
+         name="api-deployment-replicas"),
+    path("deployments/<str:name>/metrics/", api.DeploymentViewSet.as_view({"get": "metrics"}),
+         name="api-deployment-metrics"),
     *rollout_urls.api_urlpatterns,
 ]
