@@ -10,11 +10,10 @@ from drf_spectacular.utils import (
     OpenApiResponse,
     extend_schema,
     extend_schema_field,
-    extend_schema_view,
 )
-from rest_framework import generics, serializers, status
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from deployments.choices import RolloutStatus, Strategy, Verdict
 from deployments.models import Deployment, Rollout, RolloutMeasurement
@@ -219,11 +218,6 @@ def rollout_queryset():
     return Rollout.objects.select_related("deployment", "stable_version", "candidate_version", "created_by")
 
 
-def get_rollout(name: str, rollout_id: int) -> Rollout:
-    deployment = get_object_or_404(Deployment, name=name)
-    return get_object_or_404(rollout_queryset(), deployment=deployment, pk=rollout_id)
-
-
 def rollout_response(rollout: Rollout, code: int = status.HTTP_200_OK) -> Response:
     return Response(RolloutDetailSerializer(rollout_queryset().get(pk=rollout.pk)).data, status=code)
 
@@ -235,23 +229,33 @@ def validated(serializer_class, request) -> dict:
 
 
 @extend_schema(tags=["rollouts"])
-class RolloutListCreate(generics.ListAPIView):
+class RolloutViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
+    # A deployment's rollouts: start, list, follow, change; promote, abort, retry and undo are actions.
     serializer_class = RolloutSerializer
+    lookup_url_kwarg = "rollout_id"
 
     def get_queryset(self):
         if getattr(self, "swagger_fake_view", False):  # the schema generator has no URL kwargs
             return Rollout.objects.none()
         deployment = get_object_or_404(Deployment, name=self.kwargs["name"])
-        queryset = rollout_queryset().filter(deployment=deployment).order_by("-id")
-        if state := self.request.query_params.get("status"):
-            queryset = queryset.filter(status=state)
+        queryset = rollout_queryset().filter(deployment=deployment)
+        if self.action == "list":
+            queryset = queryset.order_by("-id")
+            if state := self.request.query_params.get("status"):
+                queryset = queryset.filter(status=state)
         return queryset
+
+    def act(self, request, service, serializer_class) -> Response:
+        """One rollout action: the rollout, the body checked by `serializer_class`, then one service call."""
+        rollout = self.get_object()
+        data = validated(serializer_class, request)
+        return rollout_response(service(rollout=rollout, actor=request.user, **data))
 
     @extend_schema(parameters=[OpenApiParameter("status", OpenApiTypes.STR, enum=RolloutStatus.values)],
                    responses={200: RolloutSerializer(many=True), **ROLLOUT_ERRORS},
                    description="The deployment's rollouts, newest first.")
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=RolloutCreateSerializer,
                    responses={201: RolloutDetailSerializer, **ROLLOUT_ERRORS, **ROLLOUT_CONFLICT, **TOO_LARGE},
@@ -259,64 +263,42 @@ class RolloutListCreate(generics.ListAPIView):
                                "Refused (409) while another rollout is active or an SLO's error budget is "
                                "exhausted, unless `rollback` is true or `override_reason` is given (audited), and "
                                "while a degradation level freezes rollouts, unless `rollback` is true.")
-    def post(self, request, name: str):
+    def create(self, request, name: str):
         deployment = get_object_or_404(Deployment, name=name)
         data = validated(RolloutCreateSerializer, request)
         rollout = rollouts.rollout_create(deployment=deployment, actor=request.user, **data)
         return rollout_response(rollout, status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["rollouts"])
-class RolloutDetail(APIView):
     @extend_schema(responses={200: RolloutDetailSerializer, **ROLLOUT_ERRORS},
                    description="The rollout with its current step and weight, for CI to poll, and its measurements.")
-    def get(self, request, name: str, rollout_id: int):
-        return Response(RolloutDetailSerializer(get_rollout(name, rollout_id)).data)
+    def retrieve(self, request, name: str, rollout_id: int):
+        return Response(RolloutDetailSerializer(self.get_object()).data)
 
     @extend_schema(request=RolloutPatchSerializer, responses=ACTION_RESPONSES,
                    description="Turn the automatic rollback on or off while the rollout runs or is watched after "
                                "success (audited); 409 once the watch is over, or for a rollback.")
-    def patch(self, request, name: str, rollout_id: int):
-        rollout = get_rollout(name, rollout_id)
-        data = validated(RolloutPatchSerializer, request)
-        return rollout_response(rollouts.rollout_set_auto_rollback(rollout=rollout, actor=request.user, **data))
+    def partial_update(self, request, name: str, rollout_id: int):
+        return self.act(request, rollouts.rollout_set_auto_rollback, RolloutPatchSerializer)
 
+    @extend_schema(request=PromoteSerializer, responses=ACTION_RESPONSES,
+                   description="Go on to the next step now (ends a pause or an inconclusive analysis), or "
+                               "with `full` skip every remaining step.")
+    @action(detail=True, methods=["post"])
+    def promote(self, request, name: str, rollout_id: int):
+        return self.act(request, rollouts.rollout_promote, PromoteSerializer)
 
-class RolloutAction(APIView):
-    """POST an action on one rollout: the body checked by `serializer`, then one service call."""
+    @extend_schema(request=AbortSerializer, responses=ACTION_RESPONSES,
+                   description="Traffic back on the stable version at once; the candidate's replicas are drained.")
+    @action(detail=True, methods=["post"])
+    def abort(self, request, name: str, rollout_id: int):
+        return self.act(request, rollouts.rollout_abort, AbortSerializer)
 
-    serializer: type[serializers.Serializer]
-    action = None  # a rollout service: (*, rollout, actor, **body) -> Rollout
+    @extend_schema(request=RetrySerializer, responses=ACTION_RESPONSES,
+                   description="Start an aborted rollout again from its first step.")
+    @action(detail=True, methods=["post"])
+    def retry(self, request, name: str, rollout_id: int):
+        return self.act(request, rollouts.rollout_retry, RetrySerializer)
 
-    def post(self, request, name: str, rollout_id: int):
-        rollout = get_rollout(name, rollout_id)
-        data = validated(self.serializer, request)
-        return rollout_response(type(self).action(rollout=rollout, actor=request.user, **data))
-
-
-def action_schema(serializer, description: str):
-    return extend_schema_view(post=extend_schema(tags=["rollouts"], request=serializer, responses=ACTION_RESPONSES,
-                                                 description=description))
-
-
-@action_schema(PromoteSerializer, "Go on to the next step now (ends a pause or an inconclusive analysis), or "
-                                  "with `full` skip every remaining step.")
-class RolloutPromote(RolloutAction):
-    serializer, action = PromoteSerializer, staticmethod(rollouts.rollout_promote)
-
-
-@action_schema(AbortSerializer, "Traffic back on the stable version at once; the candidate's replicas are drained.")
-class RolloutAbort(RolloutAction):
-    serializer, action = AbortSerializer, staticmethod(rollouts.rollout_abort)
-
-
-@action_schema(RetrySerializer, "Start an aborted rollout again from its first step.")
-class RolloutRetry(RolloutAction):
-    serializer, action = RetrySerializer, staticmethod(rollouts.rollout_retry)
-
-
-@extend_schema(tags=["rollouts"])
-class RolloutUndo(APIView):
     @extend_schema(
         request=UndoSerializer,
         responses={200: OpenApiResponse(RolloutDetailSerializer, description="The active rollout, now aborted."),
@@ -328,7 +310,8 @@ class RolloutUndo(APIView):
                     "the last successful rollout (allowed while an error budget is exhausted). When that was the "
                     "platform's own rollback during a watch, undo redeploys the version it rejected: a rollout "
                     "like the rejected one, under the budget policy, which needs a `reason`.")
-    def post(self, request, name: str):
+    @action(detail=False, methods=["post"])
+    def undo(self, request, name: str):
         deployment = get_object_or_404(Deployment, name=name)
         data = validated(UndoSerializer, request)
         rollout = rollouts.rollout_undo(deployment=deployment, actor=request.user, **data)

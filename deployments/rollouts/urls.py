@@ -21,14 +21,16 @@ urlpatterns = [
 ]
 
 api_urlpatterns = [
-    path("deployments/<str:name>/rollouts/", api.RolloutListCreate.as_view(), name="api-rollout-list"),
-    path("deployments/<str:name>/rollouts/undo/", api.RolloutUndo.as_view(), name="api-rollout-undo"),
-    path("deployments/<str:name>/rollouts/<int:rollout_id>/", api.RolloutDetail.as_view(),
-         name="api-rollout-detail"),
-    path("deployments/<str:name>/rollouts/<int:rollout_id>/promote/", api.RolloutPromote.as_view(),
+    path("deployments/<str:name>/rollouts/", api.RolloutViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-rollout-list"),
+    path("deployments/<str:name>/rollouts/undo/", api.RolloutViewSet.as_view({"post": "undo"}),
+         name="api-rollout-undo"),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/",
+         api.RolloutViewSet.as_view({"get": "retrieve", "patch": "partial_update"}), name="api-rollout-detail"),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/promote/", api.RolloutViewSet.as_view({"post": "promote"}),
          name="api-rollout-promote"),
-    path("deployments/<str:name>/rollouts/<int:rollout_id>/abort/", api.RolloutAbort.as_view(),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/abort/", api.RolloutViewSet.as_view({"post": "abort"}),
          name="api-rollout-abort"),
-    path("deployments/<str:name>/rollouts/<int:rollout_id>/retry/", api.RolloutRetry.as_view(),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/retry/", api.RolloutViewSet.as_view({"post": "retry"}),
          name="api-rollout-retry"),
 ]
