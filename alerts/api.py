@@ -6,9 +6,9 @@ from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
-from rest_framework import generics, serializers, status
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from alerts import services
 from alerts.choices import AlertStatus, IncidentPer, ReceiverKind, Severity
@@ -129,10 +129,13 @@ class DeliverySerializer(serializers.ModelSerializer):
 
 
 @extend_schema(tags=["alerts"])
-class AlertList(generics.ListAPIView):
+class AlertViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    # Alerts are read here and changed only by their actions: ack, resolve, snooze, comment.
     serializer_class = AlertSerializer
 
     def get_queryset(self):
+        if self.action != "list":
+            return Alert.objects.select_related("slo", "integration")
         queryset = Alert.objects.select_related("slo")
         params = self.request.query_params
         for name, choices in (("status", AlertStatus.values), ("severity", Severity.values)):
@@ -149,16 +152,53 @@ class AlertList(generics.ListAPIView):
                                OpenApiParameter("slo", OpenApiTypes.STR, description="SLO name.")],
                    responses={200: AlertSerializer(many=True), **ERRORS},
                    description="Alerts, newest first.")
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
-
-@extend_schema(tags=["alerts"])
-class AlertDetail(APIView):
     @extend_schema(responses={200: AlertSerializer, **ERRORS})
-    def get(self, request, pk: int):
-        return Response(AlertSerializer(get_object_or_404(Alert.objects.select_related("slo", "integration"),
-                                                          pk=pk)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
+
+    @extend_schema(request=EmptySerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
+                   summary="Acknowledge: someone has it (escalation stops; PagerDuty and Slack hear so)")
+    @action(detail=True, methods=["post"])
+    def ack(self, request, pk: int):
+        return _open_alert_action(request, pk, EmptySerializer,
+                                  lambda alert: services.alert_acknowledge(alert=alert, actor=request.user))
+
+    @extend_schema(request=EmptySerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
+                   summary="Resolve by hand (receivers that heard of it hear the resolution)")
+    @action(detail=True, methods=["post"])
+    def resolve(self, request, pk: int):
+        def resolve(alert):
+            if not alert.is_open:
+                raise Conflict(f"Alert {alert.pk} is already resolved.")
+            services.alert_resolve(alert=alert, now=timezone.now(), actor=request.user)
+        return _open_alert_action(request, pk, EmptySerializer, resolve)
+
+    @extend_schema(request=SnoozeSerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
+                   summary="Notify no one about it for some minutes")
+    @action(detail=True, methods=["post"])
+    def snooze(self, request, pk: int):
+        return _open_alert_action(request, pk, SnoozeSerializer, lambda alert, minutes: services.alert_snooze(
+            alert=alert, actor=request.user, minutes=minutes))
+
+    @extend_schema(responses={200: AlertEventSerializer(many=True), **ERRORS},
+                   summary="The alert's timeline: state changes, notifications and comments, oldest first")
+    @action(detail=True, methods=["get"])
+    def comments(self, request, pk: int):
+        alert = get_object_or_404(Alert, pk=pk)
+        return Response(AlertEventSerializer(alert.events.all(), many=True).data)
+
+    @extend_schema(request=CommentSerializer, responses={201: AlertEventSerializer, **ERRORS},
+                   summary="Add a comment to the alert's timeline")
+    @comments.mapping.post
+    def comment(self, request, pk: int):
+        alert = get_object_or_404(Alert, pk=pk)
+        serializer = CommentSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        event = services.alert_comment(alert=alert, actor=request.user, text=serializer.validated_data["text"])
+        return Response(AlertEventSerializer(event).data, status=status.HTTP_201_CREATED)
 
 
 def _open_alert_action(request, pk: int, serializer_class, act):
@@ -170,102 +210,42 @@ def _open_alert_action(request, pk: int, serializer_class, act):
 
 
 @extend_schema(tags=["alerts"])
-class AlertAcknowledge(APIView):
-    @extend_schema(request=EmptySerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
-                   summary="Acknowledge: someone has it (escalation stops; PagerDuty and Slack hear so)")
-    def post(self, request, pk: int):
-        return _open_alert_action(request, pk, EmptySerializer,
-                                  lambda alert: services.alert_acknowledge(alert=alert, actor=request.user))
-
-
-@extend_schema(tags=["alerts"])
-class AlertResolve(APIView):
-    @extend_schema(request=EmptySerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
-                   summary="Resolve by hand (receivers that heard of it hear the resolution)")
-    def post(self, request, pk: int):
-        def resolve(alert):
-            if not alert.is_open:
-                raise Conflict(f"Alert {alert.pk} is already resolved.")
-            services.alert_resolve(alert=alert, now=timezone.now(), actor=request.user)
-        return _open_alert_action(request, pk, EmptySerializer, resolve)
-
-
-@extend_schema(tags=["alerts"])
-class AlertSnooze(APIView):
-    @extend_schema(request=SnoozeSerializer, responses={200: AlertSerializer, **ERRORS, **ALERT_CONFLICT},
-                   summary="Notify no one about it for some minutes")
-    def post(self, request, pk: int):
-        return _open_alert_action(request, pk, SnoozeSerializer, lambda alert, minutes: services.alert_snooze(
-            alert=alert, actor=request.user, minutes=minutes))
-
-
-@extend_schema(tags=["alerts"])
-class AlertComments(APIView):
-    @extend_schema(responses={200: AlertEventSerializer(many=True), **ERRORS},
-                   summary="The alert's timeline: state changes, notifications and comments, oldest first")
-    def get(self, request, pk: int):
-        alert = get_object_or_404(Alert, pk=pk)
-        return Response(AlertEventSerializer(alert.events.all(), many=True).data)
-
-    @extend_schema(request=CommentSerializer, responses={201: AlertEventSerializer, **ERRORS},
-                   summary="Add a comment to the alert's timeline")
-    def post(self, request, pk: int):
-        alert = get_object_or_404(Alert, pk=pk)
-        serializer = CommentSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        event = services.alert_comment(alert=alert, actor=request.user, text=serializer.validated_data["text"])
-        return Response(AlertEventSerializer(event).data, status=status.HTTP_201_CREATED)
-
-
-@extend_schema(tags=["alerts"])
-class ReceiverListCreate(generics.ListAPIView):
+class ReceiverViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    # Receivers hold secrets (URLs, routing keys): admins only, to read too.
     serializer_class = ReceiverSerializer
     queryset = Receiver.objects.all()
     read_role = ADMIN
     write_role = ADMIN
 
     @extend_schema(request=ReceiverSerializer, responses={201: ReceiverSerializer, **ERRORS, **CONFLICT})
-    def post(self, request):
+    def create(self, request):
         serializer = ReceiverSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         receiver = services.receiver_save(instance=None, fields=serializer.validated_data, actor=request.user)
         return Response(ReceiverSerializer(receiver).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["alerts"])
-class ReceiverDetail(APIView):
-    read_role = ADMIN
-    write_role = ADMIN
-
     @extend_schema(responses={200: ReceiverSerializer, **ERRORS})
-    def get(self, request, pk: int):
-        return Response(ReceiverSerializer(get_object_or_404(Receiver, pk=pk)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(request=ReceiverSerializer, responses={200: ReceiverSerializer, **ERRORS, **CONFLICT})
-    def patch(self, request, pk: int):
-        receiver = get_object_or_404(Receiver, pk=pk)
+    def partial_update(self, request, pk: int):
+        receiver = self.get_object()
         serializer = ReceiverSerializer(receiver, data=request.data, partial=True)
         serializer.is_valid(raise_exception=True)
         saved = services.receiver_save(instance=receiver, fields=serializer.validated_data, actor=request.user)
         return Response(ReceiverSerializer(saved).data)
 
     @extend_schema(responses={204: None, **ERRORS})
-    def delete(self, request, pk: int):
-        services.receiver_delete(receiver=get_object_or_404(Receiver, pk=pk), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        services.receiver_delete(receiver=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-@extend_schema(tags=["alerts"])
-class ReceiverDeliveries(generics.ListAPIView):
-    serializer_class = DeliverySerializer
-    read_role = ADMIN
-
-    def get_queryset(self):
-        receiver = get_object_or_404(Receiver, pk=self.kwargs["pk"])
-        return Delivery.objects.filter(notification__receiver=receiver).select_related("notification").order_by(
-            "-created_at", "-id")
 
     @extend_schema(responses={200: DeliverySerializer(many=True), **ERRORS},
                    description="Every delivery attempt to this receiver, newest first.")
-    def get(self, request, *args, **kwargs):
-        return super().get(request, *args, **kwargs)
+    @action(detail=True, methods=["get"])
+    def deliveries(self, request, pk: int):
+        receiver = self.get_object()
+        attempts = Delivery.objects.filter(notification__receiver=receiver).select_related("notification").order_by(
+            "-created_at", "-id")
+        return self.get_paginated_response(DeliverySerializer(self.paginate_queryset(attempts), many=True).data)
