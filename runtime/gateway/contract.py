@@ -9,6 +9,15 @@ request to a stream that the control plane ingests. Both sides import these name
   a rollout's candidate alone. `degradation` is null at level 0, else the actions the gateway
   applies: {level, name, shed_below_priority, max_tokens_cap, fallback: {deployment, weight,
   priorities}, retry_after_s} (each action null when the level has none).
+- DEGRADATION_KEY: deployment (with a degradation policy) -> JSON {degradation: as in ROUTING_KEY,
+  ttft_deadlines_ms: [ms, ...], published_at}, published the moment a level or the deadlines
+  change; the routing entry gets the level from the next reconcile pass (which heals a lost
+  publish), and a gateway applies whichever of the two was published later.
+- TTFT verdicts: gateways count each streamed request to a deployment with deadlines against each
+  deadline when its first token arrives, or as bad when the deadline passes first, so a burn shows
+  while an overload lasts rather than as its requests end. Kept apart from the usage stream (the
+  exact SLIs still come from usage events): a hash per deployment and Unix minute,
+  `ttft_verdicts_key()`, fields `<deadline ms>:<second of the minute>:<good|bad>`.
 - KEYS_KEY: sha256 hex of an API key -> JSON {prefix, name, tenant, deployments, priority,
   expires_at, limits: {key, tenant}}; replaced whole on every publish.
 - USAGE_STREAM: entries {"e": JSON event}, one per request (tenants/ingest.py says which fields).
@@ -25,6 +34,11 @@ import hashlib
 ROUTING_KEY = "inferops:routing"
 ROUTING_GENERATION_KEY = "inferops:routing:generation"
 ROUTING_CHANNEL = "inferops:routing:changed"
+DEGRADATION_KEY = "inferops:degradation"
+DEGRADATION_GENERATION_KEY = "inferops:degradation:generation"
+DEGRADATION_CHANNEL = "inferops:degradation:changed"
+TTFT_VERDICTS_PREFIX = "inferops:ttft-verdicts"
+TTFT_VERDICTS_TTL_S = 900
 KEYS_KEY = "inferops:keys"
 KEYS_GENERATION_KEY = "inferops:keys:generation"
 KEYS_CHANNEL = "inferops:keys:changed"
@@ -55,6 +69,15 @@ def is_server_failure(status: int, error_kind: str | None) -> bool:
 
 # `<deployment>--preview`: a rollout's candidate alone, for smoke tests before it takes traffic.
 PREVIEW_SUFFIX = "--preview"
+
+
+def ttft_verdicts_key(deployment: str, minute: int) -> str:
+    """The TTFT verdict counters of a deployment in one minute (Unix seconds // 60)."""
+    return f"{TTFT_VERDICTS_PREFIX}:{deployment}:{minute}"
+
+
+def ttft_verdict_field(deadline_ms: float, second: int, good: bool) -> str:
+    return f"{deadline_ms:g}:{second}:{'good' if good else 'bad'}"
 
 
 def hash_api_key(secret: str) -> str:

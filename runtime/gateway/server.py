@@ -43,6 +43,7 @@ from runtime.gateway.proxy import CONNECT, TIMEOUT, Opened, StreamObserver, Upst
 from runtime.gateway.router import NoReplica, Router, Saturated, affinity_key
 from runtime.gateway.state import ApiKey, RedisHealth, Route, StateSync
 from runtime.gateway.usage import UsageSink
+from runtime.gateway.verdicts import TtftVerdicts, TtftWatch
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class RequestRecord:
     error_kind: str | None = None
     retries: int = 0
     admission: Admission | None = None
+    ttft_watch: TtftWatch | None = None  # early TTFT verdicts, for a deployment with deadlines
     headers_sent: bool = False
     response_done: bool = False
     client_gone: bool = False
@@ -268,6 +270,7 @@ class Gateway:
         self.state: StateSync | None = None
         self.limiter: RateLimiter | None = None
         self.usage: UsageSink | None = None
+        self.verdicts: TtftVerdicts | None = None
         self.upstream: Upstream | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
@@ -283,9 +286,11 @@ class Gateway:
         self.limiter = RateLimiter(self.redis, s.concurrency_lease_s)
         self.usage = UsageSink(self.redis, s.spool_dir / f"{s.instance}.jsonl", self.health,
                                on_spool_depth=self.metrics.spool_depth.set)
+        self.verdicts = TtftVerdicts(self.redis, self.health)
         self.upstream = Upstream(s.connect_timeout_s, s.first_token_timeout_s, s.request_timeout_s)
         await self.state.start()
         await self.usage.start()
+        await self.verdicts.start()
         self._renewer = asyncio.create_task(self._renew_leases())
         if s.advertise_address:
             self._heartbeat = asyncio.create_task(heartbeat.beat(self.redis, s.instance, s.advertise_address))
@@ -304,6 +309,8 @@ class Gateway:
             await self.state.stop()
         if self.usage is not None:
             await self.usage.stop()
+        if self.verdicts is not None:
+            await self.verdicts.stop()
         if self.upstream is not None:
             self.upstream.close()
         if self.redis is not None:
@@ -424,6 +431,8 @@ class Gateway:
 
     def _finish(self, record: RequestRecord) -> None:
         """Synchronous on purpose: nothing may interrupt it between the answer and the event."""
+        if record.ttft_watch is not None:
+            record.ttft_watch.close()
         event = record.event(time.perf_counter())
         self.usage.emit(event)
         label = record.deployment if record.deployment in self.state.snapshot.routes else ""
@@ -495,6 +504,9 @@ class Gateway:
                 changed = strip_usage = True
         if changed:
             body = json.dumps(payload).encode()
+        deadlines = self.state.snapshot.ttft_deadlines.get(route.deployment) if record.stream else None
+        if deadlines:
+            record.ttft_watch = self.verdicts.watch(route.deployment, deadlines, record.started)
         await self._proxy(scope["path"], route, key, body, payload, send, record, strip_usage)
 
     def _degrade(self, route: Route, payload: dict, record: RequestRecord) -> tuple[Route, bool]:
@@ -639,12 +651,19 @@ class Gateway:
         await send({"type": "http.response.start", "status": opened.status,
                     "headers": [(b"content-type", opened.content_type.encode()), (b"cache-control", b"no-cache"),
                                 *extra]})
+        watch = record.ttft_watch
         try:
             out = observer.feed(opened.first, time.perf_counter())
+            if watch is not None and observer.first_chunk_at is not None:
+                watch.first_token(observer.first_chunk_at)
+                watch = None
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
             async for chunk in opened.remaining():
                 out = observer.feed(chunk, time.perf_counter())
+                if watch is not None and observer.first_chunk_at is not None:
+                    watch.first_token(observer.first_chunk_at)
+                    watch = None
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
         except UpstreamFailure as failure:  # the replica broke the stream after it started: too late to retry

@@ -1,7 +1,8 @@
-"""The gateway's in-memory copy of what the control plane publishes: routing table and API keys.
+"""The gateway's in-memory copy of what the control plane publishes: routing table, degradation
+entries and API keys.
 
 Requests never wait on Redis for these: they read the last snapshot. A background task refreshes
-it when a pub/sub message says something changed, and polls both generation counters every
+it when a pub/sub message says something changed, and polls the generation counters every
 second as a fallback (a pub/sub message is lost while the subscriber reconnects), so a revoked
 key stops working within about a second on every instance. When Redis is unreachable the last
 snapshot stays in use for as long as it takes.
@@ -20,13 +21,16 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from runtime.gateway.contract import (
+    DEGRADATION_CHANNEL,
+    DEGRADATION_GENERATION_KEY,
+    DEGRADATION_KEY,
     KEYS_CHANNEL,
     KEYS_GENERATION_KEY,
     KEYS_KEY,
@@ -152,6 +156,7 @@ class Route:
     versions: tuple[Version, ...]
     backend: str = "builtin"
     degradation: Degradation | None = None
+    published_at: float = 0.0
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Route:
@@ -160,7 +165,35 @@ class Route:
                     tuple(Replica(int(r["id"]), r["url"].rstrip("/")) for r in v.get("replicas") or ()))
             for v in data.get("versions") or ())
         return cls(data["deployment"], data.get("task", "generate"), versions, data.get("backend", "builtin"),
-                   Degradation.from_json(data.get("degradation")))
+                   Degradation.from_json(data.get("degradation")), float(data.get("published_at") or 0))
+
+
+@dataclass(frozen=True)
+class DegradationEntry:
+    """A deployment's entry in DEGRADATION_KEY: the level in force (None: level 0) and the TTFT
+    deadlines its gateways count verdicts against."""
+
+    degradation: Degradation | None
+    ttft_deadlines_ms: tuple[float, ...]
+    published_at: float
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> DegradationEntry:
+        return cls(Degradation.from_json(data.get("degradation")),
+                   tuple(sorted({float(ms) for ms in data.get("ttft_deadlines_ms") or () if float(ms) > 0})),
+                   float(data.get("published_at") or 0))
+
+
+def with_degradation(routes: dict[str, Route], entries: dict[str, DegradationEntry]) -> dict[str, Route]:
+    """The routes with the level of whichever was published later, the routing entry or the
+    degradation entry (a level change arrives in the latter at once, in the former with the next
+    reconcile pass). A rollout's preview route has no entry: it is never degraded."""
+    merged = dict(routes)
+    for name, entry in entries.items():
+        route = routes.get(name)
+        if route is not None and entry.published_at > route.published_at and route.degradation != entry.degradation:
+            merged[name] = replace(route, degradation=entry.degradation)
+    return merged
 
 
 def _decode_hash(raw: dict[bytes, bytes], parse: Any) -> dict[str, Any]:
@@ -181,6 +214,7 @@ class Snapshot:
 
     routes: dict[str, Route] = field(default_factory=dict)
     keys: dict[str, ApiKey] = field(default_factory=dict)
+    ttft_deadlines: dict[str, tuple[float, ...]] = field(default_factory=dict)  # deployment -> deadlines (ms)
 
 
 class RedisHealth:
@@ -217,12 +251,14 @@ class RedisHealth:
 class StateSync:
     """Keeps `snapshot` in step with Redis: pub/sub for speed, a 1 s generation poll for safety."""
 
+    GENERATIONS = (ROUTING_GENERATION_KEY, KEYS_GENERATION_KEY, DEGRADATION_GENERATION_KEY)
+
     def __init__(self, client: aioredis.Redis, health: RedisHealth, poll_interval_s: float = 1.0) -> None:
         self.client = client
         self.health = health
         self.poll_interval_s = poll_interval_s
         self.snapshot = Snapshot()
-        self._generations: tuple[Any, Any] | None = None
+        self._generations: tuple[Any, ...] | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._found: dict[str, ApiKey] = {}  # looked up since the snapshot was taken
@@ -278,25 +314,30 @@ class StateSync:
                 await task
 
     async def refresh(self) -> bool:
-        """Reload both tables if either generation moved; False when Redis did not answer."""
+        """Reload the tables if any generation moved; False when Redis did not answer."""
         try:
             async with self.client.pipeline(transaction=False) as pipe:
-                pipe.get(ROUTING_GENERATION_KEY)
-                pipe.get(KEYS_GENERATION_KEY)
+                for name in self.GENERATIONS:
+                    pipe.get(name)
                 generations = tuple(await pipe.execute())
+            flushed = all(generation is None for generation in generations)
             # A flushed Redis has no generation at all, and the control plane then republishes
             # under a new one, so "different" (not "greater") is what counts.
-            if generations != self._generations or generations == (None, None):
+            if generations != self._generations or flushed:
                 async with self.client.pipeline(transaction=False) as pipe:
                     pipe.hgetall(ROUTING_KEY)
                     pipe.hgetall(KEYS_KEY)
-                    routes_raw, keys_raw = await pipe.execute()
-                if generations == (None, None) and not routes_raw and not keys_raw and self._generations:
+                    pipe.hgetall(DEGRADATION_KEY)
+                    routes_raw, keys_raw, degradation_raw = await pipe.execute()
+                if flushed and not routes_raw and not keys_raw and self._generations:
                     # Flushed Redis: keep the last copy until the control plane republishes.
                     self.health.mark_up()
                     return True
-                self.snapshot = Snapshot(_decode_hash(routes_raw, Route.from_json),
-                                         _decode_hash(keys_raw, ApiKey.from_json))
+                entries = _decode_hash(degradation_raw, DegradationEntry.from_json)
+                self.snapshot = Snapshot(
+                    with_degradation(_decode_hash(routes_raw, Route.from_json), entries),
+                    _decode_hash(keys_raw, ApiKey.from_json),
+                    {name: entry.ttft_deadlines_ms for name, entry in entries.items() if entry.ttft_deadlines_ms})
                 self._found, self._missing = {}, {}
                 self._generations = generations
         except (RedisError, OSError) as exc:
@@ -317,7 +358,7 @@ class StateSync:
         while True:
             pubsub = self.client.pubsub()
             try:
-                await pubsub.subscribe(ROUTING_CHANNEL, KEYS_CHANNEL)
+                await pubsub.subscribe(ROUTING_CHANNEL, KEYS_CHANNEL, DEGRADATION_CHANNEL)
                 async for message in pubsub.listen():
                     if message["type"] == "message":
                         self._wake.set()

@@ -25,14 +25,19 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from runtime.gateway.contract import (
+    DEGRADATION_CHANNEL,
+    DEGRADATION_GENERATION_KEY,
+    DEGRADATION_KEY,
     KEYS_CHANNEL,
     KEYS_GENERATION_KEY,
     KEYS_KEY,
     ROUTING_CHANNEL,
     ROUTING_GENERATION_KEY,
     ROUTING_KEY,
+    TTFT_VERDICTS_PREFIX,
     USAGE_STREAM,
     hash_api_key,
+    ttft_verdicts_key,
 )
 from runtime.gateway.server import Gateway, GatewaySettings
 from tests.conftest import free_port
@@ -172,9 +177,10 @@ class Control:
         self.redis = redis.Redis.from_url(url)
 
     def clean(self) -> None:
-        self.redis.delete(ROUTING_KEY, KEYS_KEY, USAGE_STREAM)
-        for name in self.redis.scan_iter("inferops:rl:*"):
-            self.redis.delete(name)
+        self.redis.delete(ROUTING_KEY, KEYS_KEY, USAGE_STREAM, DEGRADATION_KEY)
+        for pattern in ("inferops:rl:*", f"{TTFT_VERDICTS_PREFIX}:*"):
+            for name in self.redis.scan_iter(pattern):
+                self.redis.delete(name)
 
     def publish_route(self, deployment: str, versions: list[tuple[int, int, list[tuple[int, str]]]],
                       task: str = "generate", backend: str = "builtin", degradation: dict | None = None) -> None:
@@ -186,6 +192,24 @@ class Control:
         self.redis.hset(ROUTING_KEY, deployment, json.dumps(entry))
         self.redis.incr(ROUTING_GENERATION_KEY)
         self.redis.publish(ROUTING_CHANNEL, deployment)
+
+    def publish_degradation(self, deployment: str, degradation: dict | None,
+                            ttft_deadlines_ms: list[float] | None = None) -> None:
+        """As the degradation engine does the moment a level (or a watched deadline) changes."""
+        entry = {"degradation": degradation, "ttft_deadlines_ms": ttft_deadlines_ms or [], "published_at": time.time()}
+        self.redis.hset(DEGRADATION_KEY, deployment, json.dumps(entry))
+        self.redis.incr(DEGRADATION_GENERATION_KEY)
+        self.redis.publish(DEGRADATION_CHANNEL, deployment)
+
+    def ttft_verdicts(self, deployment: str) -> dict[str, int]:
+        """`<deadline>:<good|bad>` -> count, over the last few minutes' counters."""
+        minute = int(time.time()) // 60
+        counts: dict[str, int] = {}
+        for key in (ttft_verdicts_key(deployment, m) for m in range(minute - 2, minute + 1)):
+            for name, value in self.redis.hgetall(key).items():
+                deadline, _, verdict = name.decode().split(":")
+                counts[f"{deadline}:{verdict}"] = counts.get(f"{deadline}:{verdict}", 0) + int(value)
+        return counts
 
     def publish_key(self, tenant: str = "acme", deployments: list[str] | None = None, *,
                     key_limits: dict | None = None, tenant_limits: dict | None = None,

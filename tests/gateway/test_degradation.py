@@ -4,6 +4,8 @@ Fake replicas stand in for the engine (the proxy alone is under test); Redis is 
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 
@@ -103,6 +105,59 @@ def test_a_fallback_takes_the_chosen_priorities_and_a_share_of_the_rest(control,
     assert len(primary.bodies) >= 2
 
 
+
+def test_a_published_level_change_applies_at_once_and_a_later_routing_entry_wins_back(control, replicas,
+                                                                                     gateways):
+    (replica,) = replicas(1)
+    control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])], degradation=None)
+    low, _ = control.publish_key("batch", priority=1)
+    _, base_url = gateways()
+    assert _post(base_url, low, max_tokens=4).status_code == 200
+
+    # The engine's publish: the routing table still says level 0 (no reconcile pass yet).
+    control.publish_degradation("demo", _level(shed_below_priority=5))
+    wait_until(lambda: _post(base_url, low, max_tokens=4).status_code == 503, "level 1 at the gateway", PUBLISHED)
+    # The reconcile pass republishes the route later with the level in force: the same answer.
+    control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])], degradation=_level(shed_below_priority=5))
+    assert _post(base_url, low, max_tokens=4).status_code == 503
+    # Back to 0 by the engine's publish, before any reconcile pass.
+    control.publish_degradation("demo", None)
+    wait_until(lambda: _post(base_url, low, max_tokens=4).status_code == 200, "level 0 at the gateway", PUBLISHED)
+    # A publish lost while Redis was down is healed by the next routing entry: the later one counts.
+    control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])], degradation=_level(shed_below_priority=5))
+    wait_until(lambda: _post(base_url, low, max_tokens=4).status_code == 503, "the routing entry's level",
+               PUBLISHED)
+
+
+def test_streamed_requests_are_judged_at_the_first_token_or_when_the_deadline_passes(control, replicas, gateways):
+    (replica,) = replicas(1)
+    control.publish_route("demo", [(1, 100, [(replica.id, replica.url)])])
+    control.publish_degradation("demo", None, ttft_deadlines_ms=[200, 5000])
+    secret, _ = control.publish_key("acme")
+    _, base_url = gateways()
+    wait_until(lambda: _post(base_url, secret, max_tokens=4, stream=True).status_code == 200,
+               "the gateway to serve", PUBLISHED)
+    wait_until(lambda: control.ttft_verdicts("demo") == {"200:good": 1, "5000:good": 1},
+               lambda: f"a fast stream judged good against both deadlines ({control.ttft_verdicts('demo')})", 5)
+
+    # A slow first token: late for 200 ms while the request is still in flight, not yet judged for 5 s.
+    replica.behaviour.first_delay_s = 3
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(_post, base_url, secret, max_tokens=4, stream=True)
+        wait_until(lambda: control.ttft_verdicts("demo").get("200:bad") == 1,
+                   lambda: f"the 200 ms deadline counted as missed in flight ({control.ttft_verdicts('demo')})", 5)
+        assert not slow.done() and "5000:bad" not in control.ttft_verdicts("demo")
+        assert slow.result().status_code == 200
+    wait_until(lambda: control.ttft_verdicts("demo") == {"200:good": 1, "200:bad": 1, "5000:good": 2},
+               lambda: f"the slow stream judged good against 5 s ({control.ttft_verdicts('demo')})", 5)
+
+    # Not streamed (its TTFT is the replica's, known at the end), or no deadlines: nothing counted.
+    replica.behaviour.first_delay_s = 0
+    assert _post(base_url, secret, max_tokens=4).status_code == 200
+    control.publish_degradation("demo", None)
+    wait_until(lambda: _post(base_url, secret, max_tokens=4, stream=True).status_code == 200
+               and replica.completed == 5, "two more requests", PUBLISHED)
+    assert sum(control.ttft_verdicts("demo").values()) == 4
 
 
 def test_the_degradation_entry_parses_to_its_actions():
