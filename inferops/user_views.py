@@ -19,10 +19,10 @@ from django.contrib.auth.validators import UnicodeUsernameValidator
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
 from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
 
 from inferops.api import Conflict
 from inferops.audit import audit_record
+from inferops.console import console_action, tell_and_return
 from inferops.roles import ADMIN, ROLES, require_role, user_role
 
 User = get_user_model()
@@ -142,34 +142,20 @@ def user_list(request):
     return render_users(request, form=form, status=400)
 
 
-@login_required
-@require_POST
+@console_action(ADMIN, "Changing a role")
 def user_role_change(request, pk: int):
-    require_role(request, ADMIN, "Changing a role")
     user = get_object_or_404(User, pk=pk)
     form = RoleForm(request.POST)
     if not form.is_valid():
         messages.error(request, f"{request.POST.get('role', '')!r} is not a role: choose one of {', '.join(ROLES)}.")
         return redirect("users")
-    before = user_role(user)
-    try:
-        user_set_role(user=user, role=form.cleaned_data["role"], actor=request.user)
-    except Conflict as exc:
-        messages.error(request, str(exc.detail))
-    else:
-        messages.success(request, f"{user.username} is now {form.cleaned_data['role']} (was {before or 'no role'}).")
-    return redirect("users")
+    role, before = form.cleaned_data["role"], user_role(user)
+    return tell_and_return(request, lambda: user_set_role(user=user, role=role, actor=request.user),
+                           f"{user.username} is now {role} (was {before or 'no role'}).", "users")
 
 
-@login_required
-@require_POST
+@console_action(ADMIN, "Deactivating a user")
 def user_deactivate_view(request, pk: int):
-    require_role(request, ADMIN, "Deactivating a user")
     user = get_object_or_404(User, pk=pk)
-    try:
-        user_deactivate(user=user, actor=request.user)
-    except Conflict as exc:
-        messages.error(request, str(exc.detail))
-    else:
-        messages.success(request, f"{user.username} deactivated: they can no longer log in or use the API.")
-    return redirect("users")
+    return tell_and_return(request, lambda: user_deactivate(user=user, actor=request.user),
+                           f"{user.username} deactivated: they can no longer log in or use the API.", "users")

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 from django import forms
 from django.conf import settings
-from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.db.models import Count
-from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
+from django.shortcuts import get_object_or_404, render
 
 from alerts.inbound import alertmanager as inbound
 from alerts.models import Integration
 from inferops.api import Conflict
+from inferops.console import console_action, tell_and_return
 from inferops.roles import ADMIN, require_role
 from inferops.validators import slug_validator
 
@@ -61,15 +60,9 @@ def integration_list(request):
                   {"integrations": integrations, "form": form, "created": created}, status=status)
 
 
-@login_required
-@require_POST
+@console_action(ADMIN, "Deactivating an integration")
 def integration_deactivate(request, pk: int):
-    require_role(request, ADMIN, "Deactivating an integration")
     integration = get_object_or_404(Integration, pk=pk)
-    try:
-        inbound.integration_delete(integration=integration, actor=request.user)
-    except Conflict as exc:
-        messages.error(request, str(exc.detail))
-    else:
-        messages.success(request, f"Integration {integration.name} deactivated: its token no longer works.")
-    return redirect("alerts:integrations")
+    return tell_and_return(request, lambda: inbound.integration_delete(integration=integration, actor=request.user),
+                           f"Integration {integration.name} deactivated: its token no longer works.",
+                           "alerts:integrations")

@@ -19,7 +19,6 @@ from django.core.exceptions import ValidationError
 from django.core.validators import validate_email
 from django.db.models import Count
 from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
 
 from alerts import services
 from alerts.api import RECEIVER_BLANK, RECEIVER_FIELDS, ReceiverSerializer
@@ -27,6 +26,7 @@ from alerts.choices import IncidentPer, ReceiverKind
 from alerts.models import Receiver
 from alerts.receivers.kinds import PAGERDUTY_EVENTS_URL
 from inferops.api import Conflict
+from inferops.console import console_action, tell_and_return
 from inferops.panels import safe_next
 from inferops.roles import ADMIN, require_role
 
@@ -157,15 +157,8 @@ def receiver_edit(request, pk: int | None = None):
     return render(request, "alerts/receiver_form.html", {**context, "form": form})
 
 
-@login_required
-@require_POST
+@console_action(ADMIN, "Deleting a receiver")
 def receiver_remove(request, pk: int):
-    require_role(request, ADMIN, "Deleting a receiver")
     receiver = get_object_or_404(Receiver, pk=pk)
-    try:
-        services.receiver_delete(receiver=receiver, actor=request.user)
-    except Conflict as exc:
-        messages.error(request, str(exc.detail))
-    else:
-        messages.success(request, f"Receiver {receiver.name} deleted.")
-    return redirect("alerts:receivers")
+    return tell_and_return(request, lambda: services.receiver_delete(receiver=receiver, actor=request.user),
+                           f"Receiver {receiver.name} deleted.", "alerts:receivers")

@@ -19,7 +19,6 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.db.models import Count
 from django.shortcuts import get_object_or_404, redirect, render
-from django.views.decorators.http import require_POST
 
 from alerts.choices import OPEN_STATUSES
 from alerts.matchers import parse_lines
@@ -28,7 +27,8 @@ from alerts.routing import services as route_services
 from alerts.routing.api import EscalationPolicySerializer, RouteSerializer
 from alerts.routing.dispatch import GROUP_BY_ALL, Tree
 from inferops.api import Conflict
-from inferops.roles import require_operator
+from inferops.console import console_action, tell_and_return
+from inferops.roles import OPERATOR, require_operator
 
 STEP_ROWS = 6
 TIMING_FIELDS = ("group_wait_s", "group_interval_s", "repeat_interval_s")
@@ -248,18 +248,11 @@ def route_edit(request, pk: int | None = None):
                   {"form": RouteForm(initial=initial, route=route, tree=tree), "route": route})
 
 
-@login_required
-@require_POST
+@console_action(OPERATOR, "Deleting a route")
 def route_remove(request, pk: int):
-    require_operator(request, "Deleting a route")
     route = get_object_or_404(Route, pk=pk)
-    try:
-        route_services.route_delete(route=route, actor=request.user)
-    except Conflict as exc:
-        messages.error(request, str(exc.detail))
-    else:
-        messages.success(request, f"Route {pk} deleted, with the routes under it.")
-    return redirect("alerts:routes")
+    return tell_and_return(request, lambda: route_services.route_delete(route=route, actor=request.user),
+                           f"Route {pk} deleted, with the routes under it.", "alerts:routes")
 
 
 # ---------------------------------------------------------------------------- escalation policies
@@ -391,16 +384,9 @@ def policy_edit(request, name: str | None = None):
     return render(request, "alerts/policy_form.html", {"form": form, "steps": steps, "policy": policy})
 
 
-@login_required
-@require_POST
+@console_action(OPERATOR, "Deleting an escalation policy")
 def policy_remove(request, name: str):
-    require_operator(request, "Deleting an escalation policy")
     policy = get_object_or_404(EscalationPolicy, name=name)
-    try:
-        route_services.policy_delete(policy=policy, actor=request.user)
-    except Conflict as exc:
-        messages.error(request, str(exc.detail))
-    else:
-        messages.success(request, f"Escalation policy {name} deleted.")
-    return redirect("alerts:policies")
+    return tell_and_return(request, lambda: route_services.policy_delete(policy=policy, actor=request.user),
+                           f"Escalation policy {name} deleted.", "alerts:policies")
 

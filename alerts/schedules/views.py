@@ -16,13 +16,13 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
-from django.views.decorators.http import require_POST
 
 from alerts.choices import Rotation
 from alerts.models import Schedule, ScheduleOverride
 from alerts.schedules import services as schedules
 from inferops.api import Conflict
-from inferops.roles import require_operator
+from inferops.console import console_action, tell_outcome
+from inferops.roles import OPERATOR, require_operator
 
 TIMELINE_DAYS = 14
 LOCAL_INPUT = forms.DateTimeInput(attrs={"type": "datetime-local"}, format="%Y-%m-%dT%H:%M")
@@ -161,24 +161,17 @@ def schedule_edit(request, name: str | None = None):
                                                          "schedule": schedule, "usernames": usernames()})
 
 
-@login_required
-@require_POST
+@console_action(OPERATOR, "Deleting a schedule")
 def schedule_remove(request, name: str):
-    require_operator(request, "Deleting a schedule")
     schedule = get_object_or_404(Schedule, name=name)
-    try:
-        schedules.schedule_delete(schedule=schedule, actor=request.user)
-    except Conflict as error:
-        messages.error(request, str(error.detail))
-        return redirect("alerts:schedule-detail", name=name)
-    messages.success(request, f"Schedule {name} deleted.")
-    return redirect("alerts:schedule-list")
+    if tell_outcome(request, lambda: schedules.schedule_delete(schedule=schedule, actor=request.user),
+                    f"Schedule {name} deleted."):
+        return redirect("alerts:schedule-list")
+    return redirect("alerts:schedule-detail", name=name)
 
 
-@login_required
-@require_POST
+@console_action(OPERATOR, "Adding an override")
 def override_add(request, name: str):
-    require_operator(request, "Adding an override")
     schedule = get_object_or_404(Schedule, name=name)
     form = OverrideForm(request.POST)
     if form.is_valid():
@@ -200,10 +193,8 @@ def override_add(request, name: str):
     return schedule_detail(request, name, override_form=form, status=400)
 
 
-@login_required
-@require_POST
+@console_action(OPERATOR, "Removing an override")
 def override_remove(request, name: str, pk: int):
-    require_operator(request, "Removing an override")
     override = get_object_or_404(ScheduleOverride, pk=pk, schedule__name=name)
     schedules.override_delete(override=override, actor=request.user)
     messages.success(request, f"Override of {override.user.username} removed.")

@@ -17,7 +17,6 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
-from django.views.decorators.http import require_POST
 
 from alerts.choices import OPEN_STATUSES
 from alerts.inbound import alertmanager as inbound
@@ -25,7 +24,8 @@ from alerts.matchers import OPERATORS, parse_lines
 from alerts.models import Alert, Silence
 from alerts.silences.api import STATES, SilenceCreateSerializer, silences_in_state
 from inferops.api import Conflict
-from inferops.roles import require_operator
+from inferops.console import console_action, tell_and_return
+from inferops.roles import OPERATOR, require_operator
 from inferops.timeparse import DURATION_HINT, parse_duration, parse_time
 
 EXPIRED_SHOWN = 50
@@ -173,15 +173,9 @@ def silence_edit(request, pk: int):
     return render(request, "alerts/silences_new.html", {**context, "form": SilenceForm(initial=initial)})
 
 
-@login_required
-@require_POST
+@console_action(OPERATOR, "Expiring a silence")
 def silence_expire(request, pk: int):
-    require_operator(request, "Expiring a silence")
     silence = get_object_or_404(Silence, pk=pk)
-    try:
-        inbound.silence_expire(silence=silence, actor=request.user)
-    except Conflict as exc:
-        messages.error(request, str(exc.detail))
-    else:
-        messages.success(request, f"Silence {pk} expired: the alerts it muted notify at the next sweep.")
-    return redirect("alerts:silence-list")
+    return tell_and_return(request, lambda: inbound.silence_expire(silence=silence, actor=request.user),
+                           f"Silence {pk} expired: the alerts it muted notify at the next sweep.",
+                           "alerts:silence-list")
