@@ -7,12 +7,11 @@ carries the token (README: "Alerts from your Alertmanager, silences").
 
 from __future__ import annotations
 
-from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.plumbing import build_bearer_security_scheme_object
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import authentication, exceptions, generics, permissions, serializers, status
+from rest_framework import authentication, exceptions, mixins, permissions, serializers, status, viewsets
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -49,7 +48,7 @@ class IntegrationCreatedSerializer(serializers.ModelSerializer):
 
 
 @extend_schema(tags=["alerts"])
-class IntegrationListCreate(generics.ListAPIView):
+class IntegrationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     serializer_class = IntegrationSerializer
     queryset = Integration.objects.all()
     read_role = ADMIN
@@ -58,28 +57,22 @@ class IntegrationListCreate(generics.ListAPIView):
     @extend_schema(request=IntegrationCreateSerializer, responses={201: IntegrationCreatedSerializer, **ERRORS,
                                                                    **CONFLICT},
                    summary="Create an integration; its bearer token is in this answer only")
-    def post(self, request):
+    def create(self, request):
         serializer = IntegrationCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         integration, token = inbound.integration_create(name=serializer.validated_data["name"], actor=request.user)
         integration.token = token
         return Response(IntegrationCreatedSerializer(integration).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["alerts"])
-class IntegrationDetail(APIView):
-    read_role = ADMIN
-    write_role = ADMIN
-
     @extend_schema(responses={200: IntegrationSerializer, **ERRORS})
-    def get(self, request, pk: int):
-        return Response(IntegrationSerializer(get_object_or_404(Integration, pk=pk)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(responses={204: None, **ERRORS, 409: OpenApiResponse(ErrorSerializer,
                                                                         description="Already deactivated.")},
                    summary="Deactivate: the token stops working; its alerts keep their source")
-    def delete(self, request, pk: int):
-        inbound.integration_delete(integration=get_object_or_404(Integration, pk=pk), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        inbound.integration_delete(integration=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

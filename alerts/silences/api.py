@@ -8,13 +8,11 @@ would silence every alert), a start in the past becomes now, and ids are strings
 
 from __future__ import annotations
 
-from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
-from rest_framework import serializers, status
+from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from alerts.inbound import alertmanager as inbound
 from alerts.matchers import OPERATORS, matcher_problem
@@ -146,12 +144,17 @@ def silences_in_state(state: str, now):
 
 
 @extend_schema(tags=["silences"])
-class SilenceListCreate(APIView):
+class SilenceViewSet(mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    # The list is one bare page, as Alertmanager's; a silence is expired, never deleted.
+    serializer_class = SilenceSerializer
+    queryset = Silence.objects.all()
+    pagination_class = None
+
     @extend_schema(parameters=[OpenApiParameter("state", OpenApiTypes.STR, enum=list(STATES))],
                    responses={200: SilenceSerializer(many=True), **ERRORS},
                    summary="Silences: active (ending soonest first), then pending, then expired",
                    description="A bare list, as Alertmanager's GET /api/v2/silences answers.")
-    def get(self, request):
+    def list(self, request):
         state = request.query_params.get("state", "")
         if state and state not in STATES:
             raise serializers.ValidationError({"state": [f"{state!r}: use one of {', '.join(STATES)}."]})
@@ -166,7 +169,7 @@ class SilenceListCreate(APIView):
                            "and shown but notify no one",
                    description="An update with the same matchers changes the silence in place; new matchers "
                                "expire it and create a new one, whose id the answer gives (Alertmanager's rule).")
-    def post(self, request):
+    def create(self, request):
         serializer = SilenceCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         fields = dict(serializer.validated_data)
@@ -176,16 +179,13 @@ class SilenceListCreate(APIView):
         silence = inbound.silence_create(**fields, actor=request.user)
         return Response(SilenceCreatedSerializer(silence).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["silences"])
-class SilenceDetail(APIView):
     @extend_schema(responses={200: SilenceSerializer, **ERRORS})
-    def get(self, request, pk: int):
-        return Response(SilenceSerializer(get_object_or_404(Silence, pk=pk)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(responses={200: SilenceSerializer, **ERRORS,
                               409: OpenApiResponse(ErrorSerializer, description="Already expired.")},
                    summary="Expire the silence now (it stays, as history)")
-    def delete(self, request, pk: int):
-        silence = inbound.silence_expire(silence=get_object_or_404(Silence, pk=pk), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        silence = inbound.silence_expire(silence=self.get_object(), actor=request.user)
         return Response(SilenceSerializer(silence).data)
