@@ -1,8 +1,12 @@
 """The policy engine: after each SLO evaluation cycle, move every deployment's degradation level.
 
-Per deployment with a policy: the burn rate of each watched SLO over the policy's window (the
-same exact per-request SLIs as the SLO's own burn rates: a difference of two running totals),
-the worst of them against the levels' thresholds, and at most one level's move per cycle:
+Per deployment with a policy: the burn rate of each watched SLO over the policy's window, as the
+evaluation cycle just computed it (the same exact per-request SLIs as the SLO's own burn rates)
+and handed over by slo.signals; for a TTFT SLO the worse of that and the early burn, from the
+gateways' verdicts at each request's first token or TTFT deadline over the last twelfth of the
+window (at least EARLY_WINDOW_MIN_S), which sees an overload while its requests are still in
+flight. The worst of them goes against the levels' thresholds, with at most one level's move per
+cycle:
 - up one level when the worst burn reaches the next level's entry rate;
 - down one level when it falls below the current level's exit rate (exit <= entry: hysteresis);
 - never before the current level's hold time has passed, either way; a level re-entered soon
@@ -18,22 +22,34 @@ from where the level is.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import transaction
-from django.db.models import Q
+from redis.exceptions import RedisError
 
+from degradation import gateway
 from degradation.models import DegradationPolicy, DegradationState, LevelChange
-from degradation.services import level_move, locked_state, override_active, override_reset
+from degradation.services import (
+    covering_slos,  # noqa: F401 - the console and the API import it from here
+    gateway_document,
+    level_move,
+    locked_state,
+    override_active,
+    override_reset,
+    watched_slos,
+)
+from deployments.models import Deployment
 from slo.budget import MINUTE, Counts, burn_rate, floor_minute
-from slo.choices import Scope
-from slo.evaluation import running_totals_at
+from slo.choices import Budgeting
+from slo.evaluation import Evaluation, running_totals_at
 from slo.models import Slo
 
 log = logging.getLogger(__name__)
 
 MAX_HOLD_S = 3600
+EARLY_WINDOW_MIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -75,21 +91,51 @@ def levels_of(policy: DegradationPolicy) -> list[Level]:
             for spec in policy.levels]
 
 
-def watched_slos(policy: DegradationPolicy) -> list[Slo]:
-    chosen = list(policy.slos.all())
-    if chosen:
-        return chosen
-    return list(covering_slos(policy.deployment))
+def early_window_s(policy: DegradationPolicy) -> float:
+    # As a multiwindow burn-rate alert pairs its window with one a twelfth as long (1h with 5m).
+    return max(EARLY_WINDOW_MIN_S, policy.window_minutes * 60 / 12)
 
 
-def covering_slos(deployment):
-    """The SLOs a policy may watch: the deployment's own and its model's."""
-    return Slo.objects.filter(Q(deployment=deployment) | Q(scope=Scope.MODEL, model_id=deployment.model_id))
+def _policies() -> list[DegradationPolicy]:
+    return list(DegradationPolicy.objects.select_related("deployment", "deployment__model").prefetch_related("slos"))
 
 
-def window_burn_rates(slos: list[Slo], minutes: int, now: datetime) -> dict[int, tuple[float, int]]:
-    """SLO id -> (burn rate, requests) over the `minutes` ending with the current one."""
-    return burn_rate_series(slos, minutes, [now])[0]
+def policy_windows(slos: list[Slo]) -> dict[int, set[int]]:
+    """slo.signals.burn_windows: each watched SLO's policy windows, for the cycle to compute."""
+    ids = {slo.pk for slo in slos}
+    wanted: dict[int, set[int]] = defaultdict(set)
+    for policy in _policies():
+        for slo in watched_slos(policy):
+            if slo.pk in ids:
+                wanted[slo.pk].add(policy.window_minutes)
+    return wanted
+
+
+def measured_burns(policy: DegradationPolicy, slos: list[Slo], evaluations: dict[int, Evaluation],
+                   now: datetime) -> dict[str, float]:
+    """SLO name -> burn, for the watched SLOs with at least min_requests behind the burn: over the
+    window from the cycle's evaluation, and for a TTFT SLO also early, from the gateways."""
+    burns: dict[str, float] = {}
+    for slo in slos:
+        evaluation = evaluations.get(slo.pk)
+        burn, requests = evaluation.window_burns.get(policy.window_minutes, (0.0, 0)) if evaluation else (0.0, 0)
+        if requests >= slo.min_requests:
+            burns[slo.name] = burn
+    deadlines = gateway.ttft_deadlines(slos)
+    if not deadlines:
+        return burns
+    try:
+        early = gateway.early_counts(policy.deployment.name, deadlines,
+                                     gateway.EarlyWindow(now.timestamp(), early_window_s(policy)))
+    except RedisError as exc:
+        log.warning("degradation: no early TTFT verdicts for %s: %s", policy.deployment.name, exc)
+        return burns
+    for slo in slos:
+        counts = early.get(slo.ttft_ms) if gateway.early_judged(slo) else None
+        if counts is not None and counts.total >= slo.min_requests:
+            early_burn = burn_rate(counts, slo.objective, Budgeting.OCCURRENCES, 0)
+            burns[slo.name] = max(burns.get(slo.name, 0.0), early_burn)
+    return burns
 
 
 def burn_rate_series(slos: list[Slo], minutes: int, moments: list[datetime]) -> list[dict[int, tuple[float, int]]]:
@@ -107,16 +153,16 @@ def burn_rate_series(slos: list[Slo], minutes: int, moments: list[datetime]) -> 
     return series
 
 
-def run_cycle(now: datetime) -> list[tuple[str, int, int]]:
-    """One engine pass over every policy; returns the (deployment, from, to) moves made."""
-    policies = list(DegradationPolicy.objects.select_related("deployment", "deployment__model")
-                    .prefetch_related("slos"))
+def run_cycle(now: datetime, evaluations: dict[int, Evaluation]) -> list[tuple[str, int, int]]:
+    """One engine pass over every policy, on the cycle's evaluations; returns the (deployment, from,
+    to) moves made."""
+    policies = _policies()
     watched = {policy.pk: watched_slos(policy) for policy in policies}
+    published = _published()
     moves = []
     for policy in policies:
         slos = watched[policy.pk]
-        rates = window_burn_rates(slos, policy.window_minutes, now) if slos else {}
-        counted = {slo.name: round(rates[slo.pk][0], 4) for slo in slos if rates[slo.pk][1] >= slo.min_requests}
+        counted = {name: round(burn, 4) for name, burn in measured_burns(policy, slos, evaluations, now).items()}
         with transaction.atomic():
             state = locked_state(policy.deployment)
             state.burn_rates, state.evaluated_at = counted, now
@@ -130,7 +176,28 @@ def run_cycle(now: datetime) -> list[tuple[str, int, int]]:
                 level_move(state=state, policy=policy, to_level=target, reason=reason, now=now)
             else:
                 state.save(update_fields=["burn_rates", "evaluated_at", "measured_at"])
+                _heal(policy, published)
     return moves
+
+
+def _published() -> dict[str, dict] | None:
+    try:
+        return gateway.published()
+    except RedisError as exc:
+        log.warning("degradation: published entries unreadable: %s", exc)
+        return None
+
+
+def _heal(policy: DegradationPolicy, published: dict[str, dict] | None) -> None:
+    """Publish the entry again where the gateways' copy differs from the database's (a publish lost
+    while Redis was down, a watched SLO's new threshold). Under the state row's lock, so no level
+    move commits in between."""
+    if published is None:
+        return
+    actions = Deployment.objects.filter(pk=policy.deployment_id).values_list("degradation", flat=True).first()
+    document = gateway_document(policy, actions)
+    if published.get(policy.deployment.name) != document:
+        gateway.publish_on_commit(policy.deployment.name, document)
 
 
 def _target(policy: DegradationPolicy, state: DegradationState, counted: dict[str, float],
@@ -165,7 +232,7 @@ def _count_relapse(policy: DegradationPolicy, state: DegradationState, target: i
     return ""
 
 
-def on_cycle_evaluated(sender, now: datetime, **kwargs) -> None:
-    moves = run_cycle(now)
+def on_cycle_evaluated(sender, now: datetime, evaluations: dict[int, Evaluation], **kwargs) -> None:
+    moves = run_cycle(now, evaluations)
     if moves:
         log.info("degradation: %s", ", ".join(f"{name} {a}->{b}" for name, a, b in moves))

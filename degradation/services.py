@@ -1,8 +1,9 @@
 """Writes of the degradation app: the policy, level moves (by the engine or an operator), overrides.
 
 Every level move is one transaction on the locked state row: a LevelChange row, the actions of
-the new level put in force on the deployment (published by its next reconcile pass), an audit
-event, and the ticket alert opened, updated or resolved.
+the new level put in force on the deployment (published to the gateways as the transaction
+commits, and in the routing table by the next reconcile pass), an audit event, and the ticket
+alert opened, updated or resolved.
 """
 
 from __future__ import annotations
@@ -12,15 +13,19 @@ from datetime import datetime
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from alerts.choices import Severity
 from alerts.services import alert_raise, alerts_resolve_open
+from degradation import gateway
 from degradation.models import DegradationPolicy, DegradationState, LevelChange
 from deployments.models import Deployment
 from deployments.services import deployment_set_degradation
 from inferops.api import Conflict
 from inferops.audit import audit_record
+from slo.choices import Scope
+from slo.models import Slo
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,25 @@ def level_actions(policy: DegradationPolicy, level: int) -> dict | None:
     actions = spec.get("actions") or {}
     return {"level": level, "name": spec["name"], **{name: actions.get(name) for name in ACTION_NAMES},
             "retry_after_s": retry_after_s(policy)}
+
+
+def watched_slos(policy: DegradationPolicy) -> list[Slo]:
+    chosen = list(policy.slos.all())
+    if chosen:
+        return chosen
+    return list(covering_slos(policy.deployment))
+
+
+def covering_slos(deployment):
+    """The SLOs a policy may watch: the deployment's own and its model's."""
+    return Slo.objects.filter(Q(deployment=deployment) | Q(scope=Scope.MODEL, model_id=deployment.model_id))
+
+
+def gateway_document(policy: DegradationPolicy | None, actions: dict | None) -> dict:
+    """What the gateways get: the actions in force and, while the policy is on, the TTFT deadlines
+    of the SLOs it watches (they count early verdicts against them)."""
+    deadlines = gateway.ttft_deadlines(watched_slos(policy)) if policy is not None and policy.enabled else []
+    return gateway.entry(actions, deadlines)
 
 
 def locked_state(deployment: Deployment) -> DegradationState:
@@ -68,6 +92,7 @@ def level_move(*, state: DegradationState, policy: DegradationPolicy | None, to_
     state.save(update_fields=["level", "since", "burn_rates", "evaluated_at", "measured_at", "relapses"])
     actions = level_actions(policy, to_level) if policy is not None else None
     deployment_set_degradation(deployment=deployment, actions=actions)
+    gateway.publish_on_commit(deployment.name, gateway_document(policy, actions))
     audit_record(actor=actor, action="degradation.level", obj=deployment,
                  before={"level": from_level, "name": level_name(policy, from_level)},
                  after={"level": to_level, "name": level_name(policy, to_level), "reason": reason,
@@ -117,6 +142,8 @@ def policy_save(*, deployment: Deployment, actor, enabled: bool, window_minutes:
         elif state.level:
             # Same level, maybe new actions: put them in force now.
             deployment_set_degradation(deployment=deployment, actions=level_actions(policy, state.level))
+        # New deadlines (the watched SLOs), maybe new actions: to the gateways now.
+        gateway.publish_on_commit(deployment.name, gateway_document(policy, level_actions(policy, state.level)))
     return policy
 
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.db import connection, transaction
-from django.dispatch import Signal
 from django.utils import timezone
 
 from inferops.locks import LockId, try_advisory_lock
+from slo import signals
 from slo.budget import (
     BURN_WINDOWS,
     MINUTE,
@@ -63,10 +63,6 @@ from slo.sli import (
 
 log = logging.getLogger(__name__)
 
-# Sent at the end of each full cycle, still under its lock, with `now`: the minute rows are then
-# current, so listeners (the degradation engine) read burn rates over any window of them.
-cycle_evaluated = Signal()
-
 OVERLAP = timedelta(minutes=2)
 BACKFILL_LIMIT = timedelta(days=35)
 
@@ -83,9 +79,11 @@ class CycleReport:
     skipped: bool = False
     seconds: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
+    # slo id -> what the cycle found; for the apps told of the cycle (slo.signals), not the report
+    evaluations: dict[int, Evaluation] = field(default_factory=dict, repr=False)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {name: value for name, value in self.__dict__.items() if name != "evaluations"}
 
 
 # ---------------------------------------------------------------------------- minute rows
@@ -330,6 +328,8 @@ class Evaluation:
     verdicts: tuple[RuleVerdict, ...]
     time_to_exhaustion_s: float | None
     min_events: int = 0
+    # minutes -> (burn rate, requests) over the windows a listener asked for (slo.signals.burn_windows)
+    window_burns: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     @property
     def insufficient_traffic(self) -> bool:
@@ -347,7 +347,7 @@ class Evaluation:
 class WindowReader:
     """Plans the probes an SLO needs at a moment, then turns the running totals into an Evaluation."""
 
-    def __init__(self, slo: Slo, at: datetime):
+    def __init__(self, slo: Slo, at: datetime, extra_windows: set[int] | frozenset[int] = frozenset()):
         self.slo = slo
         self.at = at
         self.span = window_span(slo.window, at, slo.time_zone)
@@ -356,7 +356,8 @@ class WindowReader:
         lengths = set(BURN_WINDOWS.values())
         for rule in self.rules:
             lengths.update((rule.long_minutes, rule.short_minutes))
-        self.lengths = sorted(lengths)
+        self.extra_windows = sorted(extra_windows)
+        self.lengths = sorted(lengths | set(extra_windows))
 
     def probes(self) -> list[tuple[int, datetime]]:
         minutes = {self.current, self.span.start - MINUTE}
@@ -392,12 +393,14 @@ class WindowReader:
             verdicts=verdicts,
             time_to_exhaustion_s=time_to_exhaustion_s(budget.budget_remaining, burn_rates["1h"], self.span.period),
             min_events=slo.min_requests,
+            window_burns={minutes: (burn(minutes), over(minutes).total) for minutes in self.extra_windows},
         )
 
 
-def evaluate_at(moments: list[tuple[Slo, datetime]]) -> list[Evaluation]:
-    """Evaluate each SLO at its moment from the stored minute rows (also past moments, for charts)."""
-    readers = [WindowReader(slo, at) for slo, at in moments]
+def evaluate_at(moments: list[tuple[Slo, datetime]], windows: dict[int, set[int]] | None = None) -> list[Evaluation]:
+    """Evaluate each SLO at its moment from the stored minute rows (also past moments, for charts);
+    `windows`: extra burn windows (minutes) per SLO id."""
+    readers = [WindowReader(slo, at, (windows or {}).get(slo.pk, frozenset())) for slo, at in moments]
     totals = running_totals_at([probe for reader in readers for probe in reader.probes()])
     return [reader.evaluate(totals) for reader in readers]
 
@@ -472,7 +475,8 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
             report.phases["ingest_s"] = clock.perf_counter() - phase
 
             phase = clock.perf_counter()
-            evaluations = evaluate_at([(slo, now) for slo in slos])
+            evaluations = evaluate_at([(slo, now) for slo in slos], signals.wanted_windows(slos))
+            report.evaluations = {slo.pk: ev for slo, ev in zip(slos, evaluations, strict=True)}
             report.phases["windows_s"] = clock.perf_counter() - phase
 
             phase = clock.perf_counter()
@@ -486,12 +490,6 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
             ]
             _save_statuses(states, now)
             report.phases["alerts_status_s"] = clock.perf_counter() - phase
-            if slo_ids is None:
-                phase = clock.perf_counter()
-                for receiver, outcome in cycle_evaluated.send_robust(sender=evaluate_slos, now=now):
-                    if isinstance(outcome, Exception):
-                        log.error("evaluate-slos: %s failed", receiver, exc_info=outcome)
-                report.phases["listeners_s"] = clock.perf_counter() - phase
         finally:
             with connection.cursor() as cursor:
                 cursor.execute("RESET jit")

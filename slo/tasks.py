@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
-from celery import shared_task
+import logging
+import time as clock
+from datetime import datetime
 
-from slo.evaluation import evaluate_slos
+from celery import shared_task
+from django.utils import timezone
+
+from slo import signals
+from slo.evaluation import CycleReport, evaluate_slos
+
+log = logging.getLogger(__name__)
+
+
+def evaluation_cycle(*, now: datetime | None = None) -> CycleReport:
+    """One evaluation cycle for all SLOs, then slo.signals.cycle_evaluated with what it found, so the
+    apps above slo (the degradation engine) act on the burn rates it just computed."""
+    now = now or timezone.now()
+    report = evaluate_slos(now=now)
+    if report.skipped:
+        return report
+    started = clock.perf_counter()
+    for receiver, outcome in signals.cycle_evaluated.send_robust(sender=evaluation_cycle, now=now,
+                                                                 evaluations=report.evaluations):
+        if isinstance(outcome, Exception):
+            log.error("evaluate-slos: %s failed", receiver, exc_info=outcome)
+    report.phases["listeners_s"] = clock.perf_counter() - started
+    return report
 
 
 @shared_task(name="slo.evaluate_slos", ignore_result=True)
 def evaluate_slos_task() -> dict:
     """Beat (every minute): one evaluation cycle for all SLOs, under an advisory lock so two
     overlapping runs never interleave (the second returns at once, marked skipped)."""
-    return evaluate_slos().as_dict()
+    return evaluation_cycle().as_dict()
 
 
 @shared_task(name="slo.evaluate_slo", ignore_result=True)

@@ -12,8 +12,8 @@ from playwright.sync_api import expect
 from alerts.models import Alert
 from degradation import services as degradation_services
 from degradation.models import DegradationState
-from slo.evaluation import evaluate_slos
 from slo.services import slo_create
+from slo.tasks import evaluation_cycle
 from tests.browser.conftest import log_in
 from tests.degradation.conftest import LEVELS
 from tests.slo.conftest import event, insert_events, make_deployment
@@ -35,7 +35,7 @@ def burning_alert(settings):
                                      slos=[slo], levels=LEVELS)
     now = timezone.now()
     insert_events([event(now, ttft_ms=100.0) for _ in range(20)] + [event(now, ttft_ms=400.0) for _ in range(20)])
-    evaluate_slos(now=now)
+    evaluation_cycle(now=now)
     return Alert.objects.get(slo=slo, severity="page")
 
 

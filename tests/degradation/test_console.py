@@ -14,8 +14,8 @@ from django.utils import timezone
 from degradation import services
 from degradation.models import DegradationPolicy, DegradationState, LevelChange
 from degradation.views import error_lines
-from slo.evaluation import evaluate_slos
 from slo.services import slo_create
+from slo.tasks import evaluation_cycle
 from tests.degradation.conftest import LEVELS
 
 pytestmark = pytest.mark.django_db
@@ -218,7 +218,7 @@ def test_the_chart_has_the_level_steps_and_the_burn_behind_them(browser_as, depl
     # Half the requests miss the TTFT threshold: burn 0.5 / 0.01 = 50, and the engine enters level 1.
     add_events(now, good=20, ttft_ms=100.0)
     add_events(now, good=20, ttft_ms=400.0)
-    evaluate_slos(now=now)
+    evaluation_cycle(now=now)
     assert DegradationState.objects.get(deployment=deployment).level == 1
     response = browser_as("viewer").get(PAGE)
     chart = chart_of(response)

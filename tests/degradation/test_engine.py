@@ -14,8 +14,8 @@ from degradation.engine import Level, decide
 from degradation.models import DegradationState, LevelChange
 from inferops.models import AuditEvent
 from slo.budget import MINUTE
-from slo.evaluation import evaluate_slos
 from slo.services import slo_create
+from slo.tasks import evaluation_cycle
 from tests.degradation.conftest import LEVELS
 from tests.slo.conftest import NOW
 
@@ -67,7 +67,7 @@ def test_a_burning_slo_raises_the_level_step_by_step_and_recovery_brings_it_back
     # Half the requests miss the TTFT threshold: burn (0.5 / 0.01) = 50 over the 5 minute window.
     add_events(NOW, good=20, ttft_ms=100.0)
     add_events(NOW, good=20, ttft_ms=400.0)
-    evaluate_slos(now=NOW)
+    evaluation_cycle(now=NOW)
     state = DegradationState.objects.get(deployment=deployment)
     assert state.level == 1 and state.burn_rates == {"chat-ttft": pytest.approx(50.0)}
     deployment.refresh_from_db()
@@ -78,9 +78,9 @@ def test_a_burning_slo_raises_the_level_step_by_step_and_recovery_brings_it_back
     assert alert.status == "firing" and alert.severity == "ticket"
     assert "level 1 (shed-batch)" in alert.annotations["summary"]
 
-    evaluate_slos(now=NOW + timedelta(seconds=30))
+    evaluation_cycle(now=NOW + timedelta(seconds=30))
     assert level_of(deployment) == 1  # held for 60 s
-    evaluate_slos(now=NOW + timedelta(seconds=61))
+    evaluation_cycle(now=NOW + timedelta(seconds=61))
     assert level_of(deployment) == 2
     deployment.refresh_from_db()
     assert deployment.degradation["max_tokens_cap"] == 64 and deployment.degradation["freeze_rollouts"] is True
@@ -88,9 +88,9 @@ def test_a_burning_slo_raises_the_level_step_by_step_and_recovery_brings_it_back
     # The bad minute leaves the 5 minute window; only good requests since.
     later = NOW + 6 * MINUTE
     add_events(later, good=30, ttft_ms=90.0)
-    evaluate_slos(now=later)
+    evaluation_cycle(now=later)
     assert level_of(deployment) == 1
-    evaluate_slos(now=later + timedelta(seconds=61))
+    evaluation_cycle(now=later + timedelta(seconds=61))
     assert level_of(deployment) == 0
     deployment.refresh_from_db()
     assert deployment.degradation is None
@@ -107,7 +107,7 @@ def test_a_burning_slo_raises_the_level_step_by_step_and_recovery_brings_it_back
 def test_an_slo_below_its_min_requests_does_not_count(setup, add_events):
     deployment, _ = setup
     add_events(NOW, good=9, ttft_ms=900.0)  # all bad, but 9 < min_requests (10)
-    evaluate_slos(now=NOW)
+    evaluation_cycle(now=NOW)
     state = DegradationState.objects.get(deployment=deployment)
     assert state.level == 0 and state.burn_rates == {}
 
@@ -119,7 +119,7 @@ def test_only_the_chosen_slos_are_watched(setup, add_events, deployment):
     services.policy_save(deployment=deployment, actor=None, enabled=True, window_minutes=5, hold_s=60,
                          slos=[availability], levels=LEVELS)
     add_events(NOW, good=40, ttft_ms=900.0)  # every TTFT bad, every request succeeded
-    evaluate_slos(now=NOW)
+    evaluation_cycle(now=NOW)
     state = DegradationState.objects.get(deployment=deployment)
     assert state.level == 0 and state.burn_rates == {"chat-availability": 0.0}
 
@@ -130,11 +130,11 @@ def test_an_override_holds_a_level_until_it_expires(setup, add_events, make_user
     add_events(NOW, good=40, ttft_ms=900.0)
     services.override_set(deployment=deployment, actor=operator, level=0, until=NOW + timedelta(minutes=10),
                           reason="game day: watching it burn")
-    evaluate_slos(now=NOW)
+    evaluation_cycle(now=NOW)
     state = DegradationState.objects.get(deployment=deployment)
     assert state.level == 0 and state.burn_rates["chat-ttft"] == pytest.approx(100.0)  # seen, not acted on
     add_events(NOW + 10 * MINUTE, good=40, ttft_ms=900.0)  # still burning when it expires
-    evaluate_slos(now=NOW + timedelta(minutes=10, seconds=1))  # expired: the policy takes over
+    evaluation_cycle(now=NOW + timedelta(minutes=10, seconds=1))  # expired: the policy takes over
     state.refresh_from_db()
     assert state.level == 1 and state.override_until is None
 
@@ -155,11 +155,11 @@ def test_forcing_a_level_jumps_there_and_is_recorded_with_who_and_why(setup, mak
 def test_a_deleted_deployment_goes_back_to_level_0_and_its_alert_resolves(setup, add_events):
     deployment, _ = setup
     add_events(NOW, good=40, ttft_ms=900.0)
-    evaluate_slos(now=NOW)
+    evaluation_cycle(now=NOW)
     assert level_of(deployment) == 1
     deployment.deleted_at = NOW
     deployment.save(update_fields=["deleted_at"])
-    evaluate_slos(now=NOW + timedelta(seconds=1))  # the hold does not keep a deleted deployment degraded
+    evaluation_cycle(now=NOW + timedelta(seconds=1))  # the hold does not keep a deleted deployment degraded
     assert level_of(deployment) == 0
     assert Alert.objects.get(labels__alertname="DeploymentDegraded").status == "resolved"
 
@@ -167,26 +167,26 @@ def test_a_deleted_deployment_goes_back_to_level_0_and_its_alert_resolves(setup,
 def test_a_level_re_entered_soon_after_leaving_it_is_held_twice_as_long(setup, add_events):
     deployment, _ = setup
     add_events(NOW, good=40, ttft_ms=900.0)
-    evaluate_slos(now=NOW)  # level 1, held 60 s
+    evaluation_cycle(now=NOW)  # level 1, held 60 s
     # The level's shedding hides the overload: the next minute looks healthy and it steps down.
     add_events(NOW + MINUTE, good=40, ttft_ms=90.0)
     later = NOW + 6 * MINUTE
     add_events(later, good=40, ttft_ms=90.0)
-    evaluate_slos(now=later)
+    evaluation_cycle(now=later)
     assert level_of(deployment) == 0
     # The overload was still there: back within a window and a hold of leaving, a relapse.
     add_events(later + MINUTE, good=40, ttft_ms=900.0)
-    evaluate_slos(now=later + MINUTE)
+    evaluation_cycle(now=later + MINUTE)
     state = DegradationState.objects.get(deployment=deployment)
     assert (state.level, state.relapses) == (1, 1)
     assert "re-entered 60 s after leaving it, so it is held 120 s now" in LevelChange.objects.first().reason
     recovered = later + 7 * MINUTE
     add_events(recovered, good=40, ttft_ms=90.0)
-    evaluate_slos(now=recovered)
+    evaluation_cycle(now=recovered)
     assert level_of(deployment) == 0  # 6 minutes later: past the doubled hold
     # A burn long after is a new incident: a calm entry, the hold back to 60 s.
     much_later = recovered + timedelta(hours=1)
     add_events(much_later, good=40, ttft_ms=900.0)
-    evaluate_slos(now=much_later)
+    evaluation_cycle(now=much_later)
     state.refresh_from_db()
     assert (state.level, state.relapses) == (1, 0)

@@ -27,8 +27,8 @@ from deployments import services as deployment_services
 from deployments.models import Replica
 from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services as registry_services
-from slo.evaluation import evaluate_slos
 from slo.services import slo_create
+from slo.tasks import evaluation_cycle
 from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.models import UsageEvent
@@ -127,7 +127,7 @@ def set_fault(replica: Replica, ms: float) -> None:
 def cycle(deployment) -> DegradationState:
     """What beat does each minute (here every second or so): ingest, then evaluate (engine included)."""
     ingest_usage(budget_s=5)
-    evaluate_slos()
+    evaluation_cycle()
     return DegradationState.objects.get(deployment=deployment)
 
 
