@@ -5,8 +5,9 @@ empty): one replica of the built-in engine on the small demo checkpoint, started
 loop through the local process driver; an `inferops gateway` process; two API keys of one tenant,
 priority 9 (`high`) and 1 (`low`); a TTFT latency SLO on the deployment. A control thread does
 what beat does, only faster: every `--cycle-s` it ingests the usage stream, runs
-`slo.evaluation.evaluate_slos` (whose cycle runs the degradation engine) and a reconcile pass
-(which publishes the level in force). The load generator runs in a process of its own.
+`slo.tasks.evaluation_cycle` (the task's body: the evaluation, then the degradation engine, which
+publishes a level change to the gateways at once) and a reconcile pass (which publishes the level
+in the routing table too). The load generator runs in a process of its own.
 
 1. Warm-up: the saturation loop below, untimed (a cold replica runs 2-4x slower while it meets
    new batch and prompt shapes).
@@ -176,8 +177,8 @@ class Platform:
 
 
 class ControlLoop(threading.Thread):
-    """Beat, only faster: ingest usage, evaluate SLOs (the degradation engine runs at the end of
-    each cycle), reconcile (publishes the level in force), every `cycle_s`."""
+    """Beat, only faster: ingest usage, evaluate SLOs (the degradation engine runs after each cycle
+    and publishes a level change), reconcile (the routing table's copy of the level), every `cycle_s`."""
 
     def __init__(self, deployment_pk: int, cycle_s: float):
         super().__init__(daemon=True, name="control-loop")
@@ -192,14 +193,14 @@ class ControlLoop(threading.Thread):
 
         from degradation.models import DegradationState
         from deployments.replicas.reconcile import reconcile_deployment
-        from slo.evaluation import evaluate_slos
+        from slo.tasks import evaluation_cycle
         from tenants.ingest import ingest_usage
 
         try:
             while not self.halt.is_set():
                 started = time.monotonic()
                 ingest_usage(budget_s=self.cycle_s)
-                evaluate_slos()
+                evaluation_cycle()
                 reconcile_deployment(self.deployment_pk)
                 state = DegradationState.objects.filter(deployment_id=self.deployment_pk).first()
                 if state is not None:
@@ -348,7 +349,8 @@ class Loops:
 
 
 class LevelWatcher(threading.Thread):
-    """Reads the degradation level in the published routing table, as a gateway sees it."""
+    """Reads the degradation level published for the gateways as they see it: the later of the
+    routing table's entry and the degradation entry."""
 
     def __init__(self, redis_url: str, interval_s: float = 0.2):
         super().__init__(daemon=True, name="level-watcher")
@@ -358,11 +360,19 @@ class LevelWatcher(threading.Thread):
         self.changes: list[tuple[float, int]] = []  # (wall time, level published)
 
     def level(self) -> int:
-        from runtime.gateway.contract import ROUTING_KEY
+        from runtime.gateway.contract import DEGRADATION_KEY, ROUTING_KEY
+        from runtime.gateway.state import DegradationEntry, Route, with_degradation
 
-        raw = self.client.hget(ROUTING_KEY, DEPLOYMENT)
-        degradation = json.loads(raw).get("degradation") if raw else None
-        return int((degradation or {}).get("level") or 0)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.hget(ROUTING_KEY, DEPLOYMENT)
+            pipe.hget(DEGRADATION_KEY, DEPLOYMENT)
+            route_raw, entry_raw = pipe.execute()
+        if not route_raw:
+            return 0
+        routes = {DEPLOYMENT: Route.from_json(json.loads(route_raw))}
+        entries = {DEPLOYMENT: DegradationEntry.from_json(json.loads(entry_raw))} if entry_raw else {}
+        degradation = with_degradation(routes, entries)[DEPLOYMENT].degradation
+        return degradation.level if degradation else 0
 
     def run(self) -> None:
         while not self.halt.is_set():
