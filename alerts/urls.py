@@ -56,9 +56,13 @@ api_urlpatterns = [
     path("silences/", silence_api.SilenceViewSet.as_view({"get": "list", "post": "create"}), name="api-silence-list"),
     path("silences/<int:pk>/", silence_api.SilenceViewSet.as_view({"get": "retrieve", "delete": "destroy"}),
          name="api-silence-detail"),
-    path("routes/", routing_api.RouteListCreate.as_view(), name="api-route-list"),
-    path("routes/<int:pk>/", routing_api.RouteDetail.as_view(), name="api-route-detail"),
-    path("escalation-policies/", routing_api.EscalationPolicyListCreate.as_view(), name="api-policy-list"),
-    path("escalation-policies/<str:name>/", routing_api.EscalationPolicyDetail.as_view(), name="api-policy-detail"),
+    path("routes/", routing_api.RouteViewSet.as_view({"get": "list", "post": "create"}), name="api-route-list"),
+    path("routes/<int:pk>/", routing_api.RouteViewSet.as_view(
+        {"get": "retrieve", "patch": "partial_update", "put": "partial_update", "delete": "destroy"}),
+         name="api-route-detail"),
+    path("escalation-policies/", routing_api.EscalationPolicyViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-policy-list"),
+    path("escalation-policies/<str:name>/", routing_api.EscalationPolicyViewSet.as_view(
+        {"get": "retrieve", "put": "update", "delete": "destroy"}), name="api-policy-detail"),
     *schedule_urls.api_urlpatterns,
 ]

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import serializers, status
+from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from alerts.choices import MatchOp
 from alerts.matchers import matcher_problem
@@ -83,10 +81,15 @@ class RouteSerializer(RejectUnknownFields, serializers.ModelSerializer):
 
 
 @extend_schema(tags=["routes"])
-class RouteListCreate(APIView):
+class RouteViewSet(mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    # The routing tree is one unpaginated list, the default route first; PUT changes a route as PATCH does.
+    serializer_class = RouteSerializer
+    queryset = Route.objects.all()
+    pagination_class = None
+
     @extend_schema(responses={200: RouteSerializer(many=True), **ERRORS},
                    summary="The routing tree: every route, the default route first")
-    def get(self, request):
+    def list(self, request):
         root = default_route()
         routes = [root, *Route.objects.exclude(pk=root.pk).select_related("receiver", "escalation_policy")
                   .order_by("parent_id", "position", "id")]
@@ -94,7 +97,7 @@ class RouteListCreate(APIView):
 
     @extend_schema(request=RouteSerializer, responses={201: RouteSerializer, **ERRORS},
                    summary="Add a route (under the default route unless `parent` names another)")
-    def post(self, request):
+    def create(self, request):
         serializer = RouteSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         try:
@@ -104,17 +107,14 @@ class RouteListCreate(APIView):
             raise as_drf(exc) from None
         return Response(RouteSerializer(route).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["routes"])
-class RouteDetail(APIView):
     @extend_schema(responses={200: RouteSerializer, **ERRORS})
-    def get(self, request, pk: int):
-        return Response(RouteSerializer(get_object_or_404(Route, pk=pk)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(request=RouteSerializer, responses={200: RouteSerializer, **ERRORS},
                    summary="Change a route: the fields given change, the others stay")
-    def patch(self, request, pk: int):
-        route = get_object_or_404(Route, pk=pk)
+    def partial_update(self, request, pk: int):
+        route = self.get_object()
         serializer = RouteSerializer(route, data=request.data, partial=True)
         serializer.is_valid(raise_exception=True)
         try:
@@ -124,11 +124,9 @@ class RouteDetail(APIView):
             raise as_drf(exc) from None
         return Response(RouteSerializer(route).data)
 
-    put = patch
-
     @extend_schema(responses={204: None, **ERRORS, **CONFLICT}, summary="Delete a route and the routes under it")
-    def delete(self, request, pk: int):
-        route_services.route_delete(route=get_object_or_404(Route, pk=pk), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        route_services.route_delete(route=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 
@@ -179,33 +177,38 @@ def policies():
 
 
 @extend_schema(tags=["escalation policies"])
-class EscalationPolicyListCreate(APIView):
+class EscalationPolicyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    # Few policies: one unpaginated list. A policy is replaced whole (PUT), its steps with it.
+    serializer_class = EscalationPolicySerializer
+    pagination_class = None
+    lookup_field = "name"
+
+    def get_queryset(self):
+        return policies()
+
     @extend_schema(responses={200: EscalationPolicySerializer(many=True), **ERRORS})
-    def get(self, request):
-        return Response(EscalationPolicySerializer(policies(), many=True).data)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=EscalationPolicySerializer, responses={201: EscalationPolicySerializer, **ERRORS,
                                                                    **CONFLICT},
                    summary="Create an escalation policy: who is notified while an alert stays unacknowledged")
-    def post(self, request):
+    def create(self, request):
         policy = policy_write(request, None)
         return Response(EscalationPolicySerializer(policies().get(pk=policy.pk)).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["escalation policies"])
-class EscalationPolicyDetail(APIView):
     @extend_schema(responses={200: EscalationPolicySerializer, **ERRORS})
-    def get(self, request, name: str):
-        return Response(EscalationPolicySerializer(get_object_or_404(policies(), name=name)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(request=EscalationPolicySerializer, responses={200: EscalationPolicySerializer, **ERRORS,
                                                                    **CONFLICT},
                    summary="Replace the policy and its steps")
-    def put(self, request, name: str):
-        policy = policy_write(request, get_object_or_404(EscalationPolicy, name=name))
+    def update(self, request, *args, **kwargs):
+        policy = policy_write(request, self.get_object())
         return Response(EscalationPolicySerializer(policies().get(pk=policy.pk)).data)
 
     @extend_schema(responses={204: None, **ERRORS, **CONFLICT}, summary="Delete a policy no route uses")
-    def delete(self, request, name: str):
-        route_services.policy_delete(policy=get_object_or_404(EscalationPolicy, name=name), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        route_services.policy_delete(policy=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
