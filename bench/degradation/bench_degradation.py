@@ -119,7 +119,8 @@ class Platform:
         self.replica_pid, self.replica_url = 0, ""
 
     def start(self) -> None:
-        from deployments.models import Replica, ReplicaState
+        from deployments.choices import ReplicaState
+        from deployments.models import Replica
         from deployments.replicas.drivers.local import free_port
         from deployments.replicas.reconcile import reconcile_deployment
         from deployments.services import deployment_create
