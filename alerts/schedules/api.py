@@ -21,9 +21,9 @@ from drf_spectacular.utils import (
     extend_schema_field,
     inline_serializer,
 )
-from rest_framework import serializers, status
+from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
 from alerts.choices import Rotation
 from alerts.models import Schedule, ScheduleOverride
@@ -145,31 +145,34 @@ def save_arguments(data: dict) -> dict:
 
 
 @extend_schema(tags=["schedules"])
-class ScheduleListCreate(APIView):
+class ScheduleViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    # Schedules (one unpaginated list, by name; PUT replaces the layers), who is on call, and the shifts.
+    serializer_class = ScheduleSerializer
+    queryset = Schedule.objects.all()
+    pagination_class = None
+    lookup_field = "name"
+
     @extend_schema(responses={200: ScheduleSerializer(many=True), **ERRORS}, summary="On-call schedules, by name")
-    def get(self, request):
-        return Response(ScheduleSerializer(Schedule.objects.all(), many=True).data)
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
 
     @extend_schema(request=ScheduleWriteSerializer, responses={201: ScheduleSerializer, **ERRORS, **CONFLICT},
                    summary="Create a schedule with its layers")
-    def post(self, request):
+    def create(self, request):
         serializer = ScheduleWriteSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         schedule = schedules.schedule_save(instance=None, **save_arguments(serializer.validated_data),
                                            actor=request.user)
         return Response(ScheduleSerializer(schedule).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["schedules"])
-class ScheduleDetail(APIView):
     @extend_schema(responses={200: ScheduleSerializer, **ERRORS})
-    def get(self, request, name: str):
-        return Response(ScheduleSerializer(get_schedule(name)).data)
+    def retrieve(self, request, *args, **kwargs):
+        return super().retrieve(request, *args, **kwargs)
 
     @extend_schema(request=ScheduleWriteSerializer, responses={200: ScheduleSerializer, **ERRORS, **CONFLICT},
                    summary="Replace the schedule and all its layers (overrides stay)")
-    def put(self, request, name: str):
-        schedule = get_schedule(name)
+    def update(self, request, *args, **kwargs):
+        schedule = self.get_object()
         serializer = ScheduleWriteSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         schedule = schedules.schedule_save(instance=schedule, **save_arguments(serializer.validated_data),
@@ -178,30 +181,26 @@ class ScheduleDetail(APIView):
 
     @extend_schema(responses={204: None, **ERRORS,
                               409: OpenApiResponse(ErrorSerializer, description="An escalation policy uses it.")})
-    def delete(self, request, name: str):
-        schedules.schedule_delete(schedule=get_schedule(name), actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        schedules.schedule_delete(schedule=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
-
-@extend_schema(tags=["schedules"])
-class ScheduleOnCall(APIView):
     @extend_schema(parameters=[OpenApiParameter("at", OpenApiTypes.DATETIME, description="Default: now.")],
                    responses={200: OnCallSerializer, **ERRORS}, summary="Who is on call at a time, and who is next")
-    def get(self, request, name: str):
-        schedule = get_schedule(name)
+    @action(detail=True, methods=["get"], url_path="on-call")
+    def on_call(self, request, name: str):
+        schedule = self.get_object()
         at = query_time(request.query_params.get("at"), "at", timezone.now())
         return Response(on_call_body(schedules.on_call_summary(schedule, at)))
 
-
-@extend_schema(tags=["schedules"])
-class ScheduleShifts(APIView):
     @extend_schema(parameters=[OpenApiParameter("start", OpenApiTypes.DATETIME, description="Default: now."),
                                OpenApiParameter("end", OpenApiTypes.DATETIME,
                                                 description="Default: start + 14 days; at most 90 days after start.")],
                    responses={200: ShiftSerializer(many=True), **ERRORS},
                    summary="The final on-call timeline (overrides over layers, higher layers over lower)")
-    def get(self, request, name: str):
-        schedule = get_schedule(name)
+    @action(detail=True, methods=["get"])
+    def shifts(self, request, name: str):
+        schedule = self.get_object()
         start = query_time(request.query_params.get("start"), "start", timezone.now())
         end = query_time(request.query_params.get("end"), "end", start + DEFAULT_SPAN)
         if end <= start:
@@ -213,10 +212,16 @@ class ScheduleShifts(APIView):
 
 
 @extend_schema(tags=["schedules"])
-class OverrideCreate(APIView):
+class ScheduleOverrideViewSet(viewsets.GenericViewSet):
+    # A schedule's overrides are added and removed; they are read with the schedule.
+    serializer_class = OverrideSerializer
+
+    def get_queryset(self):
+        return ScheduleOverride.objects.filter(schedule=get_schedule(self.kwargs["name"]))
+
     @extend_schema(request=OverrideCreateSerializer, responses={201: OverrideSerializer, **ERRORS},
                    summary="Someone takes the schedule for a while, above every layer")
-    def post(self, request, name: str):
+    def create(self, request, name: str):
         schedule = get_schedule(name)
         serializer = OverrideCreateSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
@@ -225,11 +230,7 @@ class OverrideCreate(APIView):
                                              ends_at=data["ends_at"], reason=data["reason"], actor=request.user)
         return Response(OverrideSerializer(override).data, status=status.HTTP_201_CREATED)
 
-
-@extend_schema(tags=["schedules"])
-class OverrideDetail(APIView):
     @extend_schema(responses={204: None, **ERRORS})
-    def delete(self, request, name: str, pk: int):
-        override = get_object_or_404(ScheduleOverride, pk=pk, schedule=get_schedule(name))
-        schedules.override_delete(override=override, actor=request.user)
+    def destroy(self, request, *args, **kwargs):
+        schedules.override_delete(override=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)

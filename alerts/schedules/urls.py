@@ -19,11 +19,17 @@ urlpatterns = [
 ]
 
 api_urlpatterns = [
-    path("schedules/", schedule_api.ScheduleListCreate.as_view(), name="api-schedule-list"),
-    path("schedules/<slug:name>/", schedule_api.ScheduleDetail.as_view(), name="api-schedule-detail"),
-    path("schedules/<slug:name>/on-call/", schedule_api.ScheduleOnCall.as_view(), name="api-schedule-on-call"),
-    path("schedules/<slug:name>/shifts/", schedule_api.ScheduleShifts.as_view(), name="api-schedule-shifts"),
-    path("schedules/<slug:name>/overrides/", schedule_api.OverrideCreate.as_view(), name="api-schedule-overrides"),
-    path("schedules/<slug:name>/overrides/<int:pk>/", schedule_api.OverrideDetail.as_view(),
-         name="api-schedule-override-detail"),
+    path("schedules/", schedule_api.ScheduleViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-schedule-list"),
+    path("schedules/<slug:name>/",
+         schedule_api.ScheduleViewSet.as_view({"get": "retrieve", "put": "update", "delete": "destroy"}),
+         name="api-schedule-detail"),
+    path("schedules/<slug:name>/on-call/", schedule_api.ScheduleViewSet.as_view({"get": "on_call"}),
+         name="api-schedule-on-call"),
+    path("schedules/<slug:name>/shifts/", schedule_api.ScheduleViewSet.as_view({"get": "shifts"}),
+         name="api-schedule-shifts"),
+    path("schedules/<slug:name>/overrides/", schedule_api.ScheduleOverrideViewSet.as_view({"post": "create"}),
+         name="api-schedule-overrides"),
+    path("schedules/<slug:name>/overrides/<int:pk>/", schedule_api.ScheduleOverrideViewSet.as_view(
+        {"delete": "destroy"}), name="api-schedule-override-detail"),
 ]
