@@ -7,7 +7,10 @@ class CostingConfig(AppConfig):
 
     def ready(self) -> None:
         # The home page shows this month's cost so far; inferops imports no feature app.
-        from costing import panels
+        from costing import panels, usage
+        from inferops import usage_pipeline
         from inferops.panels import home_panels
 
         home_panels.register(panels.home_panel, panels.COSTS)
+        # Hourly usage and SLO-compliant tokens are added at ingest, from the SLO fold's verdicts.
+        usage_pipeline.register(usage.fold_events, stage=usage_pipeline.AGGREGATE)

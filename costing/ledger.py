@@ -7,8 +7,9 @@ behind). Each step is a recomputation, never an increment:
    restarts, so its runs are only known to someone who looks while they happen.
 2. `costs_compute(start, end)` deletes and rewrites the `CostHour` rows of [start, end) from the
    runs and the price book, so re-running a period changes nothing.
-3. `usage_rollup` rewrites the `UsageHour` rows of each (deployment, hour) that new usage events
-   touched (found by `ingested_at`, with an overlap, as SLO evaluation does), late ones included.
+3. `usage_changes` claims the hours the usage pipeline added to since the last sync (it writes
+   `UsageHour` in each ingest transaction, costing/usage.py), late ones included, so that late
+   usage of a closed month is booked as an adjustment.
 """
 
 from __future__ import annotations
@@ -31,23 +32,16 @@ from costing.models import CostHour, LedgerState, Price, ReplicaLife
 from deployments.choices import DriverName, ReplicaState
 from deployments.models import Deployment, Replica
 from inferops.locks import LockId, try_advisory_lock
-from slo.sli import COVERED_DEPLOYMENT_SQL, MATCHING_EVENT_SQL, REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SUCCEEDED_SQL
+from slo.budget import OVERLAP, floor_minute
 
 log = logging.getLogger(__name__)
 
 MINUTE = timedelta(minutes=1)
 HOUR = timedelta(hours=1)
-# Usage events are read again from this far before the last watermark: a slow ingest
-# transaction commits rows stamped with its start (the same overlap as SLO evaluation).
-OVERLAP = timedelta(minutes=2)
 LOCK_NAMESPACE = LockId.COSTING_LEDGER
 RUNNING = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING)
 GIB = Decimal(2**30)
 SIXTY = Decimal(60)
-
-
-def floor_minute(t: datetime) -> datetime:
-    return t.replace(second=0, microsecond=0)
 
 
 def ceil_minute(t: datetime) -> datetime:
@@ -338,77 +332,17 @@ def costs_compute(start: datetime, end: datetime, book: PriceBook | None = None)
     return len(rows)
 
 
-# ---------------------------------------------------------------------------- usage roll-up
-
-# A request is SLO-compliant when it succeeded and no latency or goodput SLO covering it judges
-# it bad (counted in the SLO's total and not good): the verdict SLO evaluation gives it.
-SLO_COMPLIANT_SQL = f"""({SUCCEEDED_SQL} AND NOT EXISTS (
-    SELECT 1 FROM slo_slo s JOIN deployments_deployment d ON {COVERED_DEPLOYMENT_SQL}
-    WHERE s.sli_kind IN ('latency', 'goodput') AND {MATCHING_EVENT_SQL}
-      AND ({REQUEST_TOTAL_SQL}) AND NOT ({REQUEST_GOOD_SQL})))"""
-
-_TOUCHED = """
-    SELECT DISTINCT deployment, date_trunc('hour', time) FROM tenants_usageevent
-    WHERE ingested_at >= %s AND deployment IS NOT NULL
-"""
-_ALL_HOURS = """
-    SELECT DISTINCT deployment, date_trunc('hour', minute) FROM tenants_usageminute
-    WHERE deployment IS NOT NULL
-"""
-_ROLLUP = f"""
-    WITH k AS (SELECT * FROM unnest(%(deployments)s::text[], %(hours)s::timestamptz[]) AS k(deployment, hour)),
-    minutes AS (
-        SELECT k.hour, m.deployment, m.version, m.tenant, sum(m.requests) AS requests,
-               sum(m.prompt_tokens) AS prompt_tokens, sum(m.completion_tokens) AS completion_tokens
-        FROM k JOIN tenants_usageminute m ON m.deployment = k.deployment
-             AND m.minute >= k.hour AND m.minute < k.hour + interval '1 hour'
-        WHERE m.tenant IS NOT NULL AND m.version IS NOT NULL
-        GROUP BY 1, 2, 3, 4
-    ),
-    compliant AS (
-        SELECT k.hour, e.deployment, e.version, e.tenant, sum(e.prompt_tokens) AS prompt_tokens,
-               sum(e.completion_tokens) AS completion_tokens
-        FROM k JOIN tenants_usageevent e ON e.deployment = k.deployment
-             AND e.time >= k.hour AND e.time < k.hour + interval '1 hour'
-        WHERE e.tenant IS NOT NULL AND e.version IS NOT NULL AND {SLO_COMPLIANT_SQL}
-        GROUP BY 1, 2, 3, 4
-    )
-    INSERT INTO costing_usagehour (hour, deployment, version, tenant, requests, prompt_tokens, completion_tokens,
-                                   compliant_prompt_tokens, compliant_completion_tokens)
-    SELECT m.hour, m.deployment, m.version, m.tenant, m.requests, m.prompt_tokens, m.completion_tokens,
-           coalesce(c.prompt_tokens, 0), coalesce(c.completion_tokens, 0)
-    FROM minutes m LEFT JOIN compliant c USING (hour, deployment, version, tenant)
-"""
-_CLEAR = """
-    DELETE FROM costing_usagehour u
-    USING unnest(%(deployments)s::text[], %(hours)s::timestamptz[]) AS k(deployment, hour)
-    WHERE u.deployment = k.deployment AND u.hour = k.hour
-"""
+# ---------------------------------------------------------------------------- usage changes
 
 
-def usage_rollup_keys(keys: list[tuple[str, datetime]]) -> int:
-    """Rewrite the UsageHour rows of these (deployment, hour) keys from the usage ledger."""
-    if not keys:
-        return 0
-    params = {"deployments": [k[0] for k in keys], "hours": [k[1] for k in keys]}
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(_CLEAR, params)
-        cursor.execute(_ROLLUP, params)
-        return cursor.rowcount
+def usage_changes() -> list[tuple[str, datetime]]:
+    """(deployment, hour) of the UsageHour rows the usage pipeline added to since the last call.
 
-
-def usage_rollup(watermark: datetime | None) -> tuple[list, datetime]:
-    """Roll up what usage events ingested since `watermark` touched; returns (keys, new watermark)."""
+    The UPDATE waits for a batch that holds a row and then sees its change; a batch after it
+    marks the row again for the next call: no change is missed or claimed twice."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT now()")
-        read_at = cursor.fetchone()[0]
-        if watermark is None:
-            cursor.execute(_ALL_HOURS)
-        else:
-            cursor.execute(_TOUCHED, [watermark - OVERLAP])
-        keys = cursor.fetchall()
-    usage_rollup_keys(keys)
-    return keys, read_at
+        cursor.execute("UPDATE costing_usagehour SET changed = false WHERE changed RETURNING deployment, hour")
+        return sorted(set(cursor.fetchall()))
 
 
 # ---------------------------------------------------------------------------- the beat job
@@ -445,10 +379,10 @@ def ledger_sync(now: datetime) -> SyncReport:
         start = floor_hour(min(start_points))
         report.cost_from = start.isoformat()
         report.cost_rows = costs_compute(start, until)
-        keys, watermark = usage_rollup(state.usage_watermark)
+        keys = usage_changes()
         report.usage_keys = len(keys)
         report.earliest_change = min([start, *(hour for _, hour in keys)])
-        LedgerState.objects.filter(pk=1).update(cost_through=until, usage_watermark=watermark)
+        LedgerState.objects.filter(pk=1).update(cost_through=until)
     return report
 
 

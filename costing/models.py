@@ -137,13 +137,16 @@ class UsageHour(models.Model):
     completion_tokens = models.BigIntegerField(default=0)
     compliant_prompt_tokens = models.BigIntegerField(default=0)
     compliant_completion_tokens = models.BigIntegerField(default=0)
+    # The usage pipeline added to the row since the ledger sync last looked (costing/usage.py).
+    changed = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         ordering = ["hour"]
         constraints = [
             models.UniqueConstraint(fields=["hour", "deployment", "version", "tenant"], name="one_usage_hour"),
         ]
-        indexes = [models.Index(fields=["deployment", "hour"])]
+        indexes = [models.Index(fields=["deployment", "hour"]),
+                   models.Index(fields=["hour"], condition=models.Q(changed=True), name="usage_hour_changed")]
 
     def __str__(self) -> str:
         return f"{self.hour:%Y-%m-%d %H} {self.tenant} {self.deployment} v{self.version}"
@@ -153,7 +156,6 @@ class LedgerState(models.Model):
     """The ledger task's high-water marks (one row)."""
 
     cost_through = models.DateTimeField(null=True, blank=True, help_text="Cost rows are complete up to here.")
-    usage_watermark = models.DateTimeField(null=True, blank=True, help_text="UsageEvent.ingested_at read so far.")
     updated_at = models.DateTimeField(auto_now=True)
 
     def __str__(self) -> str:

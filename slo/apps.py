@@ -12,8 +12,9 @@ class SloConfig(AppConfig):
         from alerts import panels as alert_panels
         from deployments import overview
         from deployments.rollouts import gate as rollout_gate
+        from inferops import usage_pipeline
         from inferops.panels import home_panels
-        from slo import panels
+        from slo import panels, usage
         from slo.alert_panels import slo_panel
         from slo.rollout_gate import SloRolloutGate
 
@@ -22,3 +23,5 @@ class SloConfig(AppConfig):
         # The deployment list and the home page show each deployment's SLO state the same way.
         overview.register_slo_states(panels.deployment_slo_states)
         home_panels.register(panels.home_panel, panels.SLOS)
+        # Each new usage event is judged once, at ingest, into the SLO minutes (costing reads the verdict).
+        usage_pipeline.register(usage.fold_events, stage=usage_pipeline.JUDGE)

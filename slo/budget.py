@@ -26,6 +26,11 @@ REFERENCE_PERIOD = timedelta(days=30)
 WARNING_REMAINING = 0.25
 
 
+# How far back a re-read of rows stamped in place goes (a scraped minute is updated while it
+# lasts; a replica row's updated_at is its transaction's start, committed later).
+OVERLAP = timedelta(minutes=2)
+
+
 def floor_minute(moment: datetime) -> datetime:
     return moment.replace(second=0, microsecond=0)
 

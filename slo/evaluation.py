@@ -1,31 +1,26 @@
-"""`evaluate-slos`: fold newly ingested events into per-minute SLI rows, then compute budgets,
-burn rates and alerts for every SLO, at a cost that does not grow with stored history.
+"""`evaluate-slos`: derive what the usage pipeline added into the per-minute SLI rows, then compute
+budgets, burn rates and alerts for every SLO, at a cost that does not grow with stored history.
 
 The scheme, and why it is exact and idempotent:
-1. One read per cycle of the events ingested since the oldest SLO watermark minus OVERLAP
-   (`ingested_at` is the ingesting transaction's start, so a slow transaction can commit rows
-   older than what the last cycle saw; OVERLAP covers that). It returns the touched
-   (deployment, tenant, minute) keys only. It is a range scan when tenants_usageevent has an
-   index on ingested_at (the SLO contract asks the usage ledger for one).
-2. Each SLO's touched minutes are recomputed from all their events and upserted (not added):
-   running a cycle twice, or reading an event twice thanks to the overlap, gives the same rows.
-   One statement does it for all request SLOs, reading each touched (deployment, minute) once
-   by its (deployment, time) index.
-3. Running totals (`cum_*`) are recomputed from each SLO's earliest touched minute on, starting
-   from the row before it: a late event costs as many rows as it is late, not the whole history.
-4. A window's sums are the difference of two running totals, found by index probes ("the last
+1. The usage pipeline (slo/usage.py, in each ingest transaction) judges every new event once and
+   adds it into its SLO's minute by event time, marking the row stale: a late event is counted
+   in its own minute however late, and a redelivered one is never counted twice (ingest stores
+   an event once, and only newly stored events reach the pipeline).
+2. A cycle derives the stale rows' timeslice verdicts and the running totals (`cum_*`) from each
+   SLO's earliest stale minute on, starting from the row before it: a late event costs as many
+   rows as it is late, not the whole history.
+3. A window's sums are the difference of two running totals, found by index probes ("the last
    row at or before t") for all SLOs and all windows in one query.
-An SLO evaluated for the first time is back-filled from the stored events of the last
-BACKFILL_LIMIT (the usage-event retention); `backfilled_from` says where its data begin.
-Ratio SLIs re-read their scraped minutes from the watermark minus OVERLAP (the scraper updates
-the current minute's row in place), the same recompute-and-upsert way.
+An SLO evaluated for the first time (or redefined) is back-filled from the stored events of the
+last BACKFILL_LIMIT (the usage-event retention) through the SLI SQL; `backfilled_from` says where
+its data begin. Ratio SLIs re-read their scraped minutes from the watermark minus OVERLAP (the
+scraper updates the current minute's row in place), recompute and upsert.
 """
 
 from __future__ import annotations
 
 import logging
 import time as clock
-from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -37,6 +32,7 @@ from slo import signals
 from slo.budget import (
     BURN_WINDOWS,
     MINUTE,
+    OVERLAP,
     Budget,
     Counts,
     RuleVerdict,
@@ -50,20 +46,13 @@ from slo.budget import (
     timeslices_budget,
     window_span,
 )
-from slo.choices import Budgeting, Scope, SliKind
+from slo.choices import Budgeting, SliKind
 from slo.models import Slo, SloStatus
-from slo.sli import (
-    COVERED_DEPLOYMENT_SQL,
-    MATCHING_EVENT_SQL,
-    REQUEST_GOOD_SQL,
-    REQUEST_TOTAL_SQL,
-    SliQuery,
-    ratio_query,
-)
+from slo.sli import REQUEST_BACKFILL_SQL, SliQuery, ratio_query
+from slo.usage import FOLD_LOCK
 
 log = logging.getLogger(__name__)
 
-OVERLAP = timedelta(minutes=2)
 BACKFILL_LIMIT = timedelta(days=35)
 
 
@@ -97,44 +86,6 @@ _UPSERT = """
     ON CONFLICT (slo_id, minute) DO UPDATE
     SET good = EXCLUDED.good, total = EXCLUDED.total, bad_slice = EXCLUDED.bad_slice
 """
-# Counts of given (slo, minute) pairs, for all request SLOs in one statement. Each (deployment,
-# minute) is read once (many SLOs share a deployment) by an index range scan on (deployment,
-# time), forced by LATERAL with OFFSET 0: flattened, the planner hash-joins the whole table.
-_REQUEST_MINUTES = f"""
-    WITH t AS MATERIALIZED (
-        SELECT t.slo_id, t.minute, d.name AS deployment
-        FROM unnest(%(slo_ids)s::bigint[], %(minutes)s::timestamptz[]) AS t(slo_id, minute)
-        JOIN slo_slo s ON s.id = t.slo_id
-        JOIN deployments_deployment d ON {COVERED_DEPLOYMENT_SQL}
-    ), events AS MATERIALIZED (
-        SELECT e.*
-        FROM (SELECT DISTINCT deployment, minute FROM t) dm
-        CROSS JOIN LATERAL (
-            SELECT dm.minute, e.deployment, e.tenant, e.status, e.error_kind, e.ttft_ms, e.tpot_ms, e.e2e_ms
-            FROM tenants_usageevent e
-            WHERE e.deployment = dm.deployment AND e.time >= dm.minute AND e.time < dm.minute + interval '1 minute'
-            OFFSET 0  -- keeps the subquery per (deployment, minute), so it stays an index range scan
-        ) e
-    )
-    SELECT t.slo_id, t.minute, count(e.minute) FILTER (WHERE {REQUEST_GOOD_SQL}) AS good,
-           count(e.minute) FILTER (WHERE {REQUEST_TOTAL_SQL}) AS total
-    FROM t JOIN slo_slo s ON s.id = t.slo_id
-    LEFT JOIN events e ON e.deployment = t.deployment AND e.minute = t.minute
-         AND (s.scope <> '{Scope.TENANT}' OR e.tenant = s.tenant)
-    GROUP BY 1, 2
-"""
-# Every minute of one request SLO in [start, end): its back-fill.
-_REQUEST_RANGE = f"""
-    SELECT s.id AS slo_id, date_trunc('minute', e.time) AS minute, count(*) FILTER (WHERE {REQUEST_GOOD_SQL}) AS good,
-           count(*) FILTER (WHERE {REQUEST_TOTAL_SQL}) AS total
-    FROM slo_slo s
-    JOIN deployments_deployment d ON {COVERED_DEPLOYMENT_SQL}
-    JOIN tenants_usageevent e ON {MATCHING_EVENT_SQL} AND e.time >= %(start)s AND e.time < %(end)s
-    WHERE s.id = %(slo_id)s
-    GROUP BY 1, 2
-"""
-
-
 def _ratio_range(query: SliQuery) -> str:
     return f"""
         SELECT %(slo_id)s::bigint AS slo_id, date_trunc('minute', e.{query.time_column}) AS minute,
@@ -201,14 +152,18 @@ def _database_now() -> datetime:
 
 def backfill(slo: Slo, now: datetime) -> int:
     """First evaluation: every stored source row of the last BACKFILL_LIMIT becomes minute rows."""
-    read_at = _database_now()
     params = {"slo_id": slo.pk, "start": floor_minute(now - BACKFILL_LIMIT), "end": floor_minute(now) + MINUTE}
     with transaction.atomic():
         if slo.sli_kind == SliKind.RATIO:
+            read_at = None
             query = ratio_query(slo)
             written = _execute(_UPSERT.format(counted=_ratio_range(query)), {**query.params, **params})
         else:
-            written = _execute(_UPSERT.format(counted=_REQUEST_RANGE), params)
+            # Exclusive: waits for the batches in flight, whose events it then reads; the batches
+            # after it see the watermark set and add their events themselves.
+            _execute("SELECT pg_advisory_xact_lock(%s, %s)", FOLD_LOCK)
+            read_at = _database_now()
+            written = _execute(_UPSERT.format(counted=REQUEST_BACKFILL_SQL), params)
         _refresh_running_totals({slo.pk: params["start"]})
         first = slo.minutes.order_by("minute").values_list("minute", flat=True).first()
         created = floor_minute(slo.created_at or now)
@@ -218,41 +173,36 @@ def backfill(slo: Slo, now: datetime) -> int:
     return written
 
 
-@dataclass(frozen=True)
-class TouchedKeys:
-    """deployment -> tenant -> {minute: newest ingested_at} of events ingested since a moment."""
-
-    read_at: datetime
-    keys: dict[str | None, dict[str | None, dict[datetime, datetime]]]
-
-    @classmethod
-    def read(cls, since: datetime) -> TouchedKeys:
-        read_at = _database_now()
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT e.deployment, e.tenant, date_trunc('minute', e.time), max(e.ingested_at) "
-                "FROM tenants_usageevent e WHERE e.ingested_at > %s GROUP BY 1, 2, 3",
-                [since],
-            )
-            keys: dict = defaultdict(lambda: defaultdict(dict))
-            for deployment, tenant, minute, newest in cursor.fetchall():
-                keys[deployment][tenant][minute] = newest
-        return cls(read_at=read_at, keys=keys)
-
-    def minutes_for(self, slo: Slo, deployments: list[str]) -> list[datetime]:
-        horizon = slo.watermark - OVERLAP
-        minutes: set[datetime] = set()
-        for deployment in deployments:
-            for tenant, by_minute in self.keys.get(deployment, {}).items():
-                if slo.scope != Scope.TENANT or tenant == slo.tenant:
-                    minutes.update(minute for minute, newest in by_minute.items() if newest > horizon)
-        return sorted(minutes)
+# Stale rows: what the usage pipeline added since the last cycle (slo/usage.py).
+_STALE_STARTS = """
+    SELECT slo_id, min(minute), count(*) FROM slo_slominute WHERE stale AND slo_id = ANY(%s) GROUP BY slo_id
+"""
+_DERIVE_SLICES = """
+    UPDATE slo_slominute m
+    SET stale = false, bad_slice = coalesce(s.budgeting = 'timeslices' AND m.total > 0
+                                            AND least(m.good, m.total)::float8 / m.total < s.timeslice_target, false)
+    FROM slo_slo s WHERE m.stale AND m.slo_id = ANY(%s) AND s.id = m.slo_id
+"""
 
 
-def ingest_new(slos: list[Slo], now: datetime, deployments: dict[int, list[str]],
-               phases: dict[str, float] | None = None) -> tuple[int, int, int]:
-    """Fold what arrived since each SLO's watermark into its minute rows. Returns (rows written,
-    SLOs with new data, touched keys read); `phases` gets the seconds of the steps."""
+def fold_stale(slos: list[Slo]) -> tuple[int, int]:
+    """Derive the stale minute rows of these request SLOs; returns (rows, SLOs with any)."""
+    ids = [slo.pk for slo in slos]
+    with transaction.atomic(), connection.cursor() as cursor:
+        # Exclusive: no batch adds to a row between reading it and clearing its stale mark.
+        cursor.execute("SELECT pg_advisory_xact_lock(%s, %s)", FOLD_LOCK)
+        cursor.execute(_STALE_STARTS, [ids])
+        stale = cursor.fetchall()
+        if not stale:
+            return 0, 0
+        cursor.execute(_DERIVE_SLICES, [ids])
+        _refresh_running_totals({slo_id: start for slo_id, start, _ in stale})
+    return sum(count for _, _, count in stale), len(stale)
+
+
+def ingest_new(slos: list[Slo], now: datetime, phases: dict[str, float] | None = None) -> tuple[int, int, int]:
+    """Bring each SLO's minute rows up to date. Returns (rows written, SLOs with new data, stale
+    rows derived); `phases` gets the seconds of the steps."""
     phases = phases if phases is not None else {}
     written = fresh = 0
     for slo in slos:
@@ -273,24 +223,9 @@ def ingest_new(slos: list[Slo], now: datetime, deployments: dict[int, list[str]]
     if not requests:
         return written, fresh, 0
     started = clock.perf_counter()
-    touched = TouchedKeys.read(min(slo.watermark for slo in requests) - OVERLAP)
-    targets = {slo.pk: touched.minutes_for(slo, deployments[slo.pk]) for slo in requests}
-    targets = {slo_id: minutes for slo_id, minutes in targets.items() if minutes}
-    pairs = [(slo_id, minute) for slo_id, minutes in targets.items() for minute in minutes]
-    phases["touched_read_s"] = clock.perf_counter() - started
-    if pairs:
-        with transaction.atomic():
-            started = clock.perf_counter()
-            written += _execute(_UPSERT.format(counted=_REQUEST_MINUTES),
-                                {"slo_ids": [p[0] for p in pairs], "minutes": [p[1] for p in pairs]})
-            phases["fold_s"] = clock.perf_counter() - started
-            started = clock.perf_counter()
-            _refresh_running_totals({slo_id: minutes[0] for slo_id, minutes in targets.items()})
-            phases["running_totals_s"] = clock.perf_counter() - started
-    for slo in requests:
-        # Everything ingested up to read_at - OVERLAP has now been seen, whatever its deployment.
-        slo.watermark = max(slo.watermark, touched.read_at)
-    return written, fresh + len(targets), sum(len(m) for by_tenant in touched.keys.values() for m in by_tenant.values())
+    stale_rows, stale_slos = fold_stale(requests)
+    phases["running_totals_s"] = clock.perf_counter() - started
+    return written + stale_rows, fresh + stale_slos, stale_rows
 
 
 # ---------------------------------------------------------------------------- window sums
@@ -438,16 +373,6 @@ def _save_watermarks(slos: list[Slo]) -> None:
         )
 
 
-def _deployment_names(slos: list[Slo]) -> dict[int, list[str]]:
-    from deployments.models import Deployment
-
-    by_model: dict[int, list[str]] = defaultdict(list)
-    model_ids = {slo.model_id for slo in slos if slo.scope == Scope.MODEL}
-    for model_id, name in Deployment.objects.filter(model_id__in=model_ids).values_list("model_id", "name"):
-        by_model[model_id].append(name)
-    return {slo.pk: by_model[slo.model_id] if slo.scope == Scope.MODEL else [slo.deployment.name] for slo in slos}
-
-
 def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = None) -> CycleReport:
     """One evaluation cycle. Skipped (report.skipped) while another cycle holds the lock."""
     from alerts.services import alerts_sync
@@ -466,11 +391,10 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
             now = now or timezone.now()
             slos = list(Slo.objects.select_related("deployment").filter(**({"pk__in": slo_ids} if slo_ids else {})))
             report.slos = len(slos)
-            names = _deployment_names(slos)  # one query for all, not one per SLO
 
             phase = clock.perf_counter()
             report.minutes_upserted, report.slos_with_new_data, report.touched_keys = ingest_new(
-                slos, now, names, report.phases)
+                slos, now, report.phases)
             _save_watermarks(slos)
             report.phases["ingest_s"] = clock.perf_counter() - phase
 

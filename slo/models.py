@@ -54,8 +54,8 @@ class Slo(Authored):
     # Where the SLI data begin: the earliest stored event found when the SLO was created (a
     # back-fill), else the creation time. Null until the first evaluation.
     backfilled_from = models.DateTimeField(null=True, blank=True)
-    # High-water marks of what evaluation has read: UsageEvent.ingested_at for request SLIs,
-    # ReplicaMetricsMinute.start for ratio SLIs.
+    # Request SLIs: when the back-fill read the stored events (set: the usage pipeline adds each
+    # new event into the minutes); ratio SLIs: ReplicaMetricsMinute.start read so far. NULL: to back-fill.
     watermark = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -152,11 +152,14 @@ class SloMinute(models.Model):
     cum_good = models.BigIntegerField(default=0)
     cum_total = models.BigIntegerField(default=0)
     cum_bad_slices = models.BigIntegerField(default=0)
+    # The usage pipeline added events since the running totals were last derived (slo/usage.py).
+    stale = models.BooleanField(default=False, db_default=False)
 
     class Meta:
         ordering = ["slo", "minute"]
         # The unique index (slo, minute) also serves "the last row at or before t" probes.
         constraints = [models.UniqueConstraint(fields=["slo", "minute"], name="unique_slo_minute")]
+        indexes = [models.Index(fields=["slo", "minute"], condition=models.Q(stale=True), name="slo_minute_stale")]
 
     def __str__(self) -> str:
         return f"{self.slo_id} @ {self.minute:%Y-%m-%d %H:%M}: {self.good}/{self.total}"

@@ -1,7 +1,9 @@
 """What counts as good and total for each SLI kind, as SQL over the rows the SLI comes from.
 
-Request SLIs (availability, latency, goodput) read tenants_usageevent, one row per request, so a
-latency verdict is the request's own value against the threshold: exact for any threshold.
+Request SLIs (availability, latency, goodput) judge each request on its own values, so a latency
+verdict is the request's value against the threshold: exact for any threshold. The usage pipeline
+judges each new event once, in Python (`request_verdict`); the same rules as SQL serve the
+back-fill of a new or redefined SLO, which reads the stored events (`REQUEST_BACKFILL_SQL`).
 Ratio SLIs read runtime_replicametricsminute, the scraped counters' per-minute deltas.
 
 Classification of a request (the SLO contract):
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.gateway.contract import DEGRADED, SERVER_ERROR_KINDS
+from runtime.gateway.contract import DEGRADED, SERVER_ERROR_KINDS, is_server_failure
 from slo.choices import Scope, SliKind
 
 # A server failure as SQL over an event row `e` (rollout analysis and charts use it too).
@@ -44,6 +46,44 @@ REQUEST_TOTAL_SQL = (f"CASE s.sli_kind WHEN '{SliKind.LATENCY}' THEN {SUCCEEDED_
 # d: the SLO's deployment, or every deployment of its model; e: their events (of its tenant).
 COVERED_DEPLOYMENT_SQL = f"(d.id = s.deployment_id OR (s.scope = '{Scope.MODEL}' AND d.model_id = s.model_id))"
 MATCHING_EVENT_SQL = f"e.deployment = d.name AND (s.scope <> '{Scope.TENANT}' OR e.tenant = s.tenant)"
+# Every minute of one request SLO in [start, end) from the stored events: its back-fill.
+REQUEST_BACKFILL_SQL = f"""
+    SELECT s.id AS slo_id, date_trunc('minute', e.time) AS minute, count(*) FILTER (WHERE {REQUEST_GOOD_SQL}) AS good,
+           count(*) FILTER (WHERE {REQUEST_TOTAL_SQL}) AS total
+    FROM slo_slo s
+    JOIN deployments_deployment d ON {COVERED_DEPLOYMENT_SQL}
+    JOIN tenants_usageevent e ON {MATCHING_EVENT_SQL} AND e.time >= %(start)s AND e.time < %(end)s
+    WHERE s.id = %(slo_id)s
+    GROUP BY 1, 2
+"""
+
+
+@dataclass(frozen=True)
+class RequestSli:
+    """What judging a request needs of a request SLO (one row of the pipeline's SLO read)."""
+
+    slo_id: int
+    sli_kind: str
+    tenant: str | None  # set for a tenant-scoped SLO: only that tenant's requests count
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+
+
+def request_verdict(sli: RequestSli, event: dict) -> tuple[bool, bool]:
+    """(good, counted) of one event under one request SLO: REQUEST_GOOD_SQL and REQUEST_TOTAL_SQL
+    in Python, for the pipeline, which judges each new event once."""
+    status, kind = event["status"], event["error_kind"]
+    succeeded = status < 400 and kind is None
+    limits = ((sli.ttft_ms, event["ttft_ms"]), (sli.tpot_ms, event["tpot_ms"]), (sli.e2e_ms, event["e2e_ms"]))
+    if sli.sli_kind == SliKind.LATENCY:
+        counted = succeeded and all(limit is None or value is not None for limit, value in limits)
+        return counted and all(limit is None or value <= limit for limit, value in limits), counted
+    # Availability and goodput count what was the server's to serve (a client error is neither).
+    counted = is_server_failure(status, kind) or not (status >= 400 or kind is not None)
+    if sli.sli_kind == SliKind.AVAILABILITY:
+        return succeeded, counted
+    return succeeded and all(limit is None or value is None or value <= limit for limit, value in limits), counted
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ Each batch read from the consumer group `ingest` goes into Postgres in ONE trans
    replayed (spool), duplicated or redelivered event inserts nothing the second time;
 2. only the events that step 1 inserted, aggregated in Python per minute × tenant × key ×
    deployment × version, added into `UsageMinute` by one `INSERT ... ON CONFLICT DO UPDATE SET
-   x = x + EXCLUDED.x` (histograms merged by the SQL function tenants_add_counts).
+   x = x + EXCLUDED.x` (histograms merged by the SQL function tenants_add_counts);
+3. the same new events through the usage pipeline's other folds (inferops/usage_pipeline.py): the SLO
+   minutes and verdicts, costing's hourly usage. Nothing else reads the events again.
 The batch is XACKed only after the commit. A consumer killed between the two never acks; its
 entries stay pending and a later run claims them (XAUTOCLAIM, idle > 60 s) and redoes them,
 which step 1 makes harmless. Entries that are not valid events are moved to the stream
@@ -31,6 +33,7 @@ import redis
 from django.conf import settings
 from django.db import connection, transaction
 
+from inferops import usage_pipeline
 from inferops.redis_client import redis_client
 from runtime.gateway.contract import USAGE_STREAM, is_server_failure
 
@@ -262,6 +265,7 @@ def store_events(events: list[dict]) -> int:
             columns += [[getattr(minutes[k], c) for k in identities] for c in _COUNTERS]
             columns += [[json.dumps(getattr(minutes[k], c)) for k in identities] for c in _HISTOGRAMS]
             cursor.execute(_UPSERT_MINUTES, columns)
+        usage_pipeline.fold(cursor, fresh)
     return len(fresh)
 
 
