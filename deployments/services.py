@@ -20,28 +20,13 @@ from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
 from inferops.celery import enqueue
 from inferops.validators import Problems
-from registry.models import Alias, ModelVersion, RegisteredModel
+from registry.models import ModelVersion, RegisteredModel
+from registry.services import resolve_version
 from runtime.gateway.contract import PREVIEW_SUFFIX
 
 # A reconcile request older than this is dropped: beat starts a pass every couple of seconds anyway.
 RECONCILE_TASK_EXPIRES_S = 30
 RESOURCE_KEYS = {"gpu_type": str, "gpu_count": int, "cpu": (int, float, str), "memory": str}
-
-
-def resolve_version(model: RegisteredModel, *, version: int | None, alias: str | None) -> ModelVersion:
-    if version is not None and alias:
-        raise ValidationError({"version": ["Give either version or alias, not both."]})
-    if alias:
-        found = Alias.objects.select_related("version").filter(model=model, name=alias).first()
-        if found is None:
-            raise ValidationError({"alias": [f"Model {model.name!r} has no alias {alias!r}."]})
-        return found.version
-    if version is None:
-        raise ValidationError({"version": ["Give the version number or an alias to deploy."]})
-    found = model.versions.filter(number=version).first()
-    if found is None:
-        raise ValidationError({"version": [f"Model {model.name!r} has no version {version}."]})
-    return found
 
 
 def validate_resources(resources) -> dict:

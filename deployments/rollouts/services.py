@@ -23,13 +23,13 @@ from deployments.services import (
     frozen_by,
     level_text,
     request_reconcile,
-    resolve_version,
     validate_engine_args,
     validate_runnable,
 )
 from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
 from inferops.validators import slug_validator
+from registry.services import resolve_version
 
 
 def _locked(rollout: Rollout) -> Rollout:
