@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError
-from django.db import IntegrityError, transaction
+from django.db import transaction
 from django.db.models import Max
 
 from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
+from inferops.writes import create_audited, update_audited
 from registry import checkpoint
 from registry.models import Alias, ModelVersion, RegisteredModel
 
@@ -18,26 +19,11 @@ def model_create(*, name: str, task: str, actor, description: str = "", owner: s
         name=name, task=task, description=description, owner=owner, tags=tags or [],
         created_by=actor if getattr(actor, "pk", None) else None,
     )
-    model.full_clean(validate_unique=False)
-    try:
-        with transaction.atomic():
-            model.save()
-            audit_record(actor=actor, action="model.create", obj=model, after=snapshot(model))
-    except IntegrityError:
-        raise Conflict(f"A model named {name!r} already exists.") from None
-    return model
+    return create_audited(model, actor=actor, action="model.create", taken=f"A model named {name!r} already exists.")
 
 
 def model_update(*, model: RegisteredModel, actor, **changes) -> RegisteredModel:
-    with transaction.atomic():
-        locked = RegisteredModel.objects.select_for_update().get(pk=model.pk)
-        before = snapshot(locked)
-        for field, value in changes.items():
-            setattr(locked, field, value)
-        locked.full_clean(validate_unique=False)
-        locked.save()
-        audit_record(actor=actor, action="model.update", obj=locked, before=before, after=snapshot(locked))
-    return locked
+    return update_audited(model, changes, actor=actor, action="model.update")
 
 
 def version_register(*, model: RegisteredModel, artifact_uri: str, actor,

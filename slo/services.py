@@ -10,6 +10,7 @@ from django.db import IntegrityError, transaction
 from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
 from inferops.locks import LockId, advisory_xact_lock
+from inferops.writes import create_audited, update_audited
 from slo.models import Slo, SloMinute, SloStatus
 
 log = logging.getLogger(__name__)
@@ -37,34 +38,25 @@ def _evaluate_soon(slo_id: int) -> None:
 
 def slo_create(*, actor, **fields) -> Slo:
     slo = Slo(**fields, created_by=actor if getattr(actor, "pk", None) else None)
-    slo.full_clean(validate_unique=False)
-    try:
-        with transaction.atomic():
-            slo.save()
-            SloStatus.objects.create(slo=slo)
-            audit_record(actor=actor, action="slo.create", obj=slo, after=snapshot(slo))
-    except IntegrityError:
-        raise Conflict(f"An SLO named {fields.get('name')!r} already exists.") from None
+    create_audited(slo, actor=actor, action="slo.create", taken=f"An SLO named {fields.get('name')!r} already exists.",
+                   also=lambda created: SloStatus.objects.create(slo=created))
     _evaluate_soon(slo.pk)
     return slo
 
 
+def _forget_minutes_if_redefined(locked: Slo, before: dict) -> dict:
+    """A changed SLI definition drops the stored minutes, which no longer describe it: back-filled again."""
+    redefined = any(before.get(name) != snapshot(locked).get(name) for name in SLI_DEFINITION_FIELDS)
+    if redefined:
+        SloMinute.objects.filter(slo=locked).delete()
+        locked.watermark = None
+        locked.backfilled_from = None
+    return {"sli_recomputed": redefined}
+
+
 def slo_update(*, slo: Slo, actor, **fields) -> Slo:
     try:
-        with transaction.atomic():
-            locked = Slo.objects.select_for_update().get(pk=slo.pk)
-            before = snapshot(locked)
-            for name, value in fields.items():
-                setattr(locked, name, value)
-            locked.full_clean(validate_unique=False)
-            redefined = any(before.get(name) != snapshot(locked).get(name) for name in SLI_DEFINITION_FIELDS)
-            if redefined:
-                SloMinute.objects.filter(slo=locked).delete()
-                locked.watermark = None
-                locked.backfilled_from = None
-            locked.save()
-            audit_record(actor=actor, action="slo.update", obj=locked, before=before,
-                         after={**snapshot(locked), "sli_recomputed": redefined})
+        locked = update_audited(slo, fields, actor=actor, action="slo.update", adjust=_forget_minutes_if_redefined)
     except IntegrityError:
         raise Conflict(f"An SLO named {fields.get('name')!r} already exists.") from None
     _evaluate_soon(locked.pk)

@@ -10,8 +10,8 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from deployments.models import Deployment
-from inferops.api import Conflict
 from inferops.audit import audit_record, snapshot
+from inferops.writes import create_audited, update_audited
 from runtime.gateway.contract import hash_api_key
 from tenants import models as tenant_models
 from tenants.models import ApiKey, Tenant
@@ -38,30 +38,17 @@ def tenant_create(*, name: str, actor, display_name: str = "", rpm_limit: int | 
                   tpm_limit: int | None = None, max_concurrent: int | None = None) -> Tenant:
     tenant = Tenant(name=name, display_name=display_name, rpm_limit=rpm_limit, tpm_limit=tpm_limit,
                     max_concurrent=max_concurrent, created_by=actor_or_none(actor))
-    tenant.full_clean(validate_unique=False)
-    try:
-        with transaction.atomic():
-            tenant.save()
-            audit_record(actor=actor, action="tenant.create", obj=tenant, after=snapshot(tenant))
-    except IntegrityError:
-        raise Conflict(f"A tenant named {name!r} already exists.") from None
-    return tenant
+    return create_audited(tenant, actor=actor, action="tenant.create",
+                          taken=f"A tenant named {name!r} already exists.")
 
 
 def tenant_update(*, tenant: Tenant, actor, **changes) -> Tenant:
     unknown = set(changes) - set(TENANT_FIELDS)
     if unknown:
         raise ValidationError({field: ["Not a field that can be changed."] for field in sorted(unknown)})
-    with transaction.atomic():
-        locked = Tenant.objects.select_for_update().get(pk=tenant.pk)
-        before = snapshot(locked)
-        for field, value in changes.items():
-            setattr(locked, field, value)
-        locked.full_clean(validate_unique=False)
-        locked.save()
-        audit_record(actor=actor, action="tenant.update", obj=locked, before=before, after=snapshot(locked))
-        if any(field in LIMIT_FIELDS for field in changes):
-            publish_on_commit()
+    locked = update_audited(tenant, changes, actor=actor, action="tenant.update")
+    if any(field in LIMIT_FIELDS for field in changes):
+        publish_on_commit()
     return locked
 
 
