@@ -1,10 +1,11 @@
 """A scratch database for the control-plane benchmarks: made fresh on the Postgres of
-DATABASE_URL, Django set up on it, dropped when the benchmark is done; and how they wait for
-the processes they start."""
+DATABASE_URL, Django set up on it, dropped when the benchmark is done; how they wait for the
+processes they start, find them a port, log progress and read a percentile."""
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -52,3 +53,24 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.3):
             return value
         time.sleep(interval_s)
     raise SystemExit(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100), interpolated between the nearest ranks; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)

@@ -45,7 +45,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,6 +60,9 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
 from scratch import (  # noqa: E402
     django_on_scratch_database,
+    free_port,
+    log,
+    percentile,
     recreate_scratch_database,
     scratch_database_url,
     wait_for,
@@ -94,28 +96,8 @@ receivers:
 """
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def iso(moment: float) -> str:
     return datetime.fromtimestamp(moment, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 # ---------------------------------------------------------------------------- machine load

@@ -36,7 +36,6 @@ import platform
 import random
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
-from scratch import django_on_scratch_database, recreate_scratch_database, wait_for  # noqa: E402
+from scratch import (  # noqa: E402
+    django_on_scratch_database,
+    free_port,
+    log,
+    percentile,
+    recreate_scratch_database,
+    wait_for,
+)
 
 SCRATCH_DB = "inferops_bench_pages"
 USERNAME, PASSWORD = "bench-admin", "bench-admin-pw-1234"
@@ -87,26 +93,6 @@ TIMINGS = """() => {
                          .reduce((s, r) => s + r.transferSize, n.transferSize) / 1024};
 }"""
 METRICS = ["response_end", "fcp", "dcl", "load", "chart"]
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = q / 100 * (len(ordered) - 1)
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 # ---------------------------------------------------------------------------- seeding

@@ -1,6 +1,6 @@
-"""What the prefix, memory and online benchmarks share on top of serving_bench.py's helpers.
+"""What the prefix, memory, online, scoring and profile benchmarks share on top of serving_bench.py's helpers.
 
-A run starts a server with `serving_bench.RunningServer`, drives it with
+A run starts a server (`ServerSession`, on serving_bench's `RunningServer`), drives it with
 `runtime.loadgen.run_benchmark`, and reads the replica's own counters from /metrics, the
 server process's resident memory and the machine's load and CPU steal around the run
 (`MachineLoad`).
@@ -8,6 +8,7 @@ server process's resident memory and the machine's load and CPU steal around the
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import threading
@@ -25,11 +26,13 @@ from serving_bench import (  # noqa: E402
     MachineLoad,
     RunningServer,
     ServerSpec,
+    add_run_arguments,
     benchmark_model,
     emit_report,
     load_average,
     port_is_free,
     server_specs,
+    workload_report,
 )
 
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark  # noqa: E402
@@ -41,7 +44,9 @@ __all__ = [
     "MachineLoad",
     "RssSampler",
     "RunningServer",
+    "ServerSession",
     "ServerSpec",
+    "add_run_arguments",
     "benchmark_model",
     "emit_report",
     "inferops_spec",
@@ -51,6 +56,7 @@ __all__ = [
     "rss_bytes",
     "vllm_spec",
     "warm_up",
+    "workload_report",
 ]
 
 
@@ -127,3 +133,31 @@ def warm_up(base_url: str, model_dir: Path) -> None:
         show_progress=False,
     )
     run_benchmark(config)
+
+
+class ServerSession:
+    """Starts a server (its log in work/<log_name>.log), warms it up unless told not to, and stops it
+    on exit; `base_url` is where it answers. RuntimeError when the port is taken or it does not come up."""
+
+    def __init__(self, spec: ServerSpec, log_name: str, model_dir: Path, args: argparse.Namespace,
+                 warm: bool = True):
+        self.base_url = f"http://127.0.0.1:{args.port}"
+        if not port_is_free(args.port):
+            raise RuntimeError(f"port {args.port} is taken; pass --port")
+        self.server = RunningServer(spec, HERE / "work" / f"{log_name}.log")
+        self.model_dir = model_dir
+        self.startup_timeout = args.startup_timeout
+        self.warm = warm
+
+    def __enter__(self) -> ServerSession:
+        try:
+            self.server.wait_ready(self.base_url, self.startup_timeout)
+            if self.warm:
+                warm_up(self.base_url, self.model_dir)
+        except BaseException:
+            self.server.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.server.stop()

@@ -21,20 +21,20 @@ from engine_runs import (
     SERVED_NAME,
     MachineLoad,
     RssSampler,
-    RunningServer,
+    ServerSession,
+    add_run_arguments,
     benchmark_model,
     emit_report,
     inferops_spec,
     metric_total,
-    port_is_free,
     rss_bytes,
+    workload_report,
 )
 
 from runtime.engine.config import ModelConfig
 from runtime.engine.model_runner import kv_bytes_per_block
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
-HERE = Path(__file__).resolve().parent
 MIB = 1024 * 1024
 
 
@@ -58,25 +58,20 @@ def burst_workload(base_url: str, model_dir: Path, args: argparse.Namespace) -> 
 
 
 def run_once(num_blocks: int, model_dir: Path, args: argparse.Namespace) -> dict:
-    base_url = f"http://127.0.0.1:{args.port}"
-    if not port_is_free(args.port):
-        return {"skipped": f"port {args.port} is taken; pass --port"}
     extra = ["--num-kv-blocks", str(num_blocks), "--block-size", str(args.block_size)]
     spec = inferops_spec(model_dir, args.port, args.threads, extra)
-    server = RunningServer(spec, HERE / "work" / f"memory_{num_blocks}.log")
     per_block = kv_bytes_per_block(ModelConfig.from_dir(model_dir), args.block_size, torch.float32)
     try:
-        server.wait_ready(base_url, args.startup_timeout)
-        rss_ready = rss_bytes(server.process.pid) or 0
-        preemptions_before = metric_total(base_url, "vllm:num_preemptions_total")
-        print(f"benchmarking {num_blocks} KV blocks ...", file=sys.stderr)
-        with MachineLoad() as machine, RssSampler(server.process.pid) as rss:
-            metrics = run_benchmark(burst_workload(base_url, model_dir, args))
-        preemptions = metric_total(base_url, "vllm:num_preemptions_total") - preemptions_before
+        with ServerSession(spec, f"memory_{num_blocks}", model_dir, args, warm=False) as session:
+            base_url, pid = session.base_url, session.server.process.pid
+            rss_ready = rss_bytes(pid) or 0
+            preemptions_before = metric_total(base_url, "vllm:num_preemptions_total")
+            print(f"benchmarking {num_blocks} KV blocks ...", file=sys.stderr)
+            with MachineLoad() as machine, RssSampler(pid) as rss:
+                metrics = run_benchmark(burst_workload(base_url, model_dir, args))
+            preemptions = metric_total(base_url, "vllm:num_preemptions_total") - preemptions_before
     except RuntimeError as error:
         return {"skipped": str(error)}
-    finally:
-        server.stop()
     result = {key: metrics[key] for key in REPORTED}
     result.update(
         num_kv_blocks=num_blocks,
@@ -93,7 +88,7 @@ def run_once(num_blocks: int, model_dir: Path, args: argparse.Namespace) -> dict
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
+    add_run_arguments(parser, port=8033)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
@@ -102,11 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="size the small pool for this many full-length sequences")
     parser.add_argument("--larger-factor", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8033)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--result-json", type=Path, default=None)
     return parser.parse_args(argv)
 
 
@@ -120,14 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_number in range(1, args.rounds + 1):
         runs[f"small_pool_{round_number}"] = run_once(small, model_dir, args)
         runs[f"larger_pool_{round_number}"] = run_once(small * args.larger_factor, model_dir, args)
-    report = {
-        "workload": {
-            key: value for key, value in vars(args).items() if key not in ("result_json", "model")
-        },
-        "model": str(model_dir),
-        "runs": runs,
-    }
-    emit_report(report, args.result_json)
+    emit_report({**workload_report(args, model_dir), "runs": runs}, args.result_json)
     return 0
 
 

@@ -24,15 +24,15 @@ from engine_runs import (
     REPORTED,
     SERVED_NAME,
     MachineLoad,
-    RunningServer,
+    ServerSession,
     ServerSpec,
+    add_run_arguments,
     benchmark_model,
     emit_report,
     inferops_spec,
     load_average,
-    port_is_free,
     vllm_spec,
-    warm_up,
+    workload_report,
 )
 from serving_bench import (
     VLLM_PYTHON,
@@ -46,7 +46,6 @@ from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 # With --per-request: what run_benchmark records per request, in arrival order.
 PER_REQUEST = ("input_lens", "output_lens", "ttfts", "e2els")
 
-HERE = Path(__file__).resolve().parent
 GOODPUT_RATIO_TARGET = 1.5
 
 
@@ -68,30 +67,6 @@ def workload_b(
         show_progress=False,
     )
 
-
-
-class ServerSession:
-    """Starts a server, warms it up, and stops it on exit; `base_url` is where it answers."""
-
-    def __init__(self, spec: ServerSpec, model_dir: Path, args: argparse.Namespace):
-        self.base_url = f"http://127.0.0.1:{args.port}"
-        if not port_is_free(args.port):
-            raise RuntimeError(f"port {args.port} is taken; pass --port")
-        self.server = RunningServer(spec, HERE / "work" / f"online_{spec.name}.log")
-        self.model_dir = model_dir
-        self.startup_timeout = args.startup_timeout
-
-    def __enter__(self) -> ServerSession:
-        try:
-            self.server.wait_ready(self.base_url, self.startup_timeout)
-            warm_up(self.base_url, self.model_dir)
-        except BaseException:
-            self.server.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.server.stop()
 
 
 def probe_saturation_rate(session: ServerSession, args: argparse.Namespace) -> dict:
@@ -153,7 +128,7 @@ def run_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict, dict]:
             results[spec.name] = {"skipped": f"{VLLM_PYTHON} missing; run bench/engine/peers.sh"}
             continue
         try:
-            with ServerSession(spec, model_dir, args) as session:
+            with ServerSession(spec, f"online_{spec.name}", model_dir, args) as session:
                 if rates is None:
                     probe = probe_saturation_rate(session, args)
                     rates = [round(probe["probe_request_throughput"], 3)]
@@ -187,7 +162,7 @@ def parse_rates(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
+    add_run_arguments(parser, port=8034)
     parser.add_argument("--servers", default="inferops,vllm")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", default="32-512")
@@ -211,14 +186,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "'--max-prefill-tokens-with-decodes 512'")
     add_dtype_argument(parser)
     add_vllm_preload_argument(parser)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8034)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--per-request", action="store_true",
                         help="also record each request's prompt and output lengths, TTFT and "
                              "end-to-end latency (seconds), in arrival order, to study tails")
-    parser.add_argument("--result-json", type=Path, default=None)
     return parser.parse_args(argv)
 
 
@@ -226,15 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = benchmark_model(args.model)
     results, rate_info = run_all(model_dir, args)
-    report = {
-        "workload": {
-            key: value for key, value in vars(args).items() if key not in ("result_json", "model")
-        },
-        "model": str(model_dir),
-        "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
-        "rate": rate_info,
-        "servers": results,
-    }
+    report = {**workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
+              "rate": rate_info, "servers": results}
     ours, peer = results.get("inferops", {}), results.get("vllm", {})
     if "max_goodput" in ours and "max_goodput" in peer:
         if peer["max_goodput"]:

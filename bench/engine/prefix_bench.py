@@ -21,19 +21,18 @@ from engine_runs import (
     REPORTED,
     SERVED_NAME,
     MachineLoad,
-    RunningServer,
+    ServerSession,
+    add_run_arguments,
     benchmark_model,
     emit_report,
     inferops_spec,
     metric_total,
-    port_is_free,
-    warm_up,
+    workload_report,
 )
 from serving_bench import add_dtype_argument
 
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
-HERE = Path(__file__).resolve().parent
 TTFT_RATIO_TARGET = 0.5
 SERVER_COUNTERS = (
     "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
@@ -60,23 +59,17 @@ def shared_prefix_workload(base_url: str, model_dir: Path, args: argparse.Namesp
 
 
 def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Namespace) -> dict:
-    base_url = f"http://127.0.0.1:{args.port}"
-    if not port_is_free(args.port):
-        return {"skipped": f"port {args.port} is taken; pass --port"}
     spec = inferops_spec(model_dir, args.port, args.threads, extra, args.dtype)
-    server = RunningServer(spec, HERE / "work" / f"prefix_{label}.log")
     try:
-        server.wait_ready(base_url, args.startup_timeout)
-        warm_up(base_url, model_dir)
-        before = {name: metric_total(base_url, name) for name in SERVER_COUNTERS}
-        print(f"benchmarking prefix cache {label} ...", file=sys.stderr)
-        with MachineLoad() as machine:
-            metrics = run_benchmark(shared_prefix_workload(base_url, model_dir, args))
-        counted = {name: metric_total(base_url, name) - before[name] for name in SERVER_COUNTERS}
+        with ServerSession(spec, f"prefix_{label}", model_dir, args) as session:
+            base_url = session.base_url
+            before = {name: metric_total(base_url, name) for name in SERVER_COUNTERS}
+            print(f"benchmarking prefix cache {label} ...", file=sys.stderr)
+            with MachineLoad() as machine:
+                metrics = run_benchmark(shared_prefix_workload(base_url, model_dir, args))
+            counted = {name: metric_total(base_url, name) - before[name] for name in SERVER_COUNTERS}
     except RuntimeError as error:
         return {"skipped": str(error)}
-    finally:
-        server.stop()
     result = {key: metrics[key] for key in REPORTED}
     hits = counted["vllm:prefix_cache_hits_total"]
     queries = counted["vllm:prefix_cache_queries_total"]
@@ -101,20 +94,15 @@ def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Names
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
+    add_run_arguments(parser, port=8032)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prefix-len", type=int, default=256)
     parser.add_argument("--suffix-len", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=2.0)
     add_dtype_argument(parser)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8032)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--cache-off-first", action="store_true")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--result-json", type=Path, default=None)
     return parser.parse_args(argv)
 
 
@@ -130,13 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_number in range(1, args.rounds + 1)
         for name in order
     }
-    report = {
-        "workload": {
-            key: value for key, value in vars(args).items() if key not in ("result_json", "model")
-        },
-        "model": str(model_dir),
-        "runs": runs,
-    }
+    report = {**workload_report(args, model_dir), "runs": runs}
     ratios = [
         runs[f"cache_on_{n}"]["median_ttft_ms"] / runs[f"cache_off_{n}"]["median_ttft_ms"]
         for n in range(1, args.rounds + 1)

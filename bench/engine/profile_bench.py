@@ -26,7 +26,8 @@ from pathlib import Path
 from engine_runs import (
     SERVED_NAME,
     MachineLoad,
-    RunningServer,
+    ServerSession,
+    add_run_arguments,
     benchmark_model,
     emit_report,
     inferops_spec,
@@ -160,23 +161,18 @@ def burst(base_url: str, model_dir: Path, num_prompts: int, workload: str = "A")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
+    add_run_arguments(parser, port=8035, seed=False)
     parser.add_argument("--py-spy", default="/tmp/pyspy-venv/bin/py-spy")
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--workload", choices=("A", "B"), default="A")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--bursts", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8035)
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--result-json", type=Path, default=None)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model_dir = benchmark_model(args.model)
-    base_url = f"http://127.0.0.1:{args.port}"
     if not port_is_free(args.port):
         print(f"port {args.port} is taken; pass --port", file=sys.stderr)
         return 1
@@ -185,11 +181,10 @@ def main(argv: list[str] | None = None) -> int:
               "/tmp/pyspy-venv/bin/pip install py-spy, or pass --py-spy", file=sys.stderr)
         return 1
     raw_path = HERE / "work" / f"profile_{args.workload}.txt"
-    server = RunningServer(inferops_spec(model_dir, args.port, args.threads, []), HERE / "work" / "profile.log")
-    try:
-        server.wait_ready(base_url, args.startup_timeout)
-        run_benchmark(burst(base_url, model_dir, 2))
-        workload = burst(base_url, model_dir, args.num_prompts, args.workload)
+    spec = inferops_spec(model_dir, args.port, args.threads, [])
+    with ServerSession(spec, "profile", model_dir, args, warm=False) as session:
+        run_benchmark(burst(session.base_url, model_dir, 2))
+        workload = burst(session.base_url, model_dir, args.num_prompts, args.workload)
         throughputs: list[float] = []
 
         def bursts() -> None:
@@ -199,13 +194,11 @@ def main(argv: list[str] | None = None) -> int:
 
         load = threading.Thread(target=bursts)
         load.start()
-        spy = [args.py_spy, "record", "--pid", str(server.process.pid), "--duration", str(args.seconds),
+        spy = [args.py_spy, "record", "--pid", str(session.server.process.pid), "--duration", str(args.seconds),
                "--format", "raw", "--output", str(raw_path), "--threads", "--nonblocking"]
         with MachineLoad() as machine:
             subprocess.run(spy, check=True, capture_output=True)
         load.join()
-    finally:
-        server.stop()
     report = {
         "workload": {
             "name": args.workload, "num_prompts": args.num_prompts, "bursts": args.bursts,

@@ -30,12 +30,13 @@ sys.path.insert(0, str(HERE))
 from engine_runs import (  # noqa: E402
     SERVED_NAME,
     MachineLoad,
-    RunningServer,
+    ServerSession,
+    add_run_arguments,
     benchmark_model,
     emit_report,
     inferops_spec,
-    port_is_free,
     vllm_spec,
+    workload_report,
 )
 from serving_bench import add_vllm_preload_argument, vllm_ld_preload  # noqa: E402
 
@@ -76,31 +77,25 @@ async def score_all(base_url: str, prompts: list[list[int]],
 
 def bench_one(name: str, model_dir: Path, prompts: list[list[int]],
               args: argparse.Namespace) -> dict:
-    if not port_is_free(args.port):
-        return {"skipped": f"port {args.port} is taken; pass --port"}
     spec = (inferops_spec(model_dir, args.port, args.threads, []) if name == "inferops"
             else vllm_spec(model_dir, args.port, args.threads, preload=args.vllm_preload))
-    base_url = f"http://127.0.0.1:{args.port}"
-    server = RunningServer(spec, HERE / "work" / f"scoring_{name}.log")
     rounds, sums = [], []
     try:
-        server.wait_ready(base_url, args.startup_timeout)
-        asyncio.run(score_all(base_url, prompts[:4], 2))  # warm-up, not timed
-        for round_number in range(1, args.rounds + 1):
-            print(f"{name}: round {round_number}", file=sys.stderr)
-            with MachineLoad() as machine:
-                seconds, latencies, sums = asyncio.run(
-                    score_all(base_url, prompts, args.max_concurrency))
-            rounds.append({
-                "seconds": round(seconds, 3),
-                "prompt_tokens_per_s": round(len(prompts) * args.prompt_len / seconds, 1),
-                "median_latency_ms": round(statistics.median(latencies) * 1000, 1),
-                **machine.fields(),
-            })
+        with ServerSession(spec, f"scoring_{name}", model_dir, args, warm=False) as session:
+            asyncio.run(score_all(session.base_url, prompts[:4], 2))  # warm-up, not timed
+            for round_number in range(1, args.rounds + 1):
+                print(f"{name}: round {round_number}", file=sys.stderr)
+                with MachineLoad() as machine:
+                    seconds, latencies, sums = asyncio.run(
+                        score_all(session.base_url, prompts, args.max_concurrency))
+                rounds.append({
+                    "seconds": round(seconds, 3),
+                    "prompt_tokens_per_s": round(len(prompts) * args.prompt_len / seconds, 1),
+                    "median_latency_ms": round(statistics.median(latencies) * 1000, 1),
+                    **machine.fields(),
+                })
     except (RuntimeError, httpx.HTTPError) as error:
         return {"skipped": str(error)}
-    finally:
-        server.stop()
     return {"median_prompt_tokens_per_s": statistics.median(
                 r["prompt_tokens_per_s"] for r in rounds),
             "rounds": rounds, "summed_logprobs": sums}
@@ -108,17 +103,12 @@ def bench_one(name: str, model_dir: Path, prompts: list[list[int]],
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
+    add_run_arguments(parser, port=8035)
     parser.add_argument("--servers", default="inferops,vllm")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-concurrency", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8035)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
-    parser.add_argument("--result-json", type=Path, default=None)
     add_vllm_preload_argument(parser)
     return parser.parse_args(argv)
 
@@ -129,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = scoring_prompts(model_dir, args)
     servers = {name: bench_one(name, model_dir, prompts, args)
                for name in (n.strip() for n in args.servers.split(","))}
-    report = {"workload": {k: v for k, v in vars(args).items() if k not in ("result_json",
-                                                                             "model")},
-              "model": str(model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
+    report = {**workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
               "servers": servers}
     ours, peer = servers.get("inferops", {}), servers.get("vllm", {})
     if "rounds" in ours and "rounds" in peer:

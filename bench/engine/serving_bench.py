@@ -132,6 +132,24 @@ def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
                              "native bf16, AVX512-BF16 or AMX, to be worth measuring)")
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, *, port: int, seed: bool = True) -> None:
+    """The options of every benchmark that starts a server: the checkpoint (default: the tiny demo),
+    torch threads, the port, the prompts' seed, how long a server may take to come up, the report's path."""
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--port", type=int, default=port)
+    if seed:
+        parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--result-json", type=Path, default=None)
+
+
+def workload_report(args: argparse.Namespace, model_dir: Path) -> dict:
+    """A report's first fields: the options it ran with (less the report's path) and the checkpoint."""
+    return {"workload": {key: value for key, value in vars(args).items() if key not in ("result_json", "model")},
+            "model": str(model_dir)}
+
+
 def add_vllm_preload_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-preload", choices=["docs", "none"], default="docs",
                         help="docs: start vLLM with the LD_PRELOAD its CPU install guide asks "
@@ -354,7 +372,7 @@ def bench_servers(wanted: list[str], model_dir: Path, args: argparse.Namespace) 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=None)
+    add_run_arguments(parser, port=8031)
     parser.add_argument("--servers", default="inferops,vllm")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
@@ -364,18 +382,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     add_dtype_argument(parser)
     add_vllm_preload_argument(parser)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--port", type=int, default=8031)
-    parser.add_argument("--seed", type=int, default=0)
     # Workload A is greedy; these run it sampled (e.g. --temperature 0.7 --top-p 0.9).
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=None)
     # e.g. 1.05, what Qwen2.5's generation_config.json gives every request on both servers
     parser.add_argument("--repetition-penalty", type=float, default=None)
-    parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--result-json", type=Path, default=None)
     return parser.parse_args(argv)
 
 
@@ -384,14 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = benchmark_model(args.model)
     wanted = [name.strip() for name in args.servers.split(",")]
     results = bench_servers(wanted, model_dir, args)
-    report = {
-        "workload": {
-            key: value for key, value in vars(args).items() if key not in ("result_json", "model")
-        },
-        "model": str(model_dir),
-        "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
-        "servers": results,
-    }
+    report = {**workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
+              "servers": results}
     ours, peer = results.get("inferops", {}), results.get("vllm", {})
     if "rounds" in ours and "rounds" in peer:
         report["inferops_over_vllm_output_throughput"] = round(
