@@ -1,4 +1,4 @@
-"""The README's Configuration table and the environment variables the code reads agree (issue 35).
+"""The settings page's Configuration table and the environment variables the code reads agree (issues 35, 37).
 
 The code is every .py file of the repository outside tests/, bench/ (benchmark harnesses, whose
 variables are their own) and hidden folders (.venv, .venv-vllm, .git...). It is parsed, not run:
@@ -9,7 +9,7 @@ a string literal, a name bound to one, or an f-string of a family listed in FAMI
 cannot name fails the test, so no variable slips past it. `os.environ.setdefault` is not counted:
 it hands a default to child processes.
 
-To document a new variable, add a row to the table under "## Configuration" in README.md:
+To document a new variable, add a row to the table under "## Configuration" in docs/settings.md:
 | `INFEROPS_SOMETHING` | its default | what it changes |
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SETTINGS_PAGE = ROOT / "docs" / "settings.md"
 SKIPPED_TOP_LEVEL = {"tests", "bench"}
 VARIABLE = re.compile(r"[A-Z][A-Z0-9_]*")
 READ_METHODS = {"get", "pop"}
@@ -212,11 +213,12 @@ def code_variables() -> tuple[dict[str, list[str]], list[str]]:
     return scan({str(path.relative_to(ROOT)): path.read_text(encoding="utf-8") for path in code_files()})
 
 
-def documented_variables(readme: str) -> dict[str, str]:
+def documented_variables(page: str) -> dict[str, str]:
     """{variable: default} from the table under "## Configuration"; ValueError on a malformed row."""
-    section = re.search(r"^## Configuration\n(.*?)(?=^## )", readme, re.M | re.S)
+    # The section runs to the next heading of its level, or to the end of the page.
+    section = re.search(r"^## Configuration\n(.*?)(?=^## |\Z)", page, re.M | re.S)
     if section is None:
-        raise ValueError("README.md has no '## Configuration' section")
+        raise ValueError("docs/settings.md has no '## Configuration' section")
     rows = [line for line in section.group(1).splitlines() if line.startswith("|")]
     if len(rows) < 3 or [cell.strip() for cell in rows[0].strip("|").split("|")] != ["variable", "default", "meaning"]:
         raise ValueError("the Configuration section has no table headed | variable | default | meaning |")
@@ -232,24 +234,25 @@ def documented_variables(readme: str) -> dict[str, str]:
     return documented
 
 
-def readme_variables() -> dict[str, str]:
-    return documented_variables((ROOT / "README.md").read_text(encoding="utf-8"))
+def page_variables() -> dict[str, str]:
+    return documented_variables(SETTINGS_PAGE.read_text(encoding="utf-8"))
 
 
-def test_every_variable_the_code_reads_has_a_row_in_the_readme():
+def test_every_variable_the_code_reads_has_a_row_on_the_settings_page():
     variables, unresolved = code_variables()
     assert unresolved == []
-    documented = readme_variables()
+    documented = page_variables()
     missing = {name: where for name, where in variables.items() if name not in documented}
-    assert not missing, "read by the code but not in README.md's Configuration table (add a row per variable: " \
+    assert not missing, "read by the code but not in docs/settings.md's Configuration table (add a row per variable: " \
         "| `NAME` | default | meaning |):\n" + "\n".join(f"  {name} (read at {', '.join(where)})"
                                                           for name, where in sorted(missing.items()))
 
 
-def test_every_row_of_the_readme_table_names_a_variable_the_code_reads():
+def test_every_row_of_the_settings_table_names_a_variable_the_code_reads():
     variables, _ = code_variables()
-    stale = sorted(set(readme_variables()) - set(variables))
-    assert not stale, f"in README.md's Configuration table but read nowhere in the code (remove the rows): {stale}"
+    stale = sorted(set(page_variables()) - set(variables))
+    assert not stale, f"in docs/settings.md's Configuration table but read nowhere in the code (remove the rows): " \
+        f"{stale}"
 
 
 SAMPLE = '''
@@ -320,7 +323,12 @@ def test_a_malformed_table_is_refused(table, error):
         documented_variables(f"# x\n\n## Configuration\n\n{table}\n## Next\n")
 
 
-def test_the_readme_table_reads_as_variables_and_defaults():
-    documented = readme_variables()
+def test_the_table_may_end_the_page():
+    page = "# x\n\n## Configuration\n\n| variable | default | meaning |\n|---|---|---|\n| `A` | 1 | a |\n"
+    assert documented_variables(page) == {"A": "1"}
+
+
+def test_the_settings_table_reads_as_variables_and_defaults():
+    documented = page_variables()
     assert documented["INFEROPS_DATA_DIR"] == "`.inferops`"
     assert documented["REDIS_URL"] == "embedded Redis"
