@@ -35,7 +35,7 @@ from alerts.routing import dispatch as routing
 from alerts.silences.muting import muting_reason
 from alerts.timeline import record_event
 from inferops.api import Conflict
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.celery import enqueue
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ def alert_resolve(*, alert: Alert, now: datetime, annotations: dict | None = Non
     with transaction.atomic():
         changed = Alert.objects.filter(pk=alert.pk, status__in=OPEN_STATUSES).update(
             status=AlertStatus.RESOLVED, ends_at=now, annotations=annotations or alert.annotations,
-            updated_at=timezone.now(), resolved_by=actor if getattr(actor, "pk", None) else None,
+            updated_at=timezone.now(), resolved_by=actor_or_none(actor),
         )
         if changed:
             alert.refresh_from_db()
@@ -279,7 +279,7 @@ def alert_acknowledge(*, alert: Alert, actor=None, actor_name: str = "") -> Aler
         if locked.status == AlertStatus.ACKNOWLEDGED:
             return locked
         locked.status, locked.acknowledged_at = AlertStatus.ACKNOWLEDGED, now
-        locked.acknowledged_by = actor if getattr(actor, "pk", None) else None
+        locked.acknowledged_by = actor_or_none(actor)
         locked.save(update_fields=["status", "acknowledged_at", "acknowledged_by", "updated_at"])
         audit_record(actor=actor, action="alert.acknowledge", obj=locked, after={"via": actor_name or "console"})
         record_event(locked, EventKind.ACKNOWLEDGED, actor=actor, actor_name=actor_name, at=now)

@@ -27,7 +27,7 @@ from costing.report import (
     report_data,
 )
 from inferops.api import Conflict
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.celery import enqueue
 from inferops.locks import advisory_xact_lock, try_advisory_lock
 
@@ -37,10 +37,6 @@ RESOURCE_RE = re.compile(r"^(cpu|memory|gpu:[A-Za-z0-9][A-Za-z0-9._-]{0,98}|node
 BUDGET_ALERT = "CostBudgetThreshold"
 CLOSE_LOCK_KEY = 2
 PRICE_LOCK_KEY = 3
-
-
-def _actor(actor):
-    return actor if getattr(actor, "pk", None) else None
 
 
 def closed_through() -> datetime | None:
@@ -101,7 +97,7 @@ def price_create(*, resource: str, usd_per_hour: Decimal, effective_from: dateti
             audit_record(actor=actor, action="price.end", obj=successor_of, before=before, after=snapshot(successor_of))
         price = Price.objects.create(resource=resource, tier=tier, usd_per_hour=usd_per_hour,
                                      effective_from=effective_from, effective_to=effective_to, note=note,
-                                     created_by=_actor(actor))
+                                     created_by=actor_or_none(actor))
         audit_record(actor=actor, action="price.create", obj=price, after=snapshot(price))
         transaction.on_commit(request_ledger_rebuild_from(effective_from))
     return price
@@ -165,7 +161,7 @@ def list_price_create(*, deployment: str, usd_per_mtok_prompt: Decimal, usd_per_
             price = ListPrice.objects.create(
                 deployment=deployment, tenant=tenant, usd_per_mtok_prompt=usd_per_mtok_prompt,
                 usd_per_mtok_completion=usd_per_mtok_completion, effective_from=effective_from,
-                created_by=_actor(actor))
+                created_by=actor_or_none(actor))
             audit_record(actor=actor, action="list-price.create", obj=price, after=snapshot(price))
     except IntegrityError:
         raise Conflict("A list price for this deployment and tenant already starts then.") from None
@@ -187,7 +183,7 @@ def budget_create(*, tenant, monthly_usd: Decimal, actor, thresholds=(50, 80, 10
     if monthly_usd is None or monthly_usd <= 0:
         raise ValidationError({"monthly_usd": ["A monthly budget must be more than zero."]})
     budget = Budget(tenant=tenant, deployment=deployment, monthly_usd=monthly_usd,
-                    thresholds=validate_thresholds(list(thresholds)), created_by=_actor(actor))
+                    thresholds=validate_thresholds(list(thresholds)), created_by=actor_or_none(actor))
     try:
         with transaction.atomic():
             budget.save()

@@ -23,7 +23,7 @@ from degradation.models import DegradationPolicy, DegradationState, LevelChange
 from deployments.models import Deployment
 from deployments.services import deployment_set_degradation
 from inferops.api import Conflict
-from inferops.audit import audit_record
+from inferops.audit import actor_or_none, audit_record
 from slo.choices import Scope
 from slo.models import Slo
 
@@ -129,7 +129,7 @@ def policy_save(*, deployment: Deployment, actor, enabled: bool, window_minutes:
         policy = DegradationPolicy.objects.filter(deployment=deployment).first()
         before = policy_document(policy) if policy else None
         if policy is None:
-            policy = DegradationPolicy(deployment=deployment, created_by=actor if getattr(actor, "pk", None) else None)
+            policy = DegradationPolicy(deployment=deployment, created_by=actor_or_none(actor))
         policy.enabled, policy.window_minutes, policy.hold_s, policy.levels = enabled, window_minutes, hold_s, levels
         policy.save()
         policy.slos.set(slos)
@@ -169,7 +169,7 @@ def override_set(*, deployment: Deployment, actor, level: int, until: datetime, 
                            f"/api/v1/deployments/{deployment.name}/degradation/ first.")
         state = locked_state(deployment)
         state.override_level, state.override_until, state.override_reason = level, until, reason
-        state.override_by = actor if getattr(actor, "pk", None) else None
+        state.override_by = actor_or_none(actor)
         state.save(update_fields=["override_level", "override_until", "override_reason", "override_by"])
         audit_record(actor=actor, action="degradation.override", obj=deployment,
                      after={"level": level, "until": until.isoformat(), "reason": reason})

@@ -17,7 +17,7 @@ from deployments import gpus
 from deployments.choices import ACTIVE_ROLLOUT, Backend, DeploymentStatus, DriverName
 from deployments.models import Deployment
 from inferops.api import Conflict
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.celery import enqueue
 from inferops.validators import Problems
 from registry.models import ModelVersion, RegisteredModel
@@ -159,7 +159,7 @@ def deployment_build(*, name: str = "", model: RegisteredModel | None = None, ve
 
 def deployment_create(*, name: str, model: RegisteredModel, actor, **spec) -> Deployment:
     deployment = deployment_build(name=name, model=model, **spec)
-    deployment.created_by = actor if getattr(actor, "pk", None) else None
+    deployment.created_by = actor_or_none(actor)
     try:
         with transaction.atomic():
             deployment.save()

@@ -17,6 +17,11 @@ from inferops.models import AuditEvent
 SNAPSHOT_EXCLUDE = {"manifest"}
 
 
+def actor_or_none(actor):
+    """The user to store as who did something, or None for the system, a script or an anonymous caller."""
+    return actor if getattr(actor, "pk", None) else None
+
+
 def snapshot(obj) -> dict:
     data = model_to_dict(obj, exclude=list(SNAPSHOT_EXCLUDE))
     return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
@@ -24,7 +29,7 @@ def snapshot(obj) -> dict:
 
 def audit_record(*, actor, action: str, obj, before: dict | None = None, after: dict | None = None) -> AuditEvent:
     return AuditEvent.objects.create(
-        actor=actor if getattr(actor, "pk", None) else None,
+        actor=actor_or_none(actor),
         actor_name=getattr(actor, "username", None) or "system",
         action=action,
         object_type=obj._meta.label_lower,

@@ -7,7 +7,7 @@ from django.db import transaction
 from django.db.models import Max
 
 from inferops.api import Conflict
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.writes import create_audited, update_audited
 from registry import checkpoint
 from registry.models import Alias, ModelVersion, RegisteredModel
@@ -17,7 +17,7 @@ def model_create(*, name: str, task: str, actor, description: str = "", owner: s
                  tags: list[str] | None = None) -> RegisteredModel:
     model = RegisteredModel(
         name=name, task=task, description=description, owner=owner, tags=tags or [],
-        created_by=actor if getattr(actor, "pk", None) else None,
+        created_by=actor_or_none(actor),
     )
     return create_audited(model, actor=actor, action="model.create", taken=f"A model named {name!r} already exists.")
 
@@ -50,7 +50,7 @@ def version_register(*, model: RegisteredModel, artifact_uri: str, actor,
         version = ModelVersion.objects.create(
             model=model, number=latest + 1, artifact_uri=artifact_uri, digest=digest,
             manifest=manifest, description=description,
-            created_by=actor if getattr(actor, "pk", None) else None,
+            created_by=actor_or_none(actor),
             **facts.as_dict(),
         )
         audit_record(actor=actor, action="version.register", obj=version, after=snapshot(version))

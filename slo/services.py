@@ -8,7 +8,7 @@ import logging
 from django.db import IntegrityError, transaction
 
 from inferops.api import Conflict
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.locks import LockId, advisory_xact_lock
 from inferops.writes import create_audited, update_audited
 from slo.models import Slo, SloMinute, SloStatus
@@ -37,7 +37,7 @@ def _evaluate_soon(slo_id: int) -> None:
 
 
 def slo_create(*, actor, **fields) -> Slo:
-    slo = Slo(**fields, created_by=actor if getattr(actor, "pk", None) else None)
+    slo = Slo(**fields, created_by=actor_or_none(actor))
     create_audited(slo, actor=actor, action="slo.create", taken=f"An SLO named {fields.get('name')!r} already exists.",
                    also=lambda created: SloStatus.objects.create(slo=created))
     _evaluate_soon(slo.pk)

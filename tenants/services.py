@@ -10,7 +10,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from deployments.models import Deployment
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.writes import create_audited, update_audited
 from runtime.gateway.contract import hash_api_key
 from tenants import models as tenant_models
@@ -21,10 +21,6 @@ LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent")
 TENANT_FIELDS = ("display_name", *LIMIT_FIELDS)
 # Attempts at a fresh random prefix: 8 hex characters collide rarely, but they can.
 PREFIX_ATTEMPTS = 5
-
-
-def actor_or_none(actor):
-    return actor if getattr(actor, "pk", None) else None
 
 
 def key_snapshot(key: ApiKey) -> dict:

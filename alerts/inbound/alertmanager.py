@@ -22,7 +22,7 @@ from alerts.models import Alert, Integration, Silence, fingerprint_of
 from alerts.services import alert_raise, alert_resolve
 from alerts.silences.muting import matcher_holds
 from inferops.api import Conflict
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 from runtime.gateway.contract import hash_api_key
 
 TOKEN_PREFIX = "ioa_"
@@ -37,7 +37,7 @@ def integration_create(*, name: str, actor) -> tuple[Integration, str]:
     """A new integration and its token, which is returned here once and never stored."""
     token = f"{TOKEN_PREFIX}{secrets.token_urlsafe(30)}"
     integration = Integration(name=name, token_prefix=token[:12], token_hash=hash_api_key(token),
-                              created_by=actor if getattr(actor, "pk", None) else None)
+                              created_by=actor_or_none(actor))
     try:
         with transaction.atomic():
             integration.save()
@@ -140,7 +140,7 @@ def silence_create(*, matchers: list[dict], starts_at: datetime, ends_at: dateti
     with transaction.atomic():
         silence = Silence.objects.create(matchers=matchers, starts_at=starts_at, ends_at=ends_at,
                                          created_by=created_by, comment=comment,
-                                         author=actor if getattr(actor, "pk", None) else None)
+                                         author=actor_or_none(actor))
         audit_record(actor=actor, action="silence.create", obj=silence, after=snapshot(silence))
     return silence
 

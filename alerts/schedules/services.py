@@ -22,7 +22,7 @@ from django.db.models import Prefetch
 from alerts.choices import Rotation
 from alerts.models import EscalationStep, LayerMember, Schedule, ScheduleLayer, ScheduleOverride
 from inferops.api import Conflict
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 
 PERIOD = {Rotation.DAILY: timedelta(days=1), Rotation.WEEKLY: timedelta(days=7)}
 NEXT_CHANGE_HORIZON = timedelta(days=60)
@@ -283,7 +283,7 @@ def override_create(*, schedule: Schedule, username: str, starts_at: datetime, e
     if ends_at <= starts_at:
         raise ValidationError({"ends_at": ["ends_at must come after starts_at."]})
     override = ScheduleOverride(schedule=schedule, user=user, starts_at=starts_at, ends_at=ends_at, reason=reason,
-                                created_by=actor if getattr(actor, "pk", None) else None)
+                                created_by=actor_or_none(actor))
     override.full_clean()
     with transaction.atomic():
         override.save()

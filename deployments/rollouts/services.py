@@ -27,7 +27,7 @@ from deployments.services import (
     validate_runnable,
 )
 from inferops.api import Conflict
-from inferops.audit import audit_record, snapshot
+from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.validators import slug_validator
 from registry.services import resolve_version
 
@@ -115,7 +115,7 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
             rollback=rollback, override_reason=override_reason, stable_version=locked.version,
             stable_engine_args=locked.engine_args, candidate_version=candidate, candidate_engine_args=candidate_args,
             candidate_alias=alias or "", promote_alias=promote_alias, step_started_at=now,
-            created_by=actor if getattr(actor, "pk", None) else None,
+            created_by=actor_or_none(actor),
         )
         rollout.full_clean(exclude=["deployment", "stable_version", "candidate_version", "created_by"])
         add_timeline(rollout, now, "created", f"v{locked.version.number} → v{candidate.number} ({strategy})"
