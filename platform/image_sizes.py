@@ -1,4 +1,4 @@
-"""Disk size of the Python packages each image installs (README, Containers), measured from an
+"""Disk size of the Python packages each image installs (docs/operations.md, Containers), measured from an
 environment that has them all installed (`make install`'s .venv).
 
 No Docker engine runs on the development machines, so this sums the installed files of each

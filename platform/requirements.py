@@ -1,7 +1,7 @@
 """Print the pinned requirements of pyproject.toml for the given extras, one a line.
 
 The Dockerfile installs dependencies from this before copying the source, so a code change does
-not reinstall them; tests and the README's size table read the same lists.
+not reinstall them; tests and the size table of docs/operations.md read the same lists.
 usage: python requirements.py pyproject.toml [extra ...]
 """
 

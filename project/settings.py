@@ -1,6 +1,6 @@
 """Django settings, all read from the environment in this one file.
 
-Every variable has a row in README.md's Configuration table (tests/test_settings_doc.py fails
+Every variable has a row in docs/settings.md's Configuration table (tests/test_settings_doc.py fails
 when a variable read here has none). Without DATABASE_URL / REDIS_URL they point at the
 embedded Postgres and Redis under the data directory, which `inferops run` starts (see
 project/embedded.py); importing this module starts nothing, so an image build can run
@@ -306,7 +306,7 @@ CELERY_BEAT_SCHEDULE |= {
 
 # Costing (costing/): the ledger every minute (at most two minutes behind), budgets every 5 minutes,
 # month close looked for hourly. Decode tokens weigh 4x prefill tokens in the allocation to
-# tenants (README, Costing). INFEROPS_COST_LOCAL_CPUS: cores a local replica without cpu_threads
+# tenants (docs/costs.md). INFEROPS_COST_LOCAL_CPUS: cores a local replica without cpu_threads
 # or resources.cpu is charged for (default: this host's).
 INFEROPS_COST_TIER = env_str("INFEROPS_COST_TIER", "on-demand")
 INFEROPS_COST_LOCAL_CPUS = env_int("INFEROPS_COST_LOCAL_CPUS", 0)

@@ -2,7 +2,7 @@
 receiver `POST /api/v1/alerts/alertmanager/`, authenticated by an integration's bearer token.
 
 Point an Alertmanager at it with a `webhook_configs` entry whose `http_config.authorization`
-carries the token (README: "Alerts from your Alertmanager, silences").
+carries the token (docs/slo.md: "Alerts from your Alertmanager").
 """
 
 from __future__ import annotations
