@@ -48,9 +48,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE.parent))
 from scratch import (  # noqa: E402
+    ROOT,
     django_on_scratch_database,
     free_port,
     log,

@@ -42,7 +42,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from sampler_bench import add_timing_arguments, time_under_vllm  # noqa: E402
+from sampler_bench import add_timing_arguments, start_timing, time_under_vllm  # noqa: E402
 from serving_bench import add_vllm_preload_argument, emit_report, vllm_ld_preload  # noqa: E402
 
 from runtime.engine import kernels  # noqa: E402
@@ -236,9 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    args.work_dir.mkdir(parents=True, exist_ok=True)
+    args = start_timing(parse_args(argv), keep_freed_memory=False)
     implementations = {"engine": kernels.cpu_kernels()}
     if args.baseline:
         implementations[f"engine at {args.baseline}"] = baseline_kernels(args.baseline, args.work_dir)

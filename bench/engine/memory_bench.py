@@ -15,21 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import engine_runs as shared
 import torch
-from engine_runs import (
-    REPORTED,
-    SERVED_NAME,
-    MachineLoad,
-    RssSampler,
-    ServerSession,
-    add_run_arguments,
-    benchmark_model,
-    emit_report,
-    inferops_spec,
-    metric_total,
-    rss_bytes,
-    workload_report,
-)
 
 from runtime.engine.config import ModelConfig
 from runtime.engine.model_runner import kv_bytes_per_block
@@ -47,7 +34,7 @@ def blocks_for_sequences(num_sequences: int, args: argparse.Namespace) -> int:
 def burst_workload(base_url: str, model_dir: Path, args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         base_url=base_url,
-        model=SERVED_NAME,
+        model=shared.SERVED_NAME,
         num_prompts=args.num_prompts,
         input_len=LengthRange(args.input_len, args.input_len),
         output_len=LengthRange(args.output_len, args.output_len),
@@ -59,20 +46,20 @@ def burst_workload(base_url: str, model_dir: Path, args: argparse.Namespace) -> 
 
 def run_once(num_blocks: int, model_dir: Path, args: argparse.Namespace) -> dict:
     extra = ["--num-kv-blocks", str(num_blocks), "--block-size", str(args.block_size)]
-    spec = inferops_spec(model_dir, args.port, args.threads, extra)
+    spec = shared.inferops_spec(model_dir, args.port, args.threads, extra)
     per_block = kv_bytes_per_block(ModelConfig.from_dir(model_dir), args.block_size, torch.float32)
     try:
-        with ServerSession(spec, f"memory_{num_blocks}", model_dir, args, warm=False) as session:
+        with shared.ServerSession(spec, f"memory_{num_blocks}", model_dir, args, warm=False) as session:
             base_url, pid = session.base_url, session.server.process.pid
-            rss_ready = rss_bytes(pid) or 0
-            preemptions_before = metric_total(base_url, "vllm:num_preemptions_total")
+            rss_ready = shared.rss_bytes(pid) or 0
+            preemptions_before = shared.metric_total(base_url, "vllm:num_preemptions_total")
             print(f"benchmarking {num_blocks} KV blocks ...", file=sys.stderr)
-            with MachineLoad() as machine, RssSampler(pid) as rss:
+            with shared.MachineLoad() as machine, shared.RssSampler(pid) as rss:
                 metrics = run_benchmark(burst_workload(base_url, model_dir, args))
-            preemptions = metric_total(base_url, "vllm:num_preemptions_total") - preemptions_before
+            preemptions = shared.metric_total(base_url, "vllm:num_preemptions_total") - preemptions_before
     except RuntimeError as error:
         return {"skipped": str(error)}
-    result = {key: metrics[key] for key in REPORTED}
+    result = {key: metrics[key] for key in shared.REPORTED}
     result.update(
         num_kv_blocks=num_blocks,
         kv_pool_bytes=num_blocks * per_block,
@@ -88,7 +75,7 @@ def run_once(num_blocks: int, model_dir: Path, args: argparse.Namespace) -> dict
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_run_arguments(parser, port=8033)
+    shared.add_run_arguments(parser, port=8033)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
@@ -102,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = benchmark_model(args.model)
+    model_dir = shared.benchmark_model(args.model)
     small = blocks_for_sequences(args.fits_sequences, args)
     runs = {}
     # Alternating rounds, so that other work on a shared machine shows up as spread, not as a
@@ -110,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_number in range(1, args.rounds + 1):
         runs[f"small_pool_{round_number}"] = run_once(small, model_dir, args)
         runs[f"larger_pool_{round_number}"] = run_once(small * args.larger_factor, model_dir, args)
-    emit_report({**workload_report(args, model_dir), "runs": runs}, args.result_json)
+    shared.emit_report({**shared.workload_report(args, model_dir), "runs": runs}, args.result_json)
     return 0
 
 

@@ -20,20 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from engine_runs import (
-    REPORTED,
-    SERVED_NAME,
-    MachineLoad,
-    ServerSession,
-    ServerSpec,
-    add_run_arguments,
-    benchmark_model,
-    emit_report,
-    inferops_spec,
-    load_average,
-    vllm_spec,
-    workload_report,
-)
+import engine_runs as shared
 from serving_bench import (
     VLLM_PYTHON,
     add_dtype_argument,
@@ -54,7 +41,7 @@ def workload_b(
 ) -> BenchConfig:
     return BenchConfig(
         base_url=base_url,
-        model=SERVED_NAME,
+        model=shared.SERVED_NAME,
         num_prompts=args.num_prompts,
         request_rate=rate,
         input_len=LengthRange.parse(args.input_len, "input_len"),
@@ -69,7 +56,7 @@ def workload_b(
 
 
 
-def probe_saturation_rate(session: ServerSession, args: argparse.Namespace) -> dict:
+def probe_saturation_rate(session: shared.ServerSession, args: argparse.Namespace) -> dict:
     config = workload_b(session.base_url, session.model_dir, args, math.inf)
     config.num_prompts = args.probe_prompts
     print(f"probing with a burst of {args.probe_prompts} requests ...", file=sys.stderr)
@@ -78,26 +65,26 @@ def probe_saturation_rate(session: ServerSession, args: argparse.Namespace) -> d
         "probe_prompts": args.probe_prompts,
         "probe_request_throughput": metrics["request_throughput"],
         "probe_output_throughput": metrics["output_throughput"],
-        "probe_load_average_after": load_average(),
+        "probe_load_average_after": shared.load_average(),
     }
 
 
 def measure(
-    session: ServerSession, args: argparse.Namespace, rate: float, name: str, seed_offset: int
+    session: shared.ServerSession, args: argparse.Namespace, rate: float, name: str, seed_offset: int
 ) -> dict:
     print(f"benchmarking {name} at {rate:.3f} req/s ...", file=sys.stderr)
-    with MachineLoad() as machine:
+    with shared.MachineLoad() as machine:
         metrics = run_benchmark(
             workload_b(session.base_url, session.model_dir, args, rate, seed_offset)
         )
-    result = {key: metrics[key] for key in REPORTED}
+    result = {key: metrics[key] for key in shared.REPORTED}
     result.update(machine.fields())
     if args.per_request:
         result["requests"] = {key: metrics[key] for key in PER_REQUEST}
     return result
 
 
-def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
+def server_list(model_dir: Path, args: argparse.Namespace) -> list[shared.ServerSpec]:
     wanted = {name.strip() for name in args.servers.split(",")}
     # The same KV cache memory for both: vLLM's CPU backend otherwise sizes its own from free
     # RAM (2.6 GiB here), the engine's default is 512 MiB, and a larger pool keeps more of
@@ -108,12 +95,12 @@ def server_list(model_dir: Path, args: argparse.Namespace) -> list[ServerSpec]:
     kv = args.kv_cache_gib
     limits = ["--max-num-seqs", str(args.max_num_seqs),
               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    vllm = vllm_spec(model_dir, args.port, args.threads, args.dtype, args.vllm_preload)
+    vllm = shared.vllm_spec(model_dir, args.port, args.threads, args.dtype, args.vllm_preload)
     extra = shlex.split(args.inferops_args)
     specs = [
-        inferops_spec(model_dir, args.port, args.threads,
+        shared.inferops_spec(model_dir, args.port, args.threads,
                       ["--kv-cache-memory", f"{kv}GiB", *limits, *extra], args.dtype),
-        ServerSpec(vllm.name, [*vllm.command, *limits],
+        shared.ServerSpec(vllm.name, [*vllm.command, *limits],
                    {**vllm.env, "VLLM_CPU_KVCACHE_SPACE": str(kv)}),
     ]
     return [spec for spec in specs if spec.name in wanted]
@@ -128,7 +115,7 @@ def run_all(model_dir: Path, args: argparse.Namespace) -> tuple[dict, dict]:
             results[spec.name] = {"skipped": f"{VLLM_PYTHON} missing; run bench/engine/peers.sh"}
             continue
         try:
-            with ServerSession(spec, f"online_{spec.name}", model_dir, args) as session:
+            with shared.ServerSession(spec, f"online_{spec.name}", model_dir, args) as session:
                 if rates is None:
                     probe = probe_saturation_rate(session, args)
                     rates = [round(probe["probe_request_throughput"], 3)]
@@ -162,7 +149,7 @@ def parse_rates(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_run_arguments(parser, port=8034)
+    shared.add_run_arguments(parser, port=8034)
     parser.add_argument("--servers", default="inferops,vllm")
     parser.add_argument("--num-prompts", type=int, default=200)
     parser.add_argument("--input-len", default="32-512")
@@ -194,9 +181,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = benchmark_model(args.model)
+    model_dir = shared.benchmark_model(args.model)
     results, rate_info = run_all(model_dir, args)
-    report = {**workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
+    report = {**shared.workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
               "rate": rate_info, "servers": results}
     ours, peer = results.get("inferops", {}), results.get("vllm", {})
     if "max_goodput" in ours and "max_goodput" in peer:
@@ -206,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         report["target_met"] = ours["max_goodput"] >= GOODPUT_RATIO_TARGET * peer["max_goodput"] \
             and all(ours["by_rate"][rate]["p99_ttft_ms"] < peer["by_rate"][rate]["p99_ttft_ms"]
                     for rate in ours["by_rate"])
-    emit_report(report, args.result_json)
+    shared.emit_report(report, args.result_json)
     return 0
 
 

@@ -35,10 +35,9 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from sampler_bench import VOCABULARIES, add_timing_arguments, time_under_vllm  # noqa: E402
+from sampler_bench import VOCABULARIES, add_timing_arguments, start_timing, time_under_vllm  # noqa: E402
 from serving_bench import add_vllm_preload_argument, emit_report, vllm_ld_preload  # noqa: E402
 
-from runtime.engine.model_runner import keep_freed_memory_for_reuse  # noqa: E402
 from runtime.engine.sampling import SamplingParams, apply_penalties, token_logprobs  # noqa: E402
 
 SETTINGS = {
@@ -132,10 +131,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    keep_freed_memory_for_reuse()  # as the serving engine does at start (model_runner.py)
-    args.work_dir.mkdir(parents=True, exist_ok=True)
+    args = start_timing(parse_args(argv))
     cases, results, engine_results = [], {}, {}
     for vocab_name, vocab in VOCABULARIES.items():
         for rows in (int(r) for r in args.rows.split(",")):

@@ -17,18 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from engine_runs import (
-    REPORTED,
-    SERVED_NAME,
-    MachineLoad,
-    ServerSession,
-    add_run_arguments,
-    benchmark_model,
-    emit_report,
-    inferops_spec,
-    metric_total,
-    workload_report,
-)
+import engine_runs as shared
 from serving_bench import add_dtype_argument
 
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
@@ -44,7 +33,7 @@ SERVER_COUNTERS = (
 def shared_prefix_workload(base_url: str, model_dir: Path, args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         base_url=base_url,
-        model=SERVED_NAME,
+        model=shared.SERVED_NAME,
         num_prompts=args.num_prompts,
         request_rate=args.request_rate,
         input_len=LengthRange(args.suffix_len, args.suffix_len),
@@ -59,18 +48,18 @@ def shared_prefix_workload(base_url: str, model_dir: Path, args: argparse.Namesp
 
 
 def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Namespace) -> dict:
-    spec = inferops_spec(model_dir, args.port, args.threads, extra, args.dtype)
+    spec = shared.inferops_spec(model_dir, args.port, args.threads, extra, args.dtype)
     try:
-        with ServerSession(spec, f"prefix_{label}", model_dir, args) as session:
+        with shared.ServerSession(spec, f"prefix_{label}", model_dir, args) as session:
             base_url = session.base_url
-            before = {name: metric_total(base_url, name) for name in SERVER_COUNTERS}
+            before = {name: shared.metric_total(base_url, name) for name in SERVER_COUNTERS}
             print(f"benchmarking prefix cache {label} ...", file=sys.stderr)
-            with MachineLoad() as machine:
+            with shared.MachineLoad() as machine:
                 metrics = run_benchmark(shared_prefix_workload(base_url, model_dir, args))
-            counted = {name: metric_total(base_url, name) - before[name] for name in SERVER_COUNTERS}
+            counted = {name: shared.metric_total(base_url, name) - before[name] for name in SERVER_COUNTERS}
     except RuntimeError as error:
         return {"skipped": str(error)}
-    result = {key: metrics[key] for key in REPORTED}
+    result = {key: metrics[key] for key in shared.REPORTED}
     hits = counted["vllm:prefix_cache_hits_total"]
     queries = counted["vllm:prefix_cache_queries_total"]
     requests = counted["vllm:time_to_first_token_seconds_count"]
@@ -94,7 +83,7 @@ def run_once(label: str, extra: list[str], model_dir: Path, args: argparse.Names
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_run_arguments(parser, port=8032)
+    shared.add_run_arguments(parser, port=8032)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prefix-len", type=int, default=256)
     parser.add_argument("--suffix-len", type=int, default=16)
@@ -108,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = benchmark_model(args.model)
+    model_dir = shared.benchmark_model(args.model)
     flags = {"cache_on": ("on", []), "cache_off": ("off", ["--no-prefix-caching"])}
     # Alternating rounds (and an option for the order), so that a drift in the machine's load
     # shows up as spread between rounds rather than as a difference between the settings.
@@ -118,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_number in range(1, args.rounds + 1)
         for name in order
     }
-    report = {**workload_report(args, model_dir), "runs": runs}
+    report = {**shared.workload_report(args, model_dir), "runs": runs}
     ratios = [
         runs[f"cache_on_{n}"]["median_ttft_ms"] / runs[f"cache_off_{n}"]["median_ttft_ms"]
         for n in range(1, args.rounds + 1)
@@ -127,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if ratios:
         report["ttft_p50_on_over_off_per_round"] = [round(ratio, 3) for ratio in ratios]
         report["target_met"] = max(ratios) <= TTFT_RATIO_TARGET
-    emit_report(report, args.result_json)
+    shared.emit_report(report, args.result_json)
     return 0
 
 

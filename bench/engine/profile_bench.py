@@ -23,16 +23,7 @@ import sys
 import threading
 from pathlib import Path
 
-from engine_runs import (
-    SERVED_NAME,
-    MachineLoad,
-    ServerSession,
-    add_run_arguments,
-    benchmark_model,
-    emit_report,
-    inferops_spec,
-    port_is_free,
-)
+import engine_runs as shared
 
 from runtime.loadgen import BenchConfig, LengthRange, run_benchmark
 
@@ -146,7 +137,7 @@ def burst(base_url: str, model_dir: Path, num_prompts: int, workload: str = "A")
     16-256 out), all sent at once."""
     config = BenchConfig(
         base_url=base_url,
-        model=SERVED_NAME,
+        model=shared.SERVED_NAME,
         num_prompts=num_prompts,
         input_len=LengthRange(64, 64),
         output_len=LengthRange(64, 64),
@@ -161,7 +152,7 @@ def burst(base_url: str, model_dir: Path, num_prompts: int, workload: str = "A")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_run_arguments(parser, port=8035, seed=False)
+    shared.add_run_arguments(parser, port=8035, seed=False)
     parser.add_argument("--py-spy", default="/tmp/pyspy-venv/bin/py-spy")
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--workload", choices=("A", "B"), default="A")
@@ -172,8 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = benchmark_model(args.model)
-    if not port_is_free(args.port):
+    model_dir = shared.benchmark_model(args.model)
+    if not shared.port_is_free(args.port):
         print(f"port {args.port} is taken; pass --port", file=sys.stderr)
         return 1
     if shutil.which(args.py_spy) is None:  # a path, or a name on PATH
@@ -181,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
               "/tmp/pyspy-venv/bin/pip install py-spy, or pass --py-spy", file=sys.stderr)
         return 1
     raw_path = HERE / "work" / f"profile_{args.workload}.txt"
-    spec = inferops_spec(model_dir, args.port, args.threads, [])
-    with ServerSession(spec, "profile", model_dir, args, warm=False) as session:
+    spec = shared.inferops_spec(model_dir, args.port, args.threads, [])
+    with shared.ServerSession(spec, "profile", model_dir, args, warm=False) as session:
         run_benchmark(burst(session.base_url, model_dir, 2))
         workload = burst(session.base_url, model_dir, args.num_prompts, args.workload)
         throughputs: list[float] = []
@@ -196,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         load.start()
         spy = [args.py_spy, "record", "--pid", str(session.server.process.pid), "--duration", str(args.seconds),
                "--format", "raw", "--output", str(raw_path), "--threads", "--nonblocking"]
-        with MachineLoad() as machine:
+        with shared.MachineLoad() as machine:
             subprocess.run(spy, check=True, capture_output=True)
         load.join()
     report = {
@@ -211,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "output_throughput_per_burst": [round(value, 1) for value in throughputs],
         **summarise(read_collapsed(raw_path)),
     }
-    emit_report(report, args.result_json)
+    shared.emit_report(report, args.result_json)
     return 0
 
 

@@ -127,6 +127,16 @@ def add_timing_arguments(parser: argparse.ArgumentParser, reps: int, work_dir: s
     parser.add_argument("--result-json", type=Path, default=None)
 
 
+def start_timing(args: argparse.Namespace, *, keep_freed_memory: bool = True) -> argparse.Namespace:
+    """Set up as the serving engine runs: torch's threads as asked and, unless told not to, freed
+    memory kept for reuse (model_runner.py does it at start); the work dir made."""
+    torch.set_num_threads(args.threads)
+    if keep_freed_memory:
+        keep_freed_memory_for_reuse()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=32)
@@ -135,10 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    keep_freed_memory_for_reuse()  # as the serving engine does at start (model_runner.py)
-    args.work_dir.mkdir(parents=True, exist_ok=True)
+    args = start_timing(parse_args(argv))
     cases, results = [], {}
     for vocab_name, vocab in VOCABULARIES.items():
         for spread_name, spread in SPREADS.items():

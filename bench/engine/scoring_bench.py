@@ -27,17 +27,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from engine_runs import (  # noqa: E402
-    SERVED_NAME,
-    MachineLoad,
-    ServerSession,
-    add_run_arguments,
-    benchmark_model,
-    emit_report,
-    inferops_spec,
-    vllm_spec,
-    workload_report,
-)
+import engine_runs as shared  # noqa: E402
 from serving_bench import add_vllm_preload_argument, vllm_ld_preload  # noqa: E402
 
 from runtime.engine.config import ModelConfig  # noqa: E402
@@ -61,7 +51,7 @@ async def score_all(base_url: str, prompts: list[list[int]],
         async with limit:
             started = time.perf_counter()
             response = await client.post(f"{base_url}/v1/completions", json={
-                "model": SERVED_NAME, "prompt": prompts[index], "echo": True, "logprobs": 1,
+                "model": shared.SERVED_NAME, "prompt": prompts[index], "echo": True, "logprobs": 1,
                 "max_tokens": 1, "temperature": 0})
             latencies[index] = time.perf_counter() - started
             response.raise_for_status()
@@ -77,15 +67,15 @@ async def score_all(base_url: str, prompts: list[list[int]],
 
 def bench_one(name: str, model_dir: Path, prompts: list[list[int]],
               args: argparse.Namespace) -> dict:
-    spec = (inferops_spec(model_dir, args.port, args.threads, []) if name == "inferops"
-            else vllm_spec(model_dir, args.port, args.threads, preload=args.vllm_preload))
+    spec = (shared.inferops_spec(model_dir, args.port, args.threads, []) if name == "inferops"
+            else shared.vllm_spec(model_dir, args.port, args.threads, preload=args.vllm_preload))
     rounds, sums = [], []
     try:
-        with ServerSession(spec, f"scoring_{name}", model_dir, args, warm=False) as session:
+        with shared.ServerSession(spec, f"scoring_{name}", model_dir, args, warm=False) as session:
             asyncio.run(score_all(session.base_url, prompts[:4], 2))  # warm-up, not timed
             for round_number in range(1, args.rounds + 1):
                 print(f"{name}: round {round_number}", file=sys.stderr)
-                with MachineLoad() as machine:
+                with shared.MachineLoad() as machine:
                     seconds, latencies, sums = asyncio.run(
                         score_all(session.base_url, prompts, args.max_concurrency))
                 rounds.append({
@@ -103,7 +93,7 @@ def bench_one(name: str, model_dir: Path, prompts: list[list[int]],
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_run_arguments(parser, port=8035)
+    shared.add_run_arguments(parser, port=8035)
     parser.add_argument("--servers", default="inferops,vllm")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -115,11 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model_dir = benchmark_model(args.model)
+    model_dir = shared.benchmark_model(args.model)
     prompts = scoring_prompts(model_dir, args)
     servers = {name: bench_one(name, model_dir, prompts, args)
                for name in (n.strip() for n in args.servers.split(","))}
-    report = {**workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
+    report = {**shared.workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
               "servers": servers}
     ours, peer = servers.get("inferops", {}), servers.get("vllm", {})
     if "rounds" in ours and "rounds" in peer:
@@ -130,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                        strict=True))
     for result in servers.values():
         result.pop("summed_logprobs", None)
-    emit_report(report, args.result_json)
+    shared.emit_report(report, args.result_json)
     return 0
 
 

@@ -167,44 +167,17 @@ def server_specs(model_dir: Path, port: int, threads: int, dtype: str = "float32
                  vllm_preload: str = "docs") -> list[ServerSpec]:
     threads_env = {"OMP_NUM_THREADS": str(threads)}
     preload = vllm_ld_preload(vllm_preload)
+    # Both servers take vLLM's flags for these.
+    served = ["--model", str(model_dir), "--served-model-name", SERVED_NAME, "--port", str(port), "--dtype", dtype]
     inferops = ServerSpec(
         "inferops",
-        [
-            sys.executable,
-            "-m",
-            "project.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            SERVED_NAME,
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--dtype",
-            dtype,
-        ],
+        [sys.executable, "-m", "project.cli", "serve", *served, "--log-level", "warning"],
         threads_env,
     )
     vllm = ServerSpec(
         "vllm",
-        [
-            str(VLLM_PYTHON),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model_dir),
-            "--served-model-name",
-            SERVED_NAME,
-            "--port",
-            str(port),
-            "--dtype",
-            dtype,
-            "--enforce-eager",
-            "--gpu-memory-utilization",
-            "0.3",
-        ],
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", *served, "--enforce-eager",
+         "--gpu-memory-utilization", "0.3"],
         # vLLM's CPU backend keeps one core for its front end by default; give its engine the
         # same cores the built-in engine gets.
         {
