@@ -9,6 +9,7 @@ from alerts.routing import urls as routing_urls
 from alerts.schedules import urls as schedule_urls
 from alerts.silences import api as silence_api
 from alerts.silences import views as silence_views
+from inferops.roles import OPERATOR
 
 app_name = "alerts"
 
@@ -47,7 +48,8 @@ api_urlpatterns = [
     path("receivers/<int:pk>/",
          api.ReceiverViewSet.as_view({"get": "retrieve", "patch": "partial_update", "delete": "destroy"}),
          name="api-receiver-detail"),
-    path("receivers/<int:pk>/deliveries/", api.ReceiverViewSet.as_view({"get": "deliveries"}),
+    # A write to this read-only list is a 405 for an operator, as before the ViewSet (not the admin-only 403).
+    path("receivers/<int:pk>/deliveries/", api.ReceiverViewSet.as_view({"get": "deliveries"}, write_role=OPERATOR),
          name="api-receiver-deliveries"),
     path("integrations/", inbound_api.IntegrationViewSet.as_view({"get": "list", "post": "create"}),
          name="api-integration-list"),

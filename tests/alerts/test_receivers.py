@@ -387,3 +387,15 @@ def test_a_pagerduty_receiver_opens_one_incident_per_group_unless_told_per_alert
     moved = admin_api.patch(f"/api/v1/receivers/{pk}/", {"kind": "slack", "url": "https://hooks.example/T1"},
                             format="json")
     assert moved.status_code == 200 and moved.json()["incident_per"] == "group"
+
+
+@pytest.mark.django_db
+def test_a_write_to_a_receivers_delivery_list_is_refused_as_it_always_was(api):
+    """The list is read-only and admin-only to read: a viewer's POST is 403 (role), an operator's 405."""
+    receiver = api("admin").post("/api/v1/receivers/", {"name": "deliveries-405", "url": "http://127.0.0.1:9/hook"},
+                                 format="json").json()
+    url = f"/api/v1/receivers/{receiver['id']}/deliveries/"
+    assert api("viewer").post(url, {}, format="json").status_code == 403
+    assert api("operator").post(url, {}, format="json").status_code == 405
+    assert api("operator").get(url).status_code == 403
+    assert api("admin").get(url).status_code == 200
