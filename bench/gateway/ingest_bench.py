@@ -33,6 +33,7 @@ import resource
 import sys
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -72,6 +73,32 @@ def make_events(count: int, seed: int = 1) -> list[dict]:
             "error_kind": {429: "rate_limited", 503: "shed", 502: "upstream_error"}.get(status), "retries": 0,
         })
     return events
+
+
+def seed_slos(deployments: list[str]) -> int:
+    """Each deployment the events call, with an availability and a TTFT SLO already back-filled:
+    the usage pipeline judges every event against them at ingest (nothing seeded where the
+    pipeline predates that: such code judged events later, in the SLO evaluation)."""
+    from deployments.models import Deployment
+    from registry.models import ModelVersion, RegisteredModel
+    from slo.models import Slo
+
+    model = RegisteredModel.objects.create(name="bench-tiny", task="generate")
+    version = ModelVersion.objects.create(
+        model=model, number=1, artifact_uri="/nonexistent/bench", digest="0" * 64, manifest=[],
+        architecture="LlamaForCausalLM", parameter_count=1, hidden_size=64, num_layers=2, num_attention_heads=4,
+        num_kv_heads=2, head_dim=16, vocab_size=320, max_context=512, dtype="float32", weight_bytes=1,
+        kv_cache_bytes_per_token=1, has_tokenizer=True, has_chat_template=True)
+    now = datetime.now(UTC)
+    slos = []
+    for name in deployments:
+        deployment = Deployment.objects.create(name=name, model=model, version=version)
+        slos += [Slo(name=f"{name}-availability", deployment=deployment, sli_kind="availability", objective=0.99,
+                     watermark=now),
+                 Slo(name=f"{name}-ttft", deployment=deployment, sli_kind="latency", ttft_ms=100.0, objective=0.95,
+                     watermark=now)]
+    Slo.objects.bulk_create(slos)
+    return len(slos)
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -145,6 +172,7 @@ def run(args: argparse.Namespace) -> dict:
                  "point REDIS_URL at a database of the benchmark's own")
     try:
         events = make_events(args.events)
+        slo_count = seed_slos(sorted({event["deployment"] for event in events}))
         rng = random.Random(2)
         replayed = rng.sample(events, int(len(events) * args.replay_fraction))
         produce_s = produce(client, ingest.STREAM_KEY, events + replayed)
@@ -172,6 +200,12 @@ def run(args: argparse.Namespace) -> dict:
             "nothing_rejected": report.rejected == 0,
         }
         minute_rows = UsageMinute.objects.count()
+        # The pipeline's SLO fold: each availability SLO counted every request that was the
+        # server's to serve (not the 429s), exactly once.
+        from slo.models import SloMinute
+
+        counted = SloMinute.objects.filter(slo__sli_kind="availability").aggregate(total=Sum("total"))["total"]
+        checks["slo_minutes_count_each_served_event_once"] = counted == sum(e["status"] != 429 for e in events)
 
         # The peer on fresh tables, the first --peer-events events plus their share of replays.
         UsageEvent.objects.all().delete()
@@ -191,13 +225,14 @@ def run(args: argparse.Namespace) -> dict:
     rate = report.read / ingest_s
     peer_rate = len(peer_input) / peer_s
     return {
-        "what": "Redis stream -> Postgres usage ledger (raw events + per-minute roll-ups), one consumer process",
+        "what": "Redis stream -> Postgres usage ledger (raw events + per-minute roll-ups, SLO minutes and "
+                "verdicts, costing's hourly usage: the usage pipeline), one consumer process",
         "events": len(events), "replayed_entries": len(replayed), "entries": report.read,
         "batch_size": args.batch_size, "batches": report.batches,
         "produce_seconds": round(produce_s, 2), "ingest_seconds": round(ingest_s, 2),
         "entries_per_s": round(rate), "distinct_events_per_s": round(len(events) / ingest_s),
         "goal_events_per_s": GOAL_EVENTS_PER_S, "meets_goal": rate >= GOAL_EVENTS_PER_S,
-        "ledger_minute_rows": minute_rows,
+        "ledger_minute_rows": minute_rows, "slos_judged_at_ingest": slo_count,
         "consumer_cpu_seconds": round(python_cpu_s, 2), "postgres_backend_cpu_seconds": round(postgres_cpu_s, 2),
         # The consumer and its backend overlap (the reader thread), so with a core each the
         # busier of the two bounds the rate.
