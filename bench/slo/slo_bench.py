@@ -3,8 +3,9 @@
 Each scenario loads a scratch database with SLOs, their per-minute SLI rows (`SloMinute`, with
 running totals, as evaluation would have written them) for `history` days, and usage events at
 a steady rate for the same days. Then it runs timed cycles the way beat does: before each cycle
-one more minute of events arrives (one batch, ingested now), and `slo.evaluation.evaluate_slos`
-folds it in and evaluates every SLO (window sums, 7 burn rates, 8 alert windows, statuses,
+one more minute of events arrives (one batch, through ingest, whose usage pipeline adds it into
+the SLO minutes, untimed), and `slo.evaluation.evaluate_slos` derives the running totals of the
+minutes it touched and evaluates every SLO (window sums, 7 burn rates, 8 alert windows, statuses,
 alerts). The peer, in the same run and on the same rows, is the naive evaluation: for each SLO,
 one query summing its minute rows over the budget window and each burn window (what a
 full-window recompute reads; it grows with the window that history fills).
@@ -137,24 +138,24 @@ def load(slo_count: int, deployment_count: int, days: int, start_minute: datetim
 
 
 def arrive(minute: datetime, ingested_at: datetime, deployment_names: list[str], cycle: int) -> None:
-    """One minute of new traffic for every deployment, ingested now (as the ingest task would);
-    one deployment in seven fails 5 requests in 30, so alerts open and update as part of the cost."""
-    from django.db import connection
+    """One minute of new traffic for every deployment, stored by the ingest code (whose usage
+    pipeline adds it into the SLO minutes); one deployment in seven fails 5 requests in 30, so
+    alerts open and update as part of the cost. `ingested_at` is the database's now()."""
+    from tenants.ingest import store_events
 
-    with connection.cursor() as cursor:
-        cursor.execute(
-            """
-            INSERT INTO tenants_usageevent (request_id, time, tenant, key_prefix, deployment, version, replica,
-                priority, endpoint, stream, prompt_tokens, completion_tokens, ttft_ms, tpot_ms, e2e_ms, status,
-                finish_reason, error_kind, retries, ingested_at)
-            SELECT 'c' || %s || '-' || d || '-' || n, %s::timestamptz + n * interval '1 second', 'acme', '0a1b2c3d',
-                   d, 1, 1, 0, 'chat', true, 10, 20, 100 + n * 10, 20 + n, 400 + n * 50,
-                   CASE WHEN n < 5 AND right(d, 3)::int %% 7 = 3 THEN 503 ELSE 200 END, 'stop',
-                   CASE WHEN n < 5 AND right(d, 3)::int %% 7 = 3 THEN 'upstream_error' END, 0, %s
-            FROM unnest(%s::text[]) AS d, generate_series(0, %s - 1) AS n
-            """,
-            [cycle, minute, ingested_at, deployment_names, NEW_EVENTS_PER_MINUTE],
-        )
+    events = []
+    for d in deployment_names:
+        failing = int(d[-3:]) % 7 == 3
+        for n in range(NEW_EVENTS_PER_MINUTE):
+            failed = failing and n < 5
+            events.append({
+                "request_id": f"c{cycle}-{d}-{n}", "time": minute.timestamp() + n, "tenant": "acme",
+                "key_prefix": "0a1b2c3d", "deployment": d, "version": 1, "replica": 1, "priority": 0,
+                "endpoint": "chat", "stream": True, "prompt_tokens": 10, "completion_tokens": 20,
+                "ttft_ms": 100.0 + n * 10, "tpot_ms": 20.0 + n, "e2e_ms": 400.0 + n * 50,
+                "status": 503 if failed else 200, "finish_reason": "stop",
+                "error_kind": "upstream_error" if failed else None, "retries": 0})
+    store_events(events)
 
 
 def naive_cycle(slos: list, now: datetime) -> float:
