@@ -12,6 +12,7 @@ from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.locks import LockId, advisory_xact_lock
 from inferops.writes import create_audited, update_audited
 from slo.models import Slo, SloMinute, SloStatus
+from slo.usage import FOLD_LOCK
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ def slo_delete(*, slo: Slo, actor) -> None:
         # Waits for a running evaluation cycle (it holds this key) so the cycle never writes a
         # status or an alert for an SLO that vanished under it; the next cycle skips it.
         advisory_xact_lock(LockId.SLO_EVALUATION)
+        # And for the usage batches adding into its minutes (slo/usage.py): none may add a row after
+        # its minutes are deleted; later batches no longer find it.
+        advisory_xact_lock(LockId.SLO_EVALUATION, FOLD_LOCK[1])
         for alert in slo.alerts.filter(status__in=OPEN_STATUSES):
             alert_resolve(alert=alert, now=timezone.now())
         audit_record(actor=actor, action="slo.delete", obj=slo, before=snapshot(slo))
