@@ -202,6 +202,19 @@ def _attention_result(out: torch.Tensor, status: int) -> torch.Tensor:
     return out
 
 
+def _attention_call(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    kv_bf16: bool, window: int | None, *tables) -> torch.Tensor:
+    """Run a paged attention kernel: q's and the caches' data, the kernel's own `tables` (which blocks,
+    which rows), then the shapes, window, scale, output and threads both kernels take in that order."""
+    _, num_heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    return _attention_result(out, kernel(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0], *tables,
+        num_heads, kv_heads, head_dim, block_size, window or 0, head_dim**-0.5, out.data_ptr(), kv_bf16,
+        torch.get_num_threads(),
+    ))
+
+
 class CpuKernels:
     """The compiled kernels of csrc/, each checking the shapes it is given before the call.
 
@@ -243,14 +256,8 @@ class CpuKernels:
             raise ValueError("paged attention kernel got mismatched shapes")
         if rows == 0:
             return out
-        _, num_heads, head_dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        return _attention_result(out, self._paged_attention_f32(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
-            block_tables.data_ptr(), context_lens.data_ptr(), rows, block_tables.shape[1],
-            num_heads, kv_heads, head_dim, block_size, window or 0, head_dim**-0.5,
-            out.data_ptr(), kv_bf16, torch.get_num_threads(),
-        ))
+        return _attention_call(self._paged_attention_f32, q, k_cache, v_cache, out, kv_bf16, window,
+                               block_tables.data_ptr(), context_lens.data_ptr(), rows, block_tables.shape[1])
 
     def paged_prefill_attention(
         self,
@@ -274,14 +281,8 @@ class CpuKernels:
             raise ValueError("block_table must be one contiguous row of int32")
         if rows == 0:
             return out
-        _, num_heads, head_dim = q.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        return _attention_result(out, self._paged_prefill_attention_f32(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[0],
-            block_table.data_ptr(), block_table.shape[0], start, rows, num_heads, kv_heads,
-            head_dim, block_size, window or 0, head_dim**-0.5, out.data_ptr(), kv_bf16,
-            torch.get_num_threads(),
-        ))
+        return _attention_call(self._paged_prefill_attention_f32, q, k_cache, v_cache, out, kv_bf16, window,
+                               block_table.data_ptr(), block_table.shape[0], start, rows)
 
     def add_rms_norm(
         self, hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
