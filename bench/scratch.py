@@ -1,6 +1,6 @@
 """A scratch database for the control-plane benchmarks: made fresh on the Postgres of
 DATABASE_URL, Django set up on it, dropped when the benchmark is done; how they wait for the
-processes they start, find them a port, log progress and read a percentile."""
+processes they start, find them a port, log progress and read a percentile; a model version to deploy."""
 
 from __future__ import annotations
 
@@ -74,3 +74,17 @@ def percentile(values: list[float], q: float) -> float | None:
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def bench_model_version():
+    """A registered model and its one version, with facts but no checkpoint behind them, for a bench's
+    deployments: (model, version)."""
+    from registry.models import ModelVersion, RegisteredModel
+
+    model = RegisteredModel.objects.create(name="bench-tiny", task="generate")
+    version = ModelVersion.objects.create(
+        model=model, number=1, artifact_uri="/nonexistent/bench", digest="0" * 64, manifest=[],
+        architecture="LlamaForCausalLM", parameter_count=1, hidden_size=64, num_layers=2, num_attention_heads=4,
+        num_kv_heads=2, head_dim=16, vocab_size=320, max_context=512, dtype="float32", weight_bytes=1,
+        kv_cache_bytes_per_token=1, has_tokenizer=True, has_chat_template=True)
+    return model, version

@@ -38,7 +38,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from scratch import django_on_scratch_database, recreate_scratch_database  # noqa: E402  (bench/scratch.py)
+from scratch import (  # noqa: E402  (bench/scratch.py)
+    bench_model_version,
+    django_on_scratch_database,
+    recreate_scratch_database,
+)
 
 SCRATCH_DB = "inferops_bench_ingest"
 GOAL_EVENTS_PER_S = 5000
@@ -80,15 +84,9 @@ def seed_slos(deployments: list[str]) -> int:
     the usage pipeline judges every event against them at ingest (nothing seeded where the
     pipeline predates that: such code judged events later, in the SLO evaluation)."""
     from deployments.models import Deployment
-    from registry.models import ModelVersion, RegisteredModel
     from slo.models import Slo
 
-    model = RegisteredModel.objects.create(name="bench-tiny", task="generate")
-    version = ModelVersion.objects.create(
-        model=model, number=1, artifact_uri="/nonexistent/bench", digest="0" * 64, manifest=[],
-        architecture="LlamaForCausalLM", parameter_count=1, hidden_size=64, num_layers=2, num_attention_heads=4,
-        num_kv_heads=2, head_dim=16, vocab_size=320, max_context=512, dtype="float32", weight_bytes=1,
-        kv_cache_bytes_per_token=1, has_tokenizer=True, has_chat_template=True)
+    model, version = bench_model_version()
     now = datetime.now(UTC)
     slos = []
     for name in deployments:
