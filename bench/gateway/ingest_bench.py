@@ -38,11 +38,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from scratch import (  # noqa: E402  (bench/scratch.py)
-    bench_model_version,
-    django_on_scratch_database,
-    recreate_scratch_database,
-)
+from scratch import bench_model_version, django_on_scratch_database, recreate_scratch_database  # noqa: E402
 
 SCRATCH_DB = "inferops_bench_ingest"
 GOAL_EVENTS_PER_S = 5000

@@ -39,11 +39,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from scratch import (  # noqa: E402  (bench/scratch.py)
-    bench_model_version,
-    django_on_scratch_database,
-    recreate_scratch_database,
-)
+from scratch import bench_model_version, django_on_scratch_database, recreate_scratch_database  # noqa: E402
 
 SCRATCH_DB = "inferops_bench_slo"
 SCENARIOS = {"1000x1d": (1000, 100, 1), "100x1d": (100, 10, 1), "100x30d": (100, 10, 30)}
