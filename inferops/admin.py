@@ -20,6 +20,10 @@ class ServiceAdmin(admin.ModelAdmin):
     delete_object(request, obj) for the writes they allow; each calls one service."""
 
     create_object = update_object = delete_object = None
+    readonly_after_create: tuple[str, ...] = ()  # what names the object: typed when it is made, fixed after
+
+    def get_readonly_fields(self, request, obj=None):
+        return [*super().get_readonly_fields(request, obj), *(self.readonly_after_create if obj else ())]
 
     def has_add_permission(self, request) -> bool:
         return self.create_object is not None and super().has_add_permission(request)

@@ -10,9 +10,7 @@ class RegisteredModelAdmin(ServiceAdmin):
     list_display = ["name", "task", "owner", "updated_at"]
     search_fields = ["name", "description", "owner"]
     fields = ["name", "task", "description", "owner", "tags"]
-
-    def get_readonly_fields(self, request, obj=None):
-        return ["name", "task"] if obj else []
+    readonly_after_create = ("name", "task")
 
     def create_object(self, request, fields):
         return services.model_create(actor=request.user, **fields)
@@ -33,9 +31,7 @@ class ModelVersionAdmin(ServiceAdmin):
 class AliasAdmin(ServiceAdmin):
     list_display = ["model", "name", "version", "updated_at"]
     fields = ["model", "name", "version"]
-
-    def get_readonly_fields(self, request, obj=None):
-        return ["model", "name"] if obj else []  # an alias is moved, not renamed
+    readonly_after_create = ("model", "name")  # an alias is moved, not renamed
 
     def create_object(self, request, fields):
         alias, _ = services.alias_set(actor=request.user, **fields)

@@ -10,9 +10,7 @@ class TenantAdmin(ServiceAdmin):
     list_display = ["name", "display_name", "rpm_limit", "tpm_limit", "max_concurrent", "updated_at"]
     search_fields = ["name", "display_name"]
     fields = ["name", *services.TENANT_FIELDS]
-
-    def get_readonly_fields(self, request, obj=None):
-        return ["name"] if obj else []
+    readonly_after_create = ("name",)
 
     def create_object(self, request, fields):
         return services.tenant_create(actor=request.user, **fields)
