@@ -152,9 +152,6 @@ class UsageEvent(models.Model):
             # Retention pruning deletes by time alone. Rows arrive roughly in time order, so a BRIN
             # index serves it at almost no cost per insert (a third btree slowed ingestion).
             BrinIndex(fields=["time"], name="usage_event_time_brin"),
-            # SLO evaluation reads only the events ingested since its watermark; ingested_at only
-            # grows, so BRIN keeps that read proportional to new events at almost no insert cost.
-            BrinIndex(fields=["ingested_at"], name="usage_event_ingested_brin"),
         ]
 
     def __str__(self) -> str:
