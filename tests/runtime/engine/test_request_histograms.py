@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.runtime.engine.test_server_http import GREEDY, make_client, wait_ready
+from tests.runtime.engine.replica_http import GREEDY, make_client, wait_ready
 
 PHASES = ("vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
           "vllm:request_inference_time_seconds", "vllm:request_queue_time_seconds")
