@@ -24,6 +24,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.waiting import wait_until
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 MODEL = "tiny"
 ADMIN = {"Authorization": "Bearer test-admin"}
@@ -54,19 +56,15 @@ class ServerProcess:
                                      stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited early:\n{self.log_path.read_text()}")
-            try:
-                health = httpx.get(f"{self.base_url}/health", timeout=1)
-                self.health_seen.append((health.status_code, health.json()["status"]))
-                if health.status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server not ready in {timeout}s:\n{self.log_path.read_text()}")
+            health = httpx.get(f"{self.base_url}/health", timeout=1)
+            self.health_seen.append((health.status_code, health.json()["status"]))
+            return health.status_code == 200
+
+        wait_until(ready, lambda: f"the server to be ready\n{self.log_path.read_text()}", timeout, 0.1,
+                   ignore=(httpx.TransportError,))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -367,10 +365,8 @@ def test_client_disconnect_aborts_the_request(server):
         assert next(lines).startswith("data: ")
         assert scrape(server)[("vllm:num_requests_running", None)] == 1
     # Leaving the block closed the connection mid-stream.
-    deadline = time.monotonic() + 3
-    while scrape(server)[("vllm:num_requests_running", None)] != 0:
-        assert time.monotonic() < deadline, "the aborted request kept running"
-        time.sleep(0.05)
+    wait_until(lambda: scrape(server)[("vllm:num_requests_running", None)] == 0,
+               "the aborted request to stop running", 3)
     after = scrape(server)
     assert after[("vllm:request_success_total", "abort")] == \
         before[("vllm:request_success_total", "abort")] + 1
@@ -388,14 +384,10 @@ def test_disconnect_during_a_non_streamed_request_aborts_it(server):
         client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: replica\r\n"
                        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                        % (len(body), body))
-        deadline = time.monotonic() + 5
-        while scrape(server)[("vllm:num_requests_running", None)] == 0:
-            assert time.monotonic() < deadline, "the request never started"
-    deadline = time.monotonic() + 3
-    while scrape(server)[("vllm:request_success_total", "abort")] == \
-            before[("vllm:request_success_total", "abort")]:
-        assert time.monotonic() < deadline, "the abandoned request was not aborted"
-        time.sleep(0.05)
+        wait_until(lambda: scrape(server)[("vllm:num_requests_running", None)] > 0, "the request to start", 5,
+                   interval=0)
+    wait_until(lambda: scrape(server)[("vllm:request_success_total", "abort")] >
+               before[("vllm:request_success_total", "abort")], "the abandoned request to be aborted", 3)
     after = scrape(server)
     assert after[("vllm:num_requests_running", None)] == 0
     assert after[("vllm:generation_tokens_total", None)] - \
@@ -506,10 +498,12 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(server):
     worker.start()
     assert streaming.wait(30)  # in flight now: 40 tokens at 40 ms take 1.6 s more
     server.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 1
-    while (health := httpx.get(f"{server.base_url}/health")).status_code == 200:
-        assert time.monotonic() < deadline, "SIGTERM did not start draining"
-        time.sleep(0.02)
+
+    def draining() -> httpx.Response | None:
+        health = httpx.get(f"{server.base_url}/health")
+        return health if health.status_code != 200 else None
+
+    health = wait_until(draining, "SIGTERM to start draining", 1, 0.02)
     assert health.status_code == 503 and health.json()["status"] == "draining"
     refused = httpx.post(f"{server.base_url}/v1/completions",
                          json={"model": MODEL, "prompt": "x"})
