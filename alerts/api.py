@@ -14,7 +14,7 @@ from alerts import services
 from alerts.choices import AlertStatus, IncidentPer, ReceiverKind, Severity
 from alerts.models import Alert, AlertEvent, Delivery, Receiver
 from alerts.receivers.kinds import PAGERDUTY_EVENTS_URL
-from inferops.api import CONFLICT, ERRORS, Conflict, ErrorSerializer, RejectUnknownFields
+from inferops.api import CONFLICT, ERRORS, Conflict, ErrorSerializer, PlainMetadata, RejectUnknownFields
 from inferops.roles import ADMIN
 from inferops.validators import slug_validator
 
@@ -132,6 +132,7 @@ class DeliverySerializer(serializers.ModelSerializer):
 class AlertViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     # Alerts are read here and changed only by their actions: ack, resolve, snooze, comment.
     serializer_class = AlertSerializer
+    metadata_class = PlainMetadata  # OPTIONS without `actions`, as the APIViews before it answered
 
     def get_queryset(self):
         if self.action != "list":

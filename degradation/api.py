@@ -16,7 +16,7 @@ from degradation import services
 from degradation.engine import covering_slos
 from degradation.models import DegradationPolicy, DegradationState
 from deployments.models import Deployment
-from inferops.api import ERRORS, ErrorSerializer, RejectUnknownFields
+from inferops.api import ERRORS, ErrorSerializer, PlainMetadata, RejectUnknownFields
 from inferops.timeparse import DURATION_HINT, parse_duration, parse_time
 from inferops.validators import slug_validator
 from slo.models import Slo
@@ -247,6 +247,7 @@ def _deployment(name: str) -> Deployment:
 class DegradationViewSet(viewsets.GenericViewSet):
     # A deployment's one policy (get, create or replace) and the operator's override of its level.
     # Comments, not a docstring: drf-spectacular would print a docstring as every operation's description.
+    metadata_class = PlainMetadata  # OPTIONS without `actions`, as the APIViews before it answered
     @extend_schema(responses={200: DegradationSerializer, **DEGRADATION_ERRORS},
                    summary="A deployment's degradation policy and where it stands")
     def retrieve(self, request, name: str):

@@ -11,6 +11,7 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import exceptions, generics, serializers
+from rest_framework.metadata import SimpleMetadata
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from inferops.models import AuditEvent
@@ -57,6 +58,14 @@ class RejectUnknownFields:
         if unknown:
             raise serializers.ValidationError(unknown)
         return attrs
+
+
+class PlainMetadata(SimpleMetadata):
+    """OPTIONS as a plain APIView answers it: no `actions`, which a ViewSet would read from its
+    serializer_class (not what an action like ack takes, and a 500 where a ViewSet has none)."""
+
+    def determine_actions(self, request, view):
+        return {}
 
 
 def query_time(value: str | None, field: str, default: datetime) -> datetime:

@@ -9,7 +9,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
 
-from inferops.api import CONFLICT, ERRORS, TOO_LARGE
+from inferops.api import CONFLICT, ERRORS, TOO_LARGE, PlainMetadata
 from inferops.validators import slug_validator
 from registry import services
 from registry.checkpoint import CheckpointError
@@ -206,6 +206,7 @@ class VersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.
 class AliasViewSet(mixins.ListModelMixin, viewsets.GenericViewSet):
     # A model's aliases: the list is one page (a model has few), an alias reads as its version.
     serializer_class = AliasSerializer
+    metadata_class = PlainMetadata  # OPTIONS without `actions`, as the APIViews before it answered
     pagination_class = None
     lookup_field = "alias"
 

@@ -20,7 +20,7 @@ from alerts.matchers import matcher_problem
 from alerts.models import EscalationPolicy, Receiver, Route, Schedule
 from alerts.routing import services as route_services
 from alerts.routing.dispatch import default_route
-from inferops.api import ERRORS, ErrorSerializer, RejectUnknownFields
+from inferops.api import ERRORS, ErrorSerializer, PlainMetadata, RejectUnknownFields
 from inferops.validators import slug_validator
 
 CONFLICT = {409: OpenApiResponse(ErrorSerializer, description="A name taken, or something still uses it.")}
@@ -84,6 +84,7 @@ class RouteSerializer(RejectUnknownFields, serializers.ModelSerializer):
 class RouteViewSet(mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     # The routing tree is one unpaginated list, the default route first; PUT changes a route as PATCH does.
     serializer_class = RouteSerializer
+    metadata_class = PlainMetadata  # OPTIONS without `actions`, as the APIViews before it answered
     queryset = Route.objects.all()
     pagination_class = None
 
@@ -180,6 +181,7 @@ def policies():
 class EscalationPolicyViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     # Few policies: one unpaginated list. A policy is replaced whole (PUT), its steps with it.
     serializer_class = EscalationPolicySerializer
+    metadata_class = PlainMetadata  # OPTIONS without `actions`, as the APIViews before it answered
     pagination_class = None
     lookup_field = "name"
 

@@ -29,7 +29,7 @@ from alerts.choices import Rotation
 from alerts.models import Schedule, ScheduleOverride
 from alerts.schedules import services as schedules
 from alerts.silences.api import TimeField
-from inferops.api import CONFLICT, ERRORS, ErrorSerializer, RejectUnknownFields, query_time
+from inferops.api import CONFLICT, ERRORS, ErrorSerializer, PlainMetadata, RejectUnknownFields, query_time
 from inferops.validators import slug_validator
 
 DEFAULT_SPAN = timedelta(days=14)
@@ -148,6 +148,7 @@ def save_arguments(data: dict) -> dict:
 class ScheduleViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     # Schedules (one unpaginated list, by name; PUT replaces the layers), who is on call, and the shifts.
     serializer_class = ScheduleSerializer
+    metadata_class = PlainMetadata  # OPTIONS without `actions`, as the APIViews before it answered
     queryset = Schedule.objects.all()
     pagination_class = None
     lookup_field = "name"
@@ -215,6 +216,7 @@ class ScheduleViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
 class ScheduleOverrideViewSet(viewsets.GenericViewSet):
     # A schedule's overrides are added and removed; they are read with the schedule.
     serializer_class = OverrideSerializer
+    metadata_class = PlainMetadata  # OPTIONS without `actions`, as the APIViews before it answered
 
     def get_queryset(self):
         return ScheduleOverride.objects.filter(schedule=get_schedule(self.kwargs["name"]))

@@ -18,7 +18,7 @@ from alerts.inbound import alertmanager as inbound
 from alerts.matchers import OPERATORS, matcher_problem
 from alerts.models import Silence
 from alerts.silences.muting import matcher_holds
-from inferops.api import ERRORS, ErrorSerializer, RejectUnknownFields
+from inferops.api import ERRORS, ErrorSerializer, PlainMetadata, RejectUnknownFields
 from inferops.timeparse import parse_time
 
 STATES = ("active", "pending", "expired")
@@ -147,6 +147,7 @@ def silences_in_state(state: str, now):
 class SilenceViewSet(mixins.RetrieveModelMixin, viewsets.GenericViewSet):
     # The list is one bare page, as Alertmanager's; a silence is expired, never deleted.
     serializer_class = SilenceSerializer
+    metadata_class = PlainMetadata  # OPTIONS without `actions`, as the APIViews before it answered
     queryset = Silence.objects.all()
     pagination_class = None
 

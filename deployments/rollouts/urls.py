@@ -3,6 +3,7 @@
 from django.urls import path
 
 from deployments.rollouts import api, views
+from inferops.api import PlainMetadata
 
 urlpatterns = [
     path("<slug:name>/rollouts/new/", views.rollout_start, name="rollout-start"),
@@ -20,17 +21,23 @@ urlpatterns = [
          name="rollout-auto-rollback-off"),
 ]
 
+# An action's OPTIONS has no `actions` (a rollout's fields are not what it takes), as before the ViewSet.
+ACTION = {"metadata_class": PlainMetadata}
+
 api_urlpatterns = [
     path("deployments/<str:name>/rollouts/", api.RolloutViewSet.as_view({"get": "list", "post": "create"}),
          name="api-rollout-list"),
-    path("deployments/<str:name>/rollouts/undo/", api.RolloutViewSet.as_view({"post": "undo"}),
+    path("deployments/<str:name>/rollouts/undo/", api.RolloutViewSet.as_view({"post": "undo"}, **ACTION),
          name="api-rollout-undo"),
     path("deployments/<str:name>/rollouts/<int:rollout_id>/",
          api.RolloutViewSet.as_view({"get": "retrieve", "patch": "partial_update"}), name="api-rollout-detail"),
-    path("deployments/<str:name>/rollouts/<int:rollout_id>/promote/", api.RolloutViewSet.as_view({"post": "promote"}),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/promote/",
+         api.RolloutViewSet.as_view({"post": "promote"}, **ACTION),
          name="api-rollout-promote"),
-    path("deployments/<str:name>/rollouts/<int:rollout_id>/abort/", api.RolloutViewSet.as_view({"post": "abort"}),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/abort/",
+         api.RolloutViewSet.as_view({"post": "abort"}, **ACTION),
          name="api-rollout-abort"),
-    path("deployments/<str:name>/rollouts/<int:rollout_id>/retry/", api.RolloutViewSet.as_view({"post": "retry"}),
+    path("deployments/<str:name>/rollouts/<int:rollout_id>/retry/",
+         api.RolloutViewSet.as_view({"post": "retry"}, **ACTION),
          name="api-rollout-retry"),
 ]
