@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -15,6 +14,7 @@ from django.conf import settings
 from django.db import connection
 
 from project.embedded import postgres_url_for_socket_dir
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,17 +54,13 @@ class Process:
                                      stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"exited early:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.health_url, timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"not healthy in {timeout} s:\n{self.log_path.read_text()}")
+            return httpx.get(self.health_url, timeout=1).status_code == 200
+
+        wait_until(healthy, lambda: f"{self.health_url} to answer 200\n{self.log_path.read_text()}", timeout, 0.1,
+                   ignore=(httpx.TransportError,))
 
     def stop(self) -> None:
         if self.proc.poll() is None:

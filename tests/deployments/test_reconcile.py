@@ -22,6 +22,7 @@ from deployments.replicas import routing
 from deployments.replicas.drivers.local import LocalProcessDriver, find_replica_process, process_start_time
 from deployments.replicas.reconcile import Reconciler, backoff_s, reconcile_deployment
 from registry import services as registry_services
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -51,16 +52,19 @@ def live_replicas(deployment):
     return list(Replica.objects.filter(deployment=deployment).exclude(state=ReplicaState.STOPPED))
 
 
-def reconcile_until(deployment, predicate, timeout=90.0, interval=0.3):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def reconcile_until(deployment, predicate, timeout=90.0, interval=0.3) -> float:
+    """Reconcile passes until `predicate(deployment)` holds; returns when it did (time.monotonic())."""
+
+    def converged():
         reconcile_deployment(deployment.pk)
         deployment.refresh_from_db()
-        if predicate(deployment):
-            return time.monotonic()
-        time.sleep(interval)
-    states = [(r.pk, r.version.number, r.state, r.last_error) for r in deployment.replica_set.all()]
-    raise AssertionError(f"not converged within {timeout}s: {deployment.status} {states}")
+        return predicate(deployment) and time.monotonic()
+
+    def states():
+        replicas = [(r.pk, r.version.number, r.state, r.last_error) for r in deployment.replica_set.all()]
+        return f"convergence: {deployment.status} {replicas}"
+
+    return wait_until(converged, states, timeout, interval)
 
 
 def all_ready(count, version=None):
@@ -211,10 +215,7 @@ def test_scale_down_then_delete_drains_everything(tiny_model, operator, cleanup)
     pids = [r.identity["pid"] for r in Replica.objects.filter(deployment=deployment)]
 
     deployment_services.deployment_delete(deployment=deployment, actor=operator)
-    deadline = time.monotonic() + 60
-    while reconcile_deployment(deployment.pk) != "deleted":
-        assert time.monotonic() < deadline, "deployment not deleted in time"
-        time.sleep(0.3)
+    wait_until(lambda: reconcile_deployment(deployment.pk) == "deleted", "the deployment to be deleted", 60, 0.3)
     assert not Deployment.objects.filter(pk=deployment.pk).exists()
     assert "shrink" not in routing.read_table()
 
@@ -222,10 +223,7 @@ def test_scale_down_then_delete_drains_everything(tiny_model, operator, cleanup)
         for pid in pids:
             LocalProcessDriver()._reap(type("R", (), {"identity": {"pid": pid}})())
         return [pid for pid in pids if process_start_time(pid) is not None]  # None: gone, or a zombie
-    deadline = time.monotonic() + 10
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert running() == []
+    wait_until(lambda: running() == [], lambda: f"every replica process to exit (running: {running()})", 10, 0.1)
 
 
 def test_broken_checkpoint_crash_loops_with_backoff(tiny_model, operator, cleanup, tmp_path, tiny_llama_dir):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
+
+from tests.waiting import wait_until
 
 DEPLOYMENT = os.environ.get("TWIN_DEPLOYMENT", "twin")
 
@@ -25,14 +26,16 @@ def reconcile_until(predicate, timeout: float = 90) -> None:
     from deployments.models import Deployment
     from deployments.replicas.reconcile import reconcile_deployment
 
-    deadline = time.monotonic() + timeout
     deployment = Deployment.objects.get(name=DEPLOYMENT)
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"twin: not converged within {timeout}s: "
-                             f"{list(deployment.replica_set.values('pk', 'state', 'last_error'))}")
+
+    def converged() -> bool:
+        if predicate():
+            return True
         reconcile_deployment(deployment.pk)
-        time.sleep(0.3)
+        return False
+
+    replicas = deployment.replica_set.values("pk", "state", "last_error")
+    wait_until(converged, lambda: f"twin: convergence: {list(replicas)}", timeout, 0.3)
 
 
 def live():
