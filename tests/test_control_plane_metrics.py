@@ -27,6 +27,7 @@ from slo.models import SloMinute
 from tenants.ingest import GROUP as USAGE_GROUP
 from tests.services import database_url
 from tests.slo.conftest import NOW, event, insert_events, make_deployment
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -170,10 +171,13 @@ def test_a_real_worker_process_counts_its_failures_where_web_reads_them(make_use
         stderr=subprocess.STDOUT, start_new_session=True)
     try:
         fail.delay("in a worker")
-        deadline = time.monotonic() + 90
-        while redis_client().hget(TASK_FAILURES_KEY, fail.name) is None:
-            assert worker.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
-            time.sleep(0.5)
+
+        def counted() -> bool:
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+            return redis_client().hget(TASK_FAILURES_KEY, fail.name) is not None
+
+        wait_until(counted, lambda: f"the worker to count the failure\n{(tmp_path / 'worker.log').read_text()}",
+                   90, 0.5)
     finally:
         worker.terminate()
         worker.wait(30)

@@ -6,7 +6,8 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from tests.waiting import wait_until
 
 PROBE = """
 import json, os, pathlib
@@ -53,11 +54,7 @@ def test_embedded_services_start_serve_and_stop(tmp_path):
     # The process that started them stopped them on exit.
     redis_pid = int((tmp_path / "data" / "redis" / "redis.pid").read_text()) if (
         tmp_path / "data" / "redis" / "redis.pid").exists() else None
-    deadline = time.monotonic() + 60  # a fast shutdown checkpoint can take a while on a loaded machine
-    while time.monotonic() < deadline and (
-        (tmp_path / "data" / "postgres" / "postmaster.pid").exists()
-        or (redis_pid and pid_alive(redis_pid))
-    ):
-        time.sleep(0.2)
-    assert not (tmp_path / "data" / "postgres" / "postmaster.pid").exists()
-    assert not (redis_pid and pid_alive(redis_pid))
+    postmaster = tmp_path / "data" / "postgres" / "postmaster.pid"
+    # 60 s: a fast shutdown checkpoint can take a while on a loaded machine.
+    wait_until(lambda: not postmaster.exists(), "the embedded Postgres to stop", 60, 0.2)
+    wait_until(lambda: not (redis_pid and pid_alive(redis_pid)), "the embedded Redis to stop", 60, 0.2)

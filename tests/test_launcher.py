@@ -13,11 +13,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import requests
 
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 
 def descendants(pid: int) -> set[int]:
@@ -50,18 +50,13 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
     reader.start()
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        health = None
-        while time.monotonic() < deadline:
-            try:
-                health = requests.get(f"{base}/healthz", timeout=2).json()
-                if health.get("worker") == "ok":
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
+        def worker_ok() -> dict | None:
+            health = requests.get(f"{base}/healthz", timeout=2).json()
+            return health if health.get("worker") == "ok" else None
+
+        health = wait_until(worker_ok, lambda: f"the worker's health to be ok\n{''.join(output)}", 120, 0.5,
+                            ignore=(requests.RequestException,))
         text = "".join(output)
-        assert health and health["worker"] == "ok", text
         assert health["database"] == "ok" and health["redis"] == "ok"
         assert f"console   {base}/" in text
         password = re.search(r"log in as 'admin' with password (\S+)", text).group(1)
@@ -76,10 +71,11 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
         assert response.url == f"{base}/"  # the home page: who is on call, what is firing
 
         # The demo deployment: a real replica of the demo checkpoint, answering within a minute.
-        deadline = time.monotonic() + 120
-        while "The demo deployment is ready" not in "".join(output):
-            assert time.monotonic() < deadline and process.poll() is None, "".join(output)
-            time.sleep(0.5)
+        def demo_ready() -> bool:
+            assert process.poll() is None, "".join(output)
+            return "The demo deployment is ready" in "".join(output)
+
+        wait_until(demo_ready, lambda: f"the demo deployment\n{''.join(output)}", 120, 0.5)
         # The end of start-up says how to log in again, and the password stays in a file only its owner reads.
         ready = "".join(output).split("The demo deployment is ready", 1)[1]
         assert f"log in as 'admin' with password {password}" in ready
@@ -121,7 +117,4 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
     def alive():
         return [pid for pid in children if os.path.exists(f"/proc/{pid}") and
                 open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
-    deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert alive() == [], "".join(output)
+    wait_until(lambda: alive() == [], lambda: f"every child to exit (alive: {alive()})\n{''.join(output)}", 10, 0.1)

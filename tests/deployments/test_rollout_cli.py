@@ -15,11 +15,12 @@ from deployments.models import Deployment, Rollout
 from deployments.rollouts import machine as rollout_machine
 from deployments.rollouts import services as rollouts
 from deployments.rollouts import watch as rollout_watch
-from project import cli
+from project import cli, rollout_cli
 from registry.models import RegisteredModel
 from tests.conftest import free_port
 from tests.deployments.conftest import make_version
 from tests.deployments.test_rollouts_api import exhaust_budget
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -49,10 +50,8 @@ def in_thread(action, delay: float = 1.5) -> threading.Thread:
 
     def run():
         try:
-            deadline = time.monotonic() + 30
-            while not (active := Rollout.objects.filter(status__in=("progressing", "paused")).first()):
-                assert time.monotonic() < deadline, "the CLI never created the rollout"
-                time.sleep(0.05)
+            active = wait_until(lambda: Rollout.objects.filter(status__in=("progressing", "paused")).first(),
+                                "the CLI to create the rollout", 30)
             time.sleep(delay)
             action(active)
         finally:
@@ -132,7 +131,7 @@ def finish(active: Rollout) -> Rollout:
     return Rollout.objects.get(pk=active.pk)
 
 
-def test_wait_follows_the_watch_after_success_and_fails_when_the_platform_rolls_back(ci, capsys):
+def test_wait_follows_the_watch_after_success_and_fails_when_the_platform_rolls_back(ci, capsys, monkeypatch):
     wait = ("--wait", "--poll-interval", "0.1")
     finisher = in_thread(finish)
     code = rollout("--version", "2", "--watch", "2s", *wait)
@@ -142,9 +141,15 @@ def test_wait_follows_the_watch_after_success_and_fails_when_the_platform_rolls_
     assert "succeeded, watching v2 until" in out and "v2 serves all traffic on chat and passed its watch." in out
     assert Rollout.objects.get(candidate_version__number=2).watch_s == 2
 
+    described: list[dict] = []  # what the CLI has polled and printed, in order
+    describe = rollout_cli.describe
+    monkeypatch.setattr(rollout_cli, "describe", lambda rollout: described.append(rollout) or describe(rollout))
+
     def finish_then_roll_back(active):
         done = finish(active)
-        time.sleep(1)  # the CLI sees the watch first
+        # The CLI sees the watch first.
+        wait_until(lambda: any(r["id"] == done.pk and r.get("watching") for r in described),
+                   "the CLI to see the watch", 30)
         rollout_watch.roll_back(done, done.deployment, timezone.now(), "chat-ttft burn rate: new 20.0, limit 2.0")
 
     roller = in_thread(finish_then_roll_back)
