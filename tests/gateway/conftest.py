@@ -41,6 +41,7 @@ from runtime.gateway.contract import (
 )
 from runtime.gateway.server import Gateway, GatewaySettings
 from tests.conftest import free_port
+from tests.waiting import wait_until
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/13")
 
@@ -58,11 +59,13 @@ class ThreadedServer:
 
     def start(self) -> ThreadedServer:
         self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
+
+        def started() -> bool:
+            if not self.server.started and not self.thread.is_alive():
                 raise RuntimeError(f"server on port {self.port} did not start")
-            time.sleep(0.01)
+            return self.server.started
+
+        wait_until(started, f"the server on port {self.port} to start", 10, 0.01)
         return self
 
     def stop(self) -> None:
@@ -235,13 +238,13 @@ class Control:
         return [json.loads(fields[b"e"]) for _, fields in self.redis.xrange(USAGE_STREAM)]
 
     def wait_events(self, count: int, timeout: float = 5.0) -> list[dict]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        """The usage events, once at least `count` are in the stream."""
+
+        def enough() -> list[dict] | None:
             events = self.events()
-            if len(events) >= count:
-                return events
-            time.sleep(0.02)
-        return self.events()
+            return events if len(events) >= count else None
+
+        return wait_until(enough, lambda: f"{count} usage events (have {len(self.events())})", timeout, 0.02)
 
 
 def _limits(values: dict | None) -> dict:

@@ -29,6 +29,7 @@ from runtime.loadgen import (
     run_benchmark,
     summarize,
 )
+from tests.waiting import wait_until
 
 TTFT_S = 0.05
 CHUNK_GAP_S = 0.01
@@ -116,10 +117,7 @@ def responder_server():
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "responder did not start"
+    wait_until(lambda: server.started, "the responder to start", 10, 0.02)
     yield responder, f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=5)
