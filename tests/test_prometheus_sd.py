@@ -15,6 +15,7 @@ from deployments.models import Replica
 from inferops.redis_client import redis_client
 from runtime.gateway.contract import GATEWAY_STALE_S, GATEWAYS_KEY
 from tests.deployments.metrics_helpers import deployment_with_replicas
+from tests.waiting import wait_until
 
 URL = "/api/v1/prometheus/sd/"
 
@@ -106,10 +107,9 @@ def test_a_gateway_announces_itself_and_leaves_on_shutdown(tmp_path, db):
 
     async def run():
         await gateway.startup()
-        deadline = time.monotonic() + 5
-        while not redis_client().hexists(GATEWAYS_KEY, "gw-test"):
-            assert time.monotonic() < deadline, "the gateway never announced itself"
-            await asyncio.sleep(0.02)
+        # Polled from a thread: the announcement runs on this event loop.
+        await asyncio.to_thread(wait_until, lambda: redis_client().hexists(GATEWAYS_KEY, "gw-test"),
+                                "the gateway to announce itself", 5, 0.02)
         entry = json.loads(redis_client().hget(GATEWAYS_KEY, "gw-test"))
         await gateway.shutdown()
         return entry
