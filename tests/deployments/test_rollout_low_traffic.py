@@ -15,7 +15,7 @@ from deployments.choices import Verdict
 from deployments.models import RolloutMeasurement
 from deployments.rollouts.gate import Measurement, low_traffic_guard, min_events
 from deployments.rollouts.spec import normalise
-from tests.deployments.test_rollouts import start, world  # noqa: F401  (the fixture)
+from tests.deployments.conftest import start
 
 CONFIG = {"duration": 120.0, "min_requests": 20, "max_burn_rate": 2.0, "thresholds": {}}
 
@@ -98,7 +98,7 @@ def test_spec_takes_min_events_per_analysis_step():
         assert "steps[0].analysis.min_events: expected an integer" in str(caught.value)
 
 
-def test_one_slow_request_does_not_abort_a_canary_and_the_page_says_why(world, client):  # noqa: F811
+def test_one_slow_request_does_not_abort_a_canary_and_the_page_says_why(world, client):
     rollout = start(world, version=2, steps=[{"set_weight": 50}, {"analysis": {"duration": "60s"}}])
     world.tick()
     world.tick()

@@ -17,19 +17,19 @@ from inferops.api import Conflict
 from inferops.models import AuditEvent
 from registry.models import Alias
 from slo.services import slo_create
-from tests.deployments.test_rollouts import start, world  # noqa: F401 - the fixture
+from tests.deployments.conftest import start
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 FROZEN = {"level": 1, "name": "protect", "freeze_rollouts": True, "shed_below_priority": 5}
 
 
-def ttft_slo(world):  # noqa: F811
+def ttft_slo(world):
     return slo_create(actor=world.user, name="chat-ttft", scope="deployment", deployment=world.deployment,
                       sli_kind="latency", ttft_ms=200, objective=0.99, window="1d", budgeting="occurrences")
 
 
-def succeed(world, **kwargs) -> Rollout:  # noqa: F811
+def succeed(world, **kwargs) -> Rollout:
     """A canary to v2 whose analysis passes on healthy traffic (stable serving beside it), then succeeds."""
     start(world, version=2, steps=[{"set_weight": 50}, {"analysis": {"duration": "30s", "min_requests": 10}}],
           **kwargs)
@@ -45,12 +45,12 @@ def succeed(world, **kwargs) -> Rollout:  # noqa: F811
     return rollout
 
 
-def set_degradation(world, degradation):  # noqa: F811
+def set_degradation(world, degradation):
     Deployment.objects.filter(pk=world.deployment.pk).update(degradation=degradation)
     world.deployment.refresh_from_db()
 
 
-def test_new_version_that_burns_beside_its_holdback_is_rolled_back_by_the_platform(world):  # noqa: F811
+def test_new_version_that_burns_beside_its_holdback_is_rolled_back_by_the_platform(world):
     ttft_slo(world)
     rollout = succeed(world, watch="5m")
     assert rollout.watch_until == rollout.finished_at + timedelta(minutes=5) and rollout.watching
@@ -100,7 +100,7 @@ def test_new_version_that_burns_beside_its_holdback_is_rolled_back_by_the_platfo
     assert RolloutMeasurement.objects.filter(rollout=rollback).count() == 0  # a rollback is never watched
 
 
-def test_turned_off_during_the_watch_the_platform_leaves_a_burning_version_alone(world):  # noqa: F811
+def test_turned_off_during_the_watch_the_platform_leaves_a_burning_version_alone(world):
     ttft_slo(world)
     rollout = succeed(world, watch="1m")
     world.events(world.live(2), 20)
@@ -124,7 +124,7 @@ def test_turned_off_during_the_watch_the_platform_leaves_a_burning_version_alone
     assert RolloutMeasurement.objects.filter(rollout=rollout, step_index=2).count() == 1
 
 
-def test_no_rollback_when_the_previous_version_burned_as_well(world):  # noqa: F811
+def test_no_rollback_when_the_previous_version_burned_as_well(world):
     ttft_slo(world)
     rollout = succeed(world)
     v1 = list(world.deployment.replica_set.filter(version__number=1))
@@ -138,7 +138,7 @@ def test_no_rollback_when_the_previous_version_burned_as_well(world):  # noqa: F
     assert look.stable["requests"] == 70
 
 
-def test_a_later_change_of_the_deployment_ends_the_watch(world):  # noqa: F811
+def test_a_later_change_of_the_deployment_ends_the_watch(world):
     rollout = succeed(world)
     deployment_services.deployment_update(deployment=world.deployment, actor=world.user, version=1)
     world.tick()
@@ -147,7 +147,7 @@ def test_a_later_change_of_the_deployment_ends_the_watch(world):  # noqa: F811
     assert rollout.timeline[-1]["event"] == "watch ended"
 
 
-def test_a_frozen_deployment_refuses_new_rollouts_and_holds_a_running_canary(world):  # noqa: F811
+def test_a_frozen_deployment_refuses_new_rollouts_and_holds_a_running_canary(world):
     rollout = start(world, version=2, steps=[{"set_weight": 25}, {"pause": "30s"}, {"set_weight": 50}])
     world.tick()
     world.tick()  # 25 %, then the pause
@@ -172,7 +172,7 @@ def test_a_frozen_deployment_refuses_new_rollouts_and_holds_a_running_canary(wor
     assert world.rollout().weight == 50
 
 
-def test_rollbacks_go_ahead_while_frozen(world):  # noqa: F811
+def test_rollbacks_go_ahead_while_frozen(world):
     set_degradation(world, FROZEN)
     with pytest.raises(Conflict) as refused:
         start(world, version=2)

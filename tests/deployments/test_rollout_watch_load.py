@@ -22,19 +22,19 @@ from slo.models import SloStatus
 from slo.rollout_gate import worse_p_value
 from slo.services import slo_create
 from tenants.models import UsageEvent
-from tests.deployments.test_rollouts import start, world  # noqa: F401 - the fixture
+from tests.deployments.conftest import start
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 SLOW_MS, FAST_MS = 400.0, 50.0  # against the SLO's 200 ms
 
 
-def ttft_slo(world):  # noqa: F811
+def ttft_slo(world):
     return slo_create(actor=world.user, name="chat-ttft", scope="deployment", deployment=world.deployment,
                       sli_kind="latency", ttft_ms=200, objective=0.99, window="1d", budgeting="occurrences")
 
 
-def traffic(world, replicas, *, per_replica_per_s: float, seconds: float, slow_every: int = 0,  # noqa: F811
+def traffic(world, replicas, *, per_replica_per_s: float, seconds: float, slow_every: int = 0,
             queue: float | None = None) -> None:
     """Requests that started over the `seconds` before the world's clock, evenly spread: each replica
     serves `per_replica_per_s`; every `slow_every`-th is slow (0: none, 1: all). With `queue`, the scraper
@@ -58,7 +58,7 @@ def traffic(world, replicas, *, per_replica_per_s: float, seconds: float, slow_e
                 minute += timedelta(minutes=1)
 
 
-def promote_at(world, rate: float, **kwargs) -> Rollout:  # noqa: F811
+def promote_at(world, rate: float, **kwargs) -> Rollout:
     """v1 → v2 (the same checkpoint: an identical version) by a 50% canary whose analysis passes, with
     every replica serving `rate` requests per second, all fast; succeeded, in its watch."""
     start(world, version=2, steps=[{"set_weight": 50}, {"analysis": {"duration": "30s", "min_requests": 10}}],
@@ -75,7 +75,7 @@ def promote_at(world, rate: float, **kwargs) -> Rollout:  # noqa: F811
     return rollout
 
 
-def watch_for(world, seconds: int, **traffic_args) -> list[RolloutMeasurement]:  # noqa: F811
+def watch_for(world, seconds: int, **traffic_args) -> list[RolloutMeasurement]:
     """`seconds` of the watch in 10 s passes, with this traffic on v2 (and its holdback, if any) in each."""
     for _ in range(seconds // 10):
         world.now += timedelta(seconds=10)
@@ -87,7 +87,7 @@ def watch_for(world, seconds: int, **traffic_args) -> list[RolloutMeasurement]: 
     return list(RolloutMeasurement.objects.filter(rollout=watched, step_index=len(watched.steps)).order_by("taken_at"))
 
 
-def test_identical_version_is_not_rolled_back_when_the_load_triples_beside_its_holdback(world):  # noqa: F811
+def test_identical_version_is_not_rolled_back_when_the_load_triples_beside_its_holdback(world):
     """The machine slows down under three times the load: v2 and the held-back v1 alike."""
     ttft_slo(world)
     rollout = promote_at(world, 1.0)
@@ -105,7 +105,7 @@ def test_identical_version_is_not_rolled_back_when_the_load_triples_beside_its_h
     assert last.candidate["load"]["requests_per_s_per_replica"] == pytest.approx(3.0, rel=0.05)
 
 
-def test_identical_version_is_not_rolled_back_when_the_load_triples_and_it_queues(world):  # noqa: F811
+def test_identical_version_is_not_rolled_back_when_the_load_triples_and_it_queues(world):
     """Without a holdback (0%), v2 is compared with v1 before it: three times the requests per replica,
     a queue on every replica, a third of them slow. Load, not the version: never rolled back."""
     ttft_slo(world)
@@ -129,7 +129,7 @@ def test_identical_version_is_not_rolled_back_when_the_load_triples_and_it_queue
     assert world.rollout().status == "succeeded" and looks[-1].verdict == "running"
 
 
-def test_identical_version_is_not_blamed_for_its_queue_beside_a_lighter_holdback(world):  # noqa: F811
+def test_identical_version_is_not_blamed_for_its_queue_beside_a_lighter_holdback(world):
     """The holdback's replica takes 5% of the traffic, v2's replicas the rest: under three times the load
     only v2 queues and turns slow. Its share per replica, not the version, explains that."""
     ttft_slo(world)
@@ -145,7 +145,7 @@ def test_identical_version_is_not_blamed_for_its_queue_beside_a_lighter_holdback
     assert "carried 3.8× the previous one's requests per replica with 6 requests waiting" in check["note"]
 
 
-def test_slower_version_is_still_rolled_back_beside_its_holdback(world):  # noqa: F811
+def test_slower_version_is_still_rolled_back_beside_its_holdback(world):
     ttft_slo(world)
     rollout = promote_at(world, 1.0)
     looks = watch_for(world, 60, v2={"per_replica_per_s": 1.0, "slow_every": 1},
@@ -159,7 +159,7 @@ def test_slower_version_is_still_rolled_back_beside_its_holdback(world):  # noqa
     assert "load: new 0.833 req/s per replica on 2; previous 0.833 req/s per replica on 1." in rollout.message
 
 
-def test_slower_version_is_rolled_back_against_the_past_while_its_holdback_cannot_tell(world):  # noqa: F811
+def test_slower_version_is_rolled_back_against_the_past_while_its_holdback_cannot_tell(world):
     """A fifth of v2's requests are slow; v1's small holdback served too few to show that by itself."""
     ttft_slo(world)
     rollout = promote_at(world, 1.0)
@@ -173,7 +173,7 @@ def test_slower_version_is_rolled_back_against_the_past_while_its_holdback_canno
     assert "before it" in rollout.message and "Persisted for 30s" in rollout.message
 
 
-def test_slower_version_is_still_rolled_back_without_a_holdback_once_the_burn_persists(world):  # noqa: F811
+def test_slower_version_is_still_rolled_back_without_a_holdback_once_the_burn_persists(world):
     ttft_slo(world)
     rollout = promote_at(world, 1.0, holdback=0)
     looks = watch_for(world, 30, v2={"per_replica_per_s": 1.0, "slow_every": 1})
@@ -188,7 +188,7 @@ def test_slower_version_is_still_rolled_back_without_a_holdback_once_the_burn_pe
     assert "before it" in rollout.message and "Persisted for 30s" in rollout.message
 
 
-def test_a_burst_that_passes_is_not_rolled_back(world):  # noqa: F811
+def test_a_burst_that_passes_is_not_rolled_back(world):
     """Without a holdback, one slow stretch of the new version is not enough: the burn must persist."""
     ttft_slo(world)
     rollout = promote_at(world, 1.0, holdback=0)
@@ -212,7 +212,7 @@ def test_worse_p_value_is_fishers_exact_test():
 
 
 def test_undo_after_an_automatic_rollback_redeploys_the_rejected_version_only_with_a_reason(
-        world, api, client, make_user):  # noqa: F811
+        world, api, client, make_user):
     ttft_slo(world)
     rejected = promote_at(world, 1.0)
     watch_for(world, 20, v2={"per_replica_per_s": 1.0, "slow_every": 1}, v1={"per_replica_per_s": 1.0})
@@ -256,7 +256,7 @@ def test_undo_after_an_automatic_rollback_redeploys_the_rejected_version_only_wi
     assert audit.after == {"rejected_by_platform_in": rejected.pk, "reason": "fixed the tokenizer"}
 
 
-def test_undo_from_the_console_asks_why_before_redeploying_a_rejected_version(world, client, make_user):  # noqa: F811
+def test_undo_from_the_console_asks_why_before_redeploying_a_rejected_version(world, client, make_user):
     ttft_slo(world)
     rejected = promote_at(world, 1.0)
     watch_for(world, 20, v2={"per_replica_per_s": 1.0, "slow_every": 1}, v1={"per_replica_per_s": 1.0})
