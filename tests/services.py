@@ -14,6 +14,7 @@ from django.conf import settings
 from django.db import connection
 
 from project.embedded import postgres_url_for_socket_dir
+from tests.processes import stop_process
 from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -63,11 +64,5 @@ class Process:
                    ignore=(httpx.TransportError,))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
         self.log.close()

@@ -25,6 +25,7 @@ from slo.budget import MINUTE
 from slo.evaluation import evaluate_slos
 from slo.models import SloMinute
 from tenants.ingest import GROUP as USAGE_GROUP
+from tests.processes import stop_process
 from tests.services import database_url
 from tests.slo.conftest import NOW, event, insert_events, make_deployment
 from tests.waiting import wait_until
@@ -179,8 +180,7 @@ def test_a_real_worker_process_counts_its_failures_where_web_reads_them(make_use
         wait_until(counted, lambda: f"the worker to count the failure\n{(tmp_path / 'worker.log').read_text()}",
                    90, 0.5)
     finally:
-        worker.terminate()
-        worker.wait(30)
+        stop_process(worker, 30)
         log.close()
     samples = [s for s in scrape(make_user("viewer"))["inferops_celery_task_failures"] if s.name.endswith("_total")]
     assert values(samples) == {(fail.name,): 1}

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ import pytest
 from inferops.celery import app
 from inferops.redis_client import redis_client
 from project import launcher
+from tests.processes import stop_process
 from tests.waiting import wait_until
 
 
@@ -42,12 +42,7 @@ class Running:
         return "".join(self.lines)
 
     def stop(self) -> None:
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_process(self.process, 30, group=True)
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from deployments.models import Replica
 from slo.prometheus_rules import render_rules
 from tests.conftest import free_port
 from tests.deployments.metrics_helpers import deployment_with_replicas
+from tests.processes import stop_process
 from tests.services import Process
 from tests.waiting import wait_until
 
@@ -57,12 +58,7 @@ def prometheus(tmp_path):
 
     yield start
     for process, log in processes:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
+        stop_process(process)
         log.close()
 
 

@@ -32,6 +32,7 @@ from tenants.ingest import ingest_usage
 from tenants.models import UsageMinute
 from tests.conftest import free_port
 from tests.deployments.test_reconcile import all_ready, reconcile_until
+from tests.processes import stop_process
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
@@ -54,9 +55,8 @@ class RedisServer:
         wait_until(lambda: redis.Redis.from_url(self.url).ping(), "redis", 10, 0.2, ignore=(redis.ConnectionError,))
 
     def stop(self):
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
+        if self.process:
+            stop_process(self.process)
 
 
 @pytest.fixture
@@ -223,5 +223,4 @@ def test_postgres_stopped_gateway_serves_and_console_says_unavailable(platform, 
         for i in range(4):  # the data plane never needed it
             assert one_request(platform["client"], i)[0] == "ok"
     finally:
-        web.terminate()
-        web.wait(10)
+        stop_process(web)

@@ -11,8 +11,6 @@ does; nothing leaves the machine.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from datetime import timedelta
 
@@ -25,6 +23,7 @@ from alerts.models import Alert, Delivery, Notification, Receiver
 from tests.alerts.conftest import RecordingReceiver
 from tests.alerts.test_receivers import smtp_server  # noqa: F401
 from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
+from tests.processes import stop_process
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
@@ -92,8 +91,7 @@ def test_page_acknowledged_from_the_signed_link_then_resolved(worker_env, tmp_pa
         wait_until(lambda: alert.events.filter(kind="notified").count() == 6,
                    lambda: f"six notified events: {list(alert.events.values_list('kind', 'text'))}", 30, 0.5)
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(30)
+        stop_process(worker, 30, group=True)
 
     # Each transition once to each receiver that should hear it.
     assert sorted(Notification.objects.values_list("receiver__name", "alert_status", "status")) == [
@@ -189,8 +187,7 @@ def test_alertmanager_payload_routed_grouped_and_escalated(worker_env, tmp_path,
         assert secondary.requests[1]["body"]["status"] == "resolved"
         time.sleep(3)  # a few more ticks: nothing else goes out
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(30)
+        stop_process(worker, 30, group=True)
         team.close()
         secondary.close()
 

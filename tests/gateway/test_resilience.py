@@ -15,6 +15,7 @@ import redis
 
 from tests.conftest import free_port
 from tests.gateway.conftest import Control
+from tests.processes import stop_process
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(90),
@@ -38,9 +39,8 @@ class RedisProcess:
         client.close()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 from tenants import ingest, publish, services
 from tenants.models import UsageEvent, UsageMinute
 from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
+from tests.processes import stop_process
 from tests.tenants.conftest import usage_event, xadd_events
 from tests.waiting import wait_until
 
@@ -43,8 +44,7 @@ def test_beat_republishes_keys_and_ingests_usage(worker_env, tmp_path, redis_con
         wait_until(lambda: UsageEvent.objects.count() == 300 and everything_acked(redis_conn),
                    lambda: f"300 events stored and acked ({UsageEvent.objects.count()} stored)\n{log()}", 60, 0.5)
     finally:
-        worker.terminate()
-        worker.wait(timeout=30)
+        stop_process(worker, 30)
     rows = UsageMinute.objects.filter(tenant="acme")
     assert sum(r.requests for r in rows) == 300
     assert sum(r.prompt_tokens for r in rows) == sum(range(300))
