@@ -37,6 +37,14 @@ def page(browser):
     context.close()
 
 
+@pytest.fixture
+def page_errors(page) -> list[str]:
+    """The uncaught script errors `page` meets, for a test to assert there were none."""
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    return errors
+
+
 def log_in(page, base_url: str, username: str, password: str, *, succeeds: bool = True) -> None:
     """Log in through the form; a login that succeeds returns on the home page it leads to."""
     page.goto(f"{base_url}/login/")

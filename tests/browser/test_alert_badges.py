@@ -64,9 +64,7 @@ def row(page, table: str, alert: Alert):
     return page.locator(f"{table} tr[data-alert='{alert.pk}']")
 
 
-def test_badges_and_pills_in_the_alert_list_and_firing_now(live_server, page, alerts):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+def test_badges_and_pills_in_the_alert_list_and_firing_now(live_server, page, page_errors, alerts):
     log_in(page, live_server.url, "root", "pw-root-123456")
 
     # "Firing now": the silenced page is muted and badged, the live one stays red.
@@ -112,7 +110,7 @@ def test_badges_and_pills_in_the_alert_list_and_firing_now(live_server, page, al
     row(page, "#alerts", alerts["silenced"]).locator(".badge-silenced").click()
     page.wait_for_url(f"{live_server.url}/alerts/silences/#silence-{alerts['silence'].pk}")
     expect(page.locator(f"#silences-active #silence-{alerts['silence'].pk}")).to_contain_text("kernel upgrade")
-    assert not errors
+    assert not page_errors
 
 
 def test_a_viewer_sees_the_source_unlinked_and_no_receivers_link(live_server, page, alerts):
@@ -125,11 +123,9 @@ def test_a_viewer_sees_the_source_unlinked_and_no_receivers_link(live_server, pa
     expect(row(page, "#alerts", alerts["silenced"]).locator(".badge-silenced")).to_be_visible()
 
 
-def test_receivers_are_findable_and_the_route_form_adds_one(live_server, page, settings):
+def test_receivers_are_findable_and_the_route_form_adds_one(live_server, page, page_errors, settings):
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     user("root", "admin")
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
     log_in(page, live_server.url, "root", "pw-root-123456")
     page.goto(f"{live_server.url}/alerts/")
     page.click("#receivers-link")
@@ -155,4 +151,4 @@ def test_receivers_are_findable_and_the_route_form_adds_one(live_server, page, s
     page.click("#route-save")
     page.wait_for_url(f"{live_server.url}/alerts/routes/")
     assert Route.objects.get(is_default=False).receiver.name == "team-hook"
-    assert not errors
+    assert not page_errors

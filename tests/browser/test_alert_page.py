@@ -43,11 +43,9 @@ def timeline_text(page) -> str:
     return page.locator("#timeline").inner_text()
 
 
-def test_on_call_acts_on_an_alert_from_its_page(live_server, page, burning_alert):
+def test_on_call_acts_on_an_alert_from_its_page(live_server, page, page_errors, burning_alert):
     alert = burning_alert
     log_in(page, live_server.url, "oncall", "pw-oncall-123456")
-    errors = []  # script errors on the alert pages (the chart's included)
-    page.on("pageerror", lambda error: errors.append(str(error)))
     page.goto(f"{live_server.url}/alerts/")
     page.click(f'#alerts a[href="/alerts/{alert.pk}/"] >> nth=0')
     page.wait_for_url(f"{live_server.url}/alerts/{alert.pk}/")
@@ -96,4 +94,4 @@ def test_on_call_acts_on_an_alert_from_its_page(live_server, page, burning_alert
     assert "Resolved\toncall" in timeline_text(page)
     alert.refresh_from_db()
     assert alert.status == "resolved" and alert.resolved_by.username == "oncall"
-    assert errors == []
+    assert page_errors == []

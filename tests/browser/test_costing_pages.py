@@ -41,9 +41,7 @@ def costed(settings):
     return start
 
 
-def test_operator_reads_the_month_drills_into_a_tenant_and_edits_the_price_book(live_server, page, costed):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+def test_operator_reads_the_month_drills_into_a_tenant_and_edits_the_price_book(live_server, page, page_errors, costed):
     log_in(page, live_server.url, "ops", "pw-ops-123456")
     month = costed.strftime("%Y-%m")
     page.click("header nav >> text=Costs")
@@ -78,7 +76,7 @@ def test_operator_reads_the_month_drills_into_a_tenant_and_edits_the_price_book(
     page.click("#price-form button[type=submit]")
     page.wait_for_selector("#prices tr[data-resource='gpu:H100']")
     assert Price.objects.get(resource="gpu:H100").usd_per_hour == Decimal("2.49")
-    assert errors == []
+    assert page_errors == []
 
 
 @pytest.fixture
@@ -98,9 +96,7 @@ CHARTS_ON_DAYS = ("chart-daily", "chart-mtok", "chart-idle")
 
 
 def test_a_single_day_reads_as_dates_with_thousands_separators_and_its_pdf_as_finance_needs(
-        live_server, page, expensive_hour):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+        live_server, page, page_errors, expensive_hour):
     log_in(page, live_server.url, "finance", "pw-fin-123456")
     hour = expensive_hour.strftime("%Y-%m-%dT%H:%M:%SZ")
     end = (expensive_hour + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -131,7 +127,7 @@ def test_a_single_day_reads_as_dates_with_thousands_separators_and_its_pdf_as_fi
     assert "Allocation method" in text and "in proportion to their weighted tokens" in text
     assert "Back-dated price" in text
     assert f"Page 1 of {len(pages)}" in pages[0]
-    assert errors == []
+    assert page_errors == []
 
 
 def test_the_price_book_warns_of_a_back_dated_price_and_of_one_nothing_holds(live_server, page, costed):

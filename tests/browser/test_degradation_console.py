@@ -35,9 +35,7 @@ def burning_deployment(settings):
     return deployment
 
 
-def test_operator_creates_a_policy_forces_a_level_and_clears_it(live_server, page, burning_deployment):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+def test_operator_creates_a_policy_forces_a_level_and_clears_it(live_server, page, page_errors, burning_deployment):
     log_in(page, live_server.url, "ops", "pw-ops-123456")
     page.goto(f"{live_server.url}/deployments/chat/")
     assert "No degradation policy" in page.locator("#degradation-none").inner_text()
@@ -105,4 +103,4 @@ def test_operator_creates_a_policy_forces_a_level_and_clears_it(live_server, pag
     expect(page.locator(".messages")).to_contain_text("Override of chat cleared")
     expect(page.locator("#degradation-override")).to_have_count(0)
     assert DegradationState.objects.get().override_until is None
-    assert errors == []
+    assert page_errors == []

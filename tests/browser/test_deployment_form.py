@@ -35,9 +35,7 @@ def field_errors(page, field: str) -> list[str]:
     return page.locator(f"#deployment-form .field-{field} .error").all_inner_texts()
 
 
-def test_one_submit_shows_every_error_of_the_deployment_form(live_server, page, taken_name):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+def test_one_submit_shows_every_error_of_the_deployment_form(live_server, page, page_errors, taken_name):
     log_in(page, live_server.url, "ops", "pw-ops-123456")
     page.goto(f"{live_server.url}/deployments/new/")
 
@@ -60,4 +58,4 @@ def test_one_submit_shows_every_error_of_the_deployment_form(live_server, page, 
 
     assert list(Deployment.objects.values_list("name", flat=True)) == ["chat"]
     assert not AuditEvent.objects.filter(action="deployment.create").exists()
-    assert errors == []
+    assert page_errors == []

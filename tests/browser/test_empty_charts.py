@@ -34,9 +34,7 @@ def chart_notes(page, chart_ids: list[str]) -> dict[str, list[str]]:
     return {chart: page.locator(f"#{chart} .annotation-text").all_text_contents() for chart in chart_ids}
 
 
-def test_empty_charts_say_no_data_yet_until_data_arrive(live_server, page, operator):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+def test_empty_charts_say_no_data_yet_until_data_arrive(live_server, page, page_errors, operator):
     deployment = make_deployment("fresh")
     audit_record(actor=operator, action="deployment.create", obj=deployment, after=snapshot(deployment))
     tenant_create(name="quiet", actor=operator)
@@ -68,4 +66,4 @@ def test_empty_charts_say_no_data_yet_until_data_arrive(live_server, page, opera
     notes = chart_notes(page, ["chart-requests", "chart-tokens"])
     assert not any(NOTE in texts for texts in notes.values()), notes
     assert page.locator("#chart-requests").get_attribute("data-empty") == "false"
-    assert errors == []
+    assert page_errors == []

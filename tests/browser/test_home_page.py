@@ -57,9 +57,7 @@ def platform(settings):
             "schedule": schedule}
 
 
-def test_the_home_page_shows_each_part_and_links_to_its_page(live_server, page, platform, tmp_path):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+def test_the_home_page_shows_each_part_and_links_to_its_page(live_server, page, page_errors, platform, tmp_path):
     log_in(page, live_server.url, "sre", "pw-sre-123456")  # lands on /
     home = f"{live_server.url}/"
 
@@ -106,7 +104,7 @@ def test_the_home_page_shows_each_part_and_links_to_its_page(live_server, page, 
             link.click()
         assert navigation.value.status == 200, path
         assert page.url.startswith(f"{live_server.url}{path}"), (page.url, path)
-    assert errors == []
+    assert page_errors == []
 
 
 GREEN = "rgb(220, 252, 231)"  # .state-ready and .health-healthy
@@ -131,10 +129,9 @@ def overview(settings):
 
 
 @pytest.mark.parametrize(("path", "rows"), [("/", "#deployments-panel"), ("/deployments/", "#deployments")])
-def test_the_overview_follows_traffic_replicas_and_health_without_a_reload(live_server, page, overview, path, rows):
+def test_the_overview_follows_traffic_replicas_and_health_without_a_reload(live_server, page, page_errors, overview,
+                                                                          path, rows):
     chat, starting = overview
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
     log_in(page, live_server.url, "look", "pw-look-123456")
     page.goto(f"{live_server.url}{path}")
     row = page.locator(f"{rows} tr[data-name=chat]")
@@ -168,7 +165,7 @@ def test_the_overview_follows_traffic_replicas_and_health_without_a_reload(live_
     assert background(health.locator(".state")) == RED
     assert background(row.locator(".status .state")) == GREEN  # the replicas are ready: that stays a fact
     assert page.evaluate("window.notReloaded") is True
-    assert errors == []
+    assert page_errors == []
 
 
 def test_a_failed_refresh_says_stale_quietly_and_recovers(live_server, page, overview):

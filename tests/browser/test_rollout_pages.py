@@ -68,10 +68,8 @@ def running_rollout(monkeypatch, settings):
     return rollout
 
 
-def test_operator_reads_a_rollout_and_aborts_it(live_server, page, running_rollout, tmp_path):
+def test_operator_reads_a_rollout_and_aborts_it(live_server, page, page_errors, running_rollout, tmp_path):
     rollout = running_rollout
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
     log_in(page, live_server.url, "ops", "pw-ops-123456")
     page.goto(f"{live_server.url}/deployments/chat/")
     assert "v1 → v2" in page.locator(f"#rollouts tr[data-id='{rollout.pk}']").inner_text()
@@ -107,7 +105,7 @@ def test_operator_reads_a_rollout_and_aborts_it(live_server, page, running_rollo
     assert "traffic on stable" in page.locator("#timeline").inner_text()
     rollout.refresh_from_db()
     assert rollout.status == RolloutStatus.ABORTED and rollout.weight == 0
-    assert errors == []
+    assert page_errors == []
 
 
 def test_a_promote_reason_is_recorded_and_each_action_has_its_own_reason_box(live_server, page, running_rollout):

@@ -24,9 +24,8 @@ def operator(settings):
     Receiver.objects.create(name="team-slack", kind="slack", url="http://127.0.0.1:9/slack")
 
 
-def test_operator_routes_pages_to_a_new_escalation_policy_edits_and_deletes_the_route(live_server, page, operator):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+def test_operator_routes_pages_to_a_new_escalation_policy_edits_and_deletes_the_route(live_server, page, page_errors,
+                                                                                     operator):
     log_in(page, live_server.url, "ops", "pw-ops-123456")
     page.goto(f"{live_server.url}/alerts/")
 
@@ -98,4 +97,4 @@ def test_operator_routes_pages_to_a_new_escalation_policy_edits_and_deletes_the_
     expect(page.locator(".messages")).to_contain_text(f"Route {route.pk} deleted")
     expect(page.locator(f"#route-{route.pk}")).to_have_count(0)
     assert not Route.objects.filter(pk=route.pk).exists()
-    assert not errors
+    assert not page_errors

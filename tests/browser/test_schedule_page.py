@@ -32,9 +32,7 @@ def schedule(settings):
                          layers=[weekly], actor=None)
 
 
-def test_operator_overrides_who_is_on_call(live_server, page, schedule):
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
+def test_operator_overrides_who_is_on_call(live_server, page, page_errors, schedule):
     log_in(page, live_server.url, "ops", "pw-ops-123456")
 
     page.goto(f"{live_server.url}/")
@@ -78,7 +76,7 @@ def test_operator_overrides_who_is_on_call(live_server, page, schedule):
     expect(page.locator(".messages")).to_contain_text("Override of bob removed")
     expect(page.locator("#on-call-now")).to_have_text("alice")
     assert not ScheduleOverride.objects.exists()
-    assert not errors
+    assert not page_errors
 
 
 def test_viewer_sees_the_schedule_without_forms(live_server, page, schedule):

@@ -27,10 +27,8 @@ def firing(settings):
     return node_down, other
 
 
-def test_operator_creates_a_silence_sees_what_it_matches_and_expires_it(live_server, page, firing):
+def test_operator_creates_a_silence_sees_what_it_matches_and_expires_it(live_server, page, page_errors, firing):
     node_down, other = firing
-    errors = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
     log_in(page, live_server.url, "ops", "pw-ops-123456")
     page.goto(f"{live_server.url}/alerts/silences/")
     expect(page.locator("#silences-active")).to_contain_text("No active silences")
@@ -69,4 +67,4 @@ def test_operator_creates_a_silence_sees_what_it_matches_and_expires_it(live_ser
     silence.refresh_from_db()
     assert silence.ends_at <= timezone.now()
     assert not AlertEvent.objects.filter(kind="muted").exists()  # raised before the silence: they notified
-    assert not errors
+    assert not page_errors
