@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -98,3 +100,8 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def text_of(response) -> str:
+    """A console page's text as a reader sees it: white space folded, entities decoded."""
+    return html.unescape(re.sub(r"\s+", " ", response.content.decode()))

@@ -3,14 +3,12 @@ write-only; what the API refuses is refused on the form, named, with nothing wri
 
 from __future__ import annotations
 
-import html
-import re
-
 import pytest
 
 from alerts.models import Receiver
 from alerts.routing.services import route_save
 from inferops.models import AuditEvent
+from tests.conftest import text_of
 
 pytestmark = pytest.mark.django_db
 
@@ -21,10 +19,6 @@ KEY = "R0UT1NGKEY-abcdefgh-1234"
 def admin(client, make_user):
     client.force_login(make_user("admin"))
     return client
-
-
-def text_of(response) -> str:
-    return html.unescape(re.sub(r"\s+", " ", response.content.decode()))
 
 
 def form(**fields) -> dict:

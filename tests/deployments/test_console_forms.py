@@ -18,6 +18,7 @@ from deployments.models import Deployment, Rollout
 from inferops.models import AuditEvent
 from registry.models import Alias, RegisteredModel
 from slo.models import Slo, SloStatus
+from tests.conftest import text_of
 from tests.deployments.conftest import make_version
 
 pytestmark = pytest.mark.django_db
@@ -42,10 +43,6 @@ def deployment(model) -> Deployment:
 def operator(client, make_user):
     client.force_login(make_user("operator"))
     return client
-
-
-def text_of(response) -> str:
-    return html.unescape(re.sub(r"\s+", " ", response.content.decode()))
 
 
 def create_form(**fields) -> dict:

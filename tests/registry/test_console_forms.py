@@ -3,14 +3,12 @@ with the registry's own refusals shown beside the field and nothing written."""
 
 from __future__ import annotations
 
-import html
-import re
-
 import pytest
 
 from inferops.models import AuditEvent
 from registry import services
 from registry.models import Alias, ModelVersion
+from tests.conftest import text_of
 
 pytestmark = pytest.mark.django_db
 
@@ -18,10 +16,6 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def model():
     return services.model_create(name="llama-tiny", task="generate", actor=None)
-
-
-def text_of(response) -> str:
-    return html.unescape(re.sub(r"\s+", " ", response.content.decode()))
 
 
 def test_viewer_sees_no_forms_and_is_refused(client, make_user, model, tiny_llama_dir):
