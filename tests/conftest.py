@@ -77,6 +77,20 @@ def make_user(db):
 
 
 @pytest.fixture
+def worker_env(tmp_path, settings):
+    """The environment of a worker process a test starts (tests/services.start_worker): the test database,
+    this test's data directory, and short reconcile, scrape and heartbeat intervals."""
+    from tests.services import database_url
+
+    settings.INFEROPS_DATA_DIR = tmp_path
+    env = {**os.environ,
+           "DATABASE_URL": database_url(),
+           "INFEROPS_DATA_DIR": str(tmp_path), "INFEROPS_RECONCILE_INTERVAL_S": "1",
+           "INFEROPS_SCRAPE_INTERVAL_S": "2", "INFEROPS_HEARTBEAT_S": "5"}
+    return env
+
+
+@pytest.fixture
 def api(make_user):
     """`api(role)` -> a DRF test client authenticated with that role's token."""
     from rest_framework.authtoken.models import Token

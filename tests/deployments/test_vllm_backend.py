@@ -30,8 +30,7 @@ from deployments.replicas import routing, scraping
 from deployments.replicas.drivers.local import LocalProcessDriver
 from tenants.models import UsageEvent
 from tests.conftest import free_port
-from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
-from tests.services import Process
+from tests.services import Process, start_worker
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900), pytest.mark.django_db(transaction=True)]
@@ -101,7 +100,7 @@ def wait_scrape_baseline(replica: Replica) -> None:
                timeout=60, interval=0.5)
 
 
-def test_vllm_deployment_through_api_gateway_scrape_and_rollout(api, checkpoint_factory, worker_env,  # noqa: F811
+def test_vllm_deployment_through_api_gateway_scrape_and_rollout(api, checkpoint_factory, worker_env,
                                                                  tmp_path, settings):
     began = time.monotonic()
     # vLLM's CPU attention kernels need a head dim of at least 32 (tiny_llama_dir's is 16).

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from datetime import timedelta
 
 import httpx
@@ -19,29 +17,10 @@ from deployments.choices import ReplicaState
 from deployments.models import Replica, ReplicaMetricsMinute
 from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services as registry_services
-from tests.services import database_url
+from tests.services import start_worker
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def start_worker(env, tmp_path, name):
-    log = open(tmp_path / f"{name}.log", "ab")
-    return subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "inferops.celery", "worker", "--beat", "--loglevel", "INFO",
-         "--concurrency", "2", "--hostname", f"{name}@%h", "--schedule", str(tmp_path / "beat-schedule")],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-
-
-@pytest.fixture
-def worker_env(tmp_path, settings):
-    settings.INFEROPS_DATA_DIR = tmp_path
-    env = {**os.environ,
-           "DATABASE_URL": database_url(),
-           "INFEROPS_DATA_DIR": str(tmp_path), "INFEROPS_RECONCILE_INTERVAL_S": "1",
-           "INFEROPS_SCRAPE_INTERVAL_S": "2", "INFEROPS_HEARTBEAT_S": "5"}
-    return env
 
 
 def test_worker_deploys_serves_scrapes_and_survives_a_restart(api, tiny_llama_dir, worker_env, tmp_path):

@@ -33,8 +33,8 @@ from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.models import UsageEvent
 from tenants.publish import publish_keys
-from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
-from tests.e2e.test_gateway_platform import private_redis, start_gateway  # noqa: F401
+from tests.e2e.conftest import start_gateway
+from tests.services import start_worker
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
@@ -85,7 +85,7 @@ class Load:
 
 
 @pytest.fixture
-def platform(private_redis, worker_env, tmp_path, make_user, tiny_llama_dir, monkeypatch):  # noqa: F811
+def platform(private_redis, worker_env, tmp_path, make_user, tiny_llama_dir, monkeypatch):
     """A `chat` deployment (and a `small` one) served by replicas the worker starts, two keys of
     different priorities, a gateway, and a TTFT SLO."""
     monkeypatch.setenv("INFEROPS_ADMIN_TOKEN", ADMIN_TOKEN)

@@ -18,9 +18,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import openai
 import pytest
-import redis
 from django.db.models import Sum
 
 from deployments import services as deployment_services
@@ -32,53 +30,11 @@ from tenants.ingest import ingest_usage
 from tenants.models import UsageMinute
 from tests.conftest import free_port
 from tests.deployments.test_reconcile import all_ready, reconcile_until
+from tests.e2e.conftest import gateway_client
 from tests.processes import stop_process
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
-
-
-class RedisServer:
-    """A private redis-server (append-only on, like production) that tests may stop and start."""
-
-    def __init__(self, directory):
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.directory = directory
-        self.process = None
-
-    def start(self):
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-             "--appendfsync", "always", "--dir", str(self.directory)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: redis.Redis.from_url(self.url).ping(), "redis", 10, 0.2, ignore=(redis.ConnectionError,))
-
-    def stop(self):
-        if self.process:
-            stop_process(self.process)
-
-
-@pytest.fixture
-def private_redis(tmp_path, settings):
-    server = RedisServer(tmp_path)
-    server.start()
-    settings.REDIS_URL = server.url  # the control plane publishes and ingests here
-    yield server
-    server.stop()
-
-
-def start_gateway(redis_url: str, spool_dir, extra_env=None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, **(extra_env or {})}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "project.cli", "gateway", "--port", str(port), "--redis-url", redis_url,
-         "--spool-dir", str(spool_dir), "--log-level", "warning"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    wait_until(lambda: httpx.get(f"{base}/health", timeout=1).status_code == 200, "gateway /health", 30, 0.2,
-               ignore=(httpx.TransportError,))
-    return process, base
 
 
 @pytest.fixture
@@ -97,10 +53,7 @@ def platform(private_redis, tmp_path, settings, make_user, tiny_llama_dir):
 
     publish_keys()
     reconcile_until(deployment, all_ready(2))
-    gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
-    wait_until(lambda: client.models.list().data, "gateway to learn the key and route", 15, 0.2,
-               ignore=(openai.APIError,))
+    gateway, base, client = gateway_client(private_redis.url, tmp_path / "spool", key)
     yield {"deployment": deployment, "client": client, "base": base, "gateway": gateway, "key": key,
            "redis": private_redis, "tmp": tmp_path}
     if gateway.poll() is None:

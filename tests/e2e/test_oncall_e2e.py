@@ -22,8 +22,8 @@ from alerts import services
 from alerts.models import Alert, Delivery, Notification, Receiver
 from tests.alerts.conftest import RecordingReceiver
 from tests.alerts.test_receivers import smtp_server  # noqa: F401
-from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
 from tests.processes import stop_process
+from tests.services import start_worker
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
@@ -41,7 +41,7 @@ def pagerduty():
     stand_in.close()
 
 
-def test_page_acknowledged_from_the_signed_link_then_resolved(worker_env, tmp_path, pagerduty,  # noqa: F811
+def test_page_acknowledged_from_the_signed_link_then_resolved(worker_env, tmp_path, pagerduty,
                                                              smtp_server, settings):  # noqa: F811
     sink, smtp_port = smtp_server
     settings.INFEROPS_EXTERNAL_URL = EXTERNAL
@@ -104,7 +104,7 @@ def test_page_acknowledged_from_the_signed_link_then_resolved(worker_env, tmp_pa
         "resolved sent to oncall-mail (email)", "resolved sent to pd (pagerduty)"]
 
 
-def test_alertmanager_payload_routed_grouped_and_escalated(worker_env, tmp_path, pagerduty, api,  # noqa: F811
+def test_alertmanager_payload_routed_grouped_and_escalated(worker_env, tmp_path, pagerduty, api,
                                                            settings):
     """Alertmanager posts thirteen alerts. Ten disk alerts go to the team's webhook as one grouped
     notification after group_wait, and an eleventh, silenced, to no one. The two node pages go to

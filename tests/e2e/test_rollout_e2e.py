@@ -42,8 +42,8 @@ from tenants.ingest import ingest_usage
 from tenants.models import UsageEvent
 from tenants.publish import publish_keys
 from tests.deployments.test_reconcile import all_ready, reconcile_until
-from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
-from tests.e2e.test_gateway_platform import private_redis, start_gateway  # noqa: F401
+from tests.e2e.conftest import gateway_client
+from tests.services import start_worker
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
@@ -116,7 +116,7 @@ class ControlLoop:
 
 
 @pytest.fixture
-def platform(private_redis, tmp_path, settings, monkeypatch, make_user, tiny_llama_dir):  # noqa: F811
+def platform(private_redis, tmp_path, settings, monkeypatch, make_user, tiny_llama_dir):
     """`chat` on v1 (one ready replica), v2 registered, a tenant key limited to `chat`, a gateway."""
     settings.INFEROPS_DATA_DIR = tmp_path
     settings.INFEROPS_RECONCILE_TIMINGS = {"routing_propagation_s": 1, "health_timeout_s": 1}
@@ -133,10 +133,7 @@ def platform(private_redis, tmp_path, settings, monkeypatch, make_user, tiny_lla
     _, key = tenant_services.key_create(tenant=tenant, name="ci", actor=actor, deployments=["chat"])
     publish_keys()
     reconcile_until(deployment, all_ready(1))
-    gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
-    wait_until(lambda: client.models.list().data, "gateway to learn the key and route", 15, 0.2,
-               ignore=(openai.APIError,))
+    gateway, base, client = gateway_client(private_redis.url, tmp_path / "spool", key)
     yield {"deployment": deployment, "client": client, "actor": actor, "redis": private_redis, "tmp": tmp_path,
            "model": model}
     if gateway.poll() is None:
@@ -333,7 +330,7 @@ def test_rollout_refused_while_the_budget_is_exhausted(platform):
     assert rollouts.rollout_create(deployment=deployment, actor=platform["actor"], version=2, rollback=True).rollback
 
 
-def test_worker_killed_mid_rollout_then_recovered(platform, worker_env):  # noqa: F811
+def test_worker_killed_mid_rollout_then_recovered(platform, worker_env):
     deployment, tmp = platform["deployment"], platform["tmp"]
     # The real worker (with beat) runs the passes now; the test process only creates the rollout.
     env = {**worker_env, "REDIS_URL": platform["redis"].url, "INFEROPS_USAGE_INGEST_INTERVAL_S": "1"}

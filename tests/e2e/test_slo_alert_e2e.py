@@ -16,7 +16,6 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
-import openai
 import pytest
 
 from alerts.models import Alert, Receiver
@@ -31,7 +30,7 @@ from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.publish import publish_keys
 from tests.deployments.test_reconcile import all_ready, reconcile_until
-from tests.e2e.test_gateway_platform import private_redis, start_gateway  # noqa: F401
+from tests.e2e.conftest import gateway_client
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
@@ -66,7 +65,7 @@ def page_payload(received: list[dict], status: str) -> dict | None:
                  if p["status"] == status and p["alerts"][0]["labels"]["severity"] == "page"), None)
 
 
-def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, settings, monkeypatch,  # noqa: F811
+def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, settings, monkeypatch,
                                              make_user, tiny_llama_dir):
     settings.INFEROPS_DATA_DIR = tmp_path
     settings.INFEROPS_RECONCILE_TIMINGS = {"health_timeout_s": 1}
@@ -89,10 +88,7 @@ def test_injected_latency_pages_and_resolves(private_redis, webhook, tmp_path, s
     try:
         reconcile_until(deployment, all_ready(1))
         replica = Replica.objects.get(deployment=deployment, state="ready")
-        gateway, base = start_gateway(private_redis.url, tmp_path / "spool")
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
-        wait_until(lambda: client.models.list().data, "gateway to learn the key and route", 15, 0.2,
-                   ignore=(openai.APIError,))
+        gateway, base, client = gateway_client(private_redis.url, tmp_path / "spool", key)
 
         stop_load = threading.Event()
 

@@ -11,8 +11,8 @@ import pytest
 
 from tenants import ingest, publish, services
 from tenants.models import UsageEvent, UsageMinute
-from tests.deployments.test_worker_e2e import start_worker, worker_env  # noqa: F401
 from tests.processes import stop_process
+from tests.services import start_worker
 from tests.tenants.conftest import usage_event, xadd_events
 from tests.waiting import wait_until
 
@@ -26,7 +26,7 @@ def everything_acked(client) -> bool:
     return group["last-delivered-id"] == last and group["pending"] == 0
 
 
-def test_beat_republishes_keys_and_ingests_usage(worker_env, tmp_path, redis_conn):  # noqa: F811
+def test_beat_republishes_keys_and_ingests_usage(worker_env, tmp_path, redis_conn):
     tenant = services.tenant_create(name="acme", actor=None, rpm_limit=60)
     key, secret = services.key_create(tenant=tenant, name="ci", actor=None)
     digest = hashlib.sha256(secret.encode()).hexdigest()
