@@ -2,6 +2,15 @@ import os
 import shutil
 
 import pytest
+from django.contrib.auth.models import Group, User
+from django.utils import timezone
+
+from alerts.models import Alert
+from degradation import services as degradation_services
+from slo.services import slo_create
+from slo.tasks import evaluation_cycle
+from tests.degradation.conftest import LEVELS
+from tests.slo.conftest import event, insert_events, make_deployment
 
 # Playwright's sync API keeps an event loop running in the test thread, and Django refuses ORM
 # calls from a thread with a running loop. The tests' own ORM calls are plain synchronous set-up.
@@ -53,3 +62,21 @@ def log_in(page, base_url: str, username: str, password: str, *, succeeds: bool 
     page.click("button[type=submit]")
     if succeeds:
         page.wait_for_url(f"{base_url}/")
+
+
+@pytest.fixture
+def burning_alert(settings):
+    """A TTFT SLO burning at 50x this minute on a deployment with a degradation policy: evaluation
+    opens the page alert. No receiver: nothing is sent anywhere."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    user = User.objects.create_user("oncall", password="pw-oncall-123456")
+    user.groups.add(Group.objects.get(name="operator"))
+    deployment = make_deployment()
+    slo = slo_create(actor=None, name="chat-ttft", deployment=deployment, sli_kind="latency", ttft_ms=150,
+                     objective=0.99, window="1d", min_requests=10, runbook_url="https://runbooks.example/ttft")
+    degradation_services.policy_save(deployment=deployment, actor=None, enabled=True, window_minutes=5, hold_s=60,
+                                     slos=[slo], levels=LEVELS)
+    now = timezone.now()
+    insert_events([event(now, ttft_ms=100.0) for _ in range(20)] + [event(now, ttft_ms=400.0) for _ in range(20)])
+    evaluation_cycle(now=now)
+    return Alert.objects.get(slo=slo, severity="page")

@@ -5,38 +5,12 @@ level from the page, and resolves; the timeline shows each step and who took it.
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth.models import Group, User
-from django.utils import timezone
 from playwright.sync_api import expect
 
-from alerts.models import Alert
-from degradation import services as degradation_services
 from degradation.models import DegradationState
-from slo.services import slo_create
-from slo.tasks import evaluation_cycle
 from tests.browser.conftest import log_in
-from tests.degradation.conftest import LEVELS
-from tests.slo.conftest import event, insert_events, make_deployment
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
-
-
-@pytest.fixture
-def burning_alert(settings):
-    """A TTFT SLO burning at 50x this minute on a deployment with a degradation policy: evaluation
-    opens the page alert. No receiver: nothing is sent anywhere."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-    user = User.objects.create_user("oncall", password="pw-oncall-123456")
-    user.groups.add(Group.objects.get(name="operator"))
-    deployment = make_deployment()
-    slo = slo_create(actor=None, name="chat-ttft", deployment=deployment, sli_kind="latency", ttft_ms=150,
-                     objective=0.99, window="1d", min_requests=10, runbook_url="https://runbooks.example/ttft")
-    degradation_services.policy_save(deployment=deployment, actor=None, enabled=True, window_minutes=5, hold_s=60,
-                                     slos=[slo], levels=LEVELS)
-    now = timezone.now()
-    insert_events([event(now, ttft_ms=100.0) for _ in range(20)] + [event(now, ttft_ms=400.0) for _ in range(20)])
-    evaluation_cycle(now=now)
-    return Alert.objects.get(slo=slo, severity="page")
 
 
 def timeline_text(page) -> str:

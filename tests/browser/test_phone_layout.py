@@ -10,7 +10,6 @@ from playwright.sync_api import expect
 
 from slo.models import Slo
 from tests.browser.conftest import log_in
-from tests.browser.test_alert_page import burning_alert  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -24,7 +23,7 @@ def sideways_overflow(page) -> int:
     return page.evaluate("() => document.documentElement.scrollWidth") - PHONE_WIDTH
 
 
-def test_pages_fit_a_390px_phone(live_server, browser, burning_alert):  # noqa: F811
+def test_pages_fit_a_390px_phone(live_server, browser, burning_alert):
     alert = burning_alert
     slo = Slo.objects.get()
     context = browser.new_context(viewport={"width": PHONE_WIDTH, "height": 844}, is_mobile=True, has_touch=True)
@@ -53,7 +52,7 @@ def test_pages_fit_a_390px_phone(live_server, browser, burning_alert):  # noqa: 
         context.close()
 
 
-def test_403_is_a_console_page_naming_the_role(live_server, page, burning_alert):  # noqa: F811
+def test_403_is_a_console_page_naming_the_role(live_server, page, burning_alert):
     log_in(page, live_server.url, "oncall", "pw-oncall-123456")
     response = page.goto(f"{live_server.url}/audit/")
     assert response.status == 403
