@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import email
 import html
 import os
 import re
 import socket
+from email import policy
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,47 @@ def worker_env(tmp_path, settings):
            "INFEROPS_DATA_DIR": str(tmp_path), "INFEROPS_RECONCILE_INTERVAL_S": "1",
            "INFEROPS_SCRAPE_INTERVAL_S": "2", "INFEROPS_HEARTBEAT_S": "5"}
     return env
+
+
+class SmtpSink:
+    """aiosmtpd handler: keeps each message; RCPT answers from a script (then accepts)."""
+
+    def __init__(self):
+        self.messages: list[tuple[list[str], email.message.EmailMessage]] = []
+        self.rcpt_replies: list[str] = []
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):  # noqa: N802 (aiosmtpd's name)
+        if self.rcpt_replies:
+            return self.rcpt_replies.pop(0)
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802
+        message = email.message_from_bytes(envelope.content, policy=policy.default)
+        self.messages.append((list(envelope.rcpt_tos), message))
+        return "250 Message accepted for delivery"
+
+
+@pytest.fixture
+def smtp_server():
+    """A real SMTP server on a free port (for the e-mail receiver: alerts, on-call); yields (handler, port)."""
+    from aiosmtpd.controller import Controller
+
+    sink = SmtpSink()
+    controller = Controller(sink, hostname="127.0.0.1", port=free_port())
+    controller.start()
+    yield sink, controller.port
+    controller.stop()
+
+
+@pytest.fixture
+def smtp(settings, smtp_server):
+    """Django's SMTP backend pointed at the test's server (pytest-django swaps in locmem otherwise)."""
+    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
+    settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", smtp_server[1]
+    settings.EMAIL_TIMEOUT = 5
+    settings.DEFAULT_FROM_EMAIL = "inferops@example.com"
+    return smtp_server[0]
 
 
 @pytest.fixture

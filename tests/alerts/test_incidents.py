@@ -30,7 +30,6 @@ from alerts.routing.dispatch import default_route, group_key, groups_advance
 from alerts.routing.services import route_save
 from inferops.celery import app as celery_app
 from tests.alerts.conftest import RecordingReceiver
-from tests.alerts.test_receivers import smtp, smtp_server  # noqa: F401
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -240,7 +239,7 @@ def test_per_alert_incidents_stay_a_receiver_option(eager, servers, alertmanager
     assert [(e["event_action"], e["dedup_key"]) for e in events(pagerduty, 11)] == [("resolve", key_3)]
 
 
-def test_slack_email_and_webhook_send_one_message_per_group(eager, servers, alertmanager, smtp):  # noqa: F811
+def test_slack_email_and_webhook_send_one_message_per_group(eager, servers, alertmanager, smtp):
     Receiver.objects.create(name="hook", kind="webhook", url=servers["webhook"].url)
     Receiver.objects.create(name="chat", kind="slack", url=servers["slack"].url)
     Receiver.objects.create(name="oncall-mail", kind="email", to=["oncall@example.com"])

@@ -1,16 +1,12 @@
 """Receivers of every kind, each against a real server: PagerDuty Events API v2 and Slack-compatible
 incoming webhooks against a local HTTP server standing in for PagerDuty's and Slack's endpoints
 (tests/alerts/conftest.py: it records each POST and answers from a script), email against a real
-SMTP server started here with aiosmtpd. Temporary and permanent errors per kind, the failing
+SMTP server started with aiosmtpd (tests/conftest.py: smtp_server). Temporary and permanent errors per kind, the failing
 marker, the timeline, and the receivers API's validation."""
 
 from __future__ import annotations
 
-import email
-from email import policy
-
 import pytest
-from aiosmtpd.controller import Controller
 from django.utils import timezone
 
 from alerts import services
@@ -24,45 +20,6 @@ pytestmark = pytest.mark.django_db
 
 EXTERNAL = "https://inferops.example"
 ROUTING_KEY = "R0UT1NGKEY0123456789abcdef012345"
-
-
-class SmtpSink:
-    """aiosmtpd handler: keeps each message; RCPT answers from a script (then accepts)."""
-
-    def __init__(self):
-        self.messages: list[tuple[list[str], email.message.EmailMessage]] = []
-        self.rcpt_replies: list[str] = []
-
-    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):  # noqa: N802 (aiosmtpd's name)
-        if self.rcpt_replies:
-            return self.rcpt_replies.pop(0)
-        envelope.rcpt_tos.append(address)
-        return "250 OK"
-
-    async def handle_DATA(self, server, session, envelope):  # noqa: N802
-        message = email.message_from_bytes(envelope.content, policy=policy.default)
-        self.messages.append((list(envelope.rcpt_tos), message))
-        return "250 Message accepted for delivery"
-
-
-@pytest.fixture
-def smtp_server():
-    """A real SMTP server on a free port; yields (handler, port)."""
-    sink = SmtpSink()
-    controller = Controller(sink, hostname="127.0.0.1", port=free_port())
-    controller.start()
-    yield sink, controller.port
-    controller.stop()
-
-
-@pytest.fixture
-def smtp(settings, smtp_server):
-    """Django's SMTP backend pointed at the test's server (pytest-django swaps in locmem otherwise)."""
-    settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
-    settings.EMAIL_HOST, settings.EMAIL_PORT = "127.0.0.1", smtp_server[1]
-    settings.EMAIL_TIMEOUT = 5
-    settings.DEFAULT_FROM_EMAIL = "inferops@example.com"
-    return smtp_server[0]
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,6 @@ from slo.budget import MINUTE
 from slo.evaluation import evaluate_slos
 from slo.services import slo_create
 from tests.alerts.conftest import RecordingReceiver
-from tests.alerts.test_receivers import smtp, smtp_server  # noqa: F401
 from tests.slo.conftest import NOW, event, insert_events, make_deployment
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -43,7 +42,7 @@ URL = re.compile(r"https?://[^\s\"'<>|]+")
 
 
 @pytest.fixture
-def endpoints(settings, smtp):  # noqa: F811
+def endpoints(settings, smtp):
     """One receiver of each kind on the default route, each on a real server."""
     settings.INFEROPS_EXTERNAL_URL = EXTERNAL
     servers = {kind: RecordingReceiver() for kind in ("webhook", "slack", "pagerduty")}

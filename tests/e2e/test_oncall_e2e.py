@@ -21,7 +21,6 @@ from django.utils import timezone
 from alerts import services
 from alerts.models import Alert, Delivery, Notification, Receiver
 from tests.alerts.conftest import RecordingReceiver
-from tests.alerts.test_receivers import smtp_server  # noqa: F401
 from tests.processes import stop_process
 from tests.services import start_worker
 from tests.waiting import wait_until
@@ -42,7 +41,7 @@ def pagerduty():
 
 
 def test_page_acknowledged_from_the_signed_link_then_resolved(worker_env, tmp_path, pagerduty,
-                                                             smtp_server, settings):  # noqa: F811
+                                                             smtp_server, settings):
     sink, smtp_port = smtp_server
     settings.INFEROPS_EXTERNAL_URL = EXTERNAL
     Receiver.objects.create(name="pd", kind="pagerduty", url=pagerduty.url, routing_key=ROUTING_KEY)
