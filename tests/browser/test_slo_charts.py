@@ -53,7 +53,7 @@ def sparse_slo():
     return slo, floor_minute(created)
 
 
-def test_budget_chart_starts_at_creation_and_ends_at_the_header_figure(live_server, page, sparse_slo):  # noqa: F811
+def test_budget_chart_starts_at_creation_and_ends_at_the_header_figure(live_server, page, sparse_slo):
     slo, created = sparse_slo
     status = slo.status
     assert status.state == "insufficient" and status.total == 7 and status.budget_remaining < 0
@@ -94,7 +94,7 @@ def test_budget_chart_starts_at_creation_and_ends_at_the_header_figure(live_serv
     assert "insufficient traffic" in row.inner_text() and "7 of 50 events" in row.inner_text()
 
 
-def test_one_minute_of_data_gets_a_readable_time_axis(live_server, page, sparse_slo):  # noqa: F811
+def test_one_minute_of_data_gets_a_readable_time_axis(live_server, page, sparse_slo):
     """A deployment with one minute of traffic: one bucket, drawn on a span of minutes."""
     solo = make_deployment("solo", "tiny")
     insert_events([event(timezone.now(), deployment="solo") for _ in range(3)])
