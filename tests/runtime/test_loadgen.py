@@ -29,6 +29,7 @@ from runtime.loadgen import (
     run_benchmark,
     summarize,
 )
+from tests.conftest import free_port
 from tests.waiting import wait_until
 
 TTFT_S = 0.05
@@ -94,12 +95,6 @@ class Responder:
 
 def sse(event: dict) -> str:
     return f"data: {json.dumps(event)}\n\n"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import free_port
 from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -31,12 +32,6 @@ MODEL = "tiny"
 ADMIN = {"Authorization": "Bearer test-admin"}
 MAX_MODEL_LEN = 512
 MAX_BODY_BYTES = 65536
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:
