@@ -97,13 +97,18 @@ def test_gpu_refusals_are_400s_naming_the_field(api, big_model, body, field, fra
     assert not Deployment.objects.exists()
 
 
-@pytest.mark.django_db
-def test_a_change_that_no_longer_fits_is_refused(api, big_model):
-    client = api("operator")
+def create_chat_that_fits(client) -> None:
+    """`chat` of `big` on one L40S at max_num_seqs 4: its KV cache fits beside the weights."""
     response = client.post("/api/v1/deployments/", {
         "name": "chat", "model": "big", "version": 1, "backend": "vllm", "engine_args": {"max_num_seqs": 4},
         "resources": {"gpu_type": "nvidia-l40s", "gpu_count": 1}}, format="json")
     assert response.status_code == 201, response.content
+
+
+@pytest.mark.django_db
+def test_a_change_that_no_longer_fits_is_refused(api, big_model):
+    client = api("operator")
+    create_chat_that_fits(client)
     response = client.patch("/api/v1/deployments/chat/", {"engine_args": {"max_num_seqs": 256}}, format="json")
     assert response.status_code == 400 and "does not fit" in response.json()["resources"][0]
     assert Deployment.objects.get().engine_args == {"max_num_seqs": 4}
@@ -181,10 +186,7 @@ def test_a_replica_without_free_gpus_waits_pending_with_the_reason(settings, tmp
 @pytest.mark.django_db
 def test_a_rollout_to_a_version_that_does_not_fit_is_refused(api, big_model):
     client = api("operator")
-    response = client.post("/api/v1/deployments/", {
-        "name": "chat", "model": "big", "version": 1, "backend": "vllm", "engine_args": {"max_num_seqs": 4},
-        "resources": {"gpu_type": "nvidia-l40s", "gpu_count": 1}}, format="json")
-    assert response.status_code == 201, response.content
+    create_chat_that_fits(client)
     response = client.post("/api/v1/deployments/chat/rollouts/", {"engine_args": {"max_num_seqs": 512}},
                            format="json")
     assert response.status_code == 400, response.content
