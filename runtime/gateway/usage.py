@@ -29,17 +29,46 @@ STREAM_MAXLEN = 1_000_000
 BATCH_SIZE = 500
 
 
-class UsageSink:
+class BackgroundWriter:
+    """A writer task: requests only gather in memory; `flush` sends what gathered when woken or every
+    `interval_s`, and once more on stop, so a clean shutdown loses nothing."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._ready = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.flush()
+
+    async def _run(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval_s):
+                    await self._ready.wait()
+            self._ready.clear()
+            await self.flush()
+
+    async def flush(self) -> None:
+        raise NotImplementedError
+
+
+class UsageSink(BackgroundWriter):
     def __init__(self, client: aioredis.Redis, spool_path: Path, health: RedisHealth,
                  on_spool_depth: Any = None, replay_interval_s: float = 1.0) -> None:
+        super().__init__(replay_interval_s)
         self.client = client
         self.spool_path = spool_path
         self.health = health
-        self.replay_interval_s = replay_interval_s
         self._on_spool_depth = on_spool_depth or (lambda depth: None)
         self._queue: list[str] = []
-        self._ready = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         spool_path.parent.mkdir(parents=True, exist_ok=True)
         self.spool_depth = self._count_spooled()
         self._on_spool_depth(self.spool_depth)
@@ -48,26 +77,8 @@ class UsageSink:
         self._queue.append(json.dumps(event, separators=(",", ":")))
         self._ready.set()
 
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        """Flushes what is queued (to Redis or the spool) before returning."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._flush()
-
-    async def _run(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.replay_interval_s):
-                    await self._ready.wait()
-            self._ready.clear()
-            await self._flush()
-
-    async def _flush(self) -> None:
+    async def flush(self) -> None:
+        """Sends what is queued to Redis, or to the spool while Redis is down or the spool not replayed."""
         if self.spool_depth and self.health.worth_trying():
             await self._replay()
         batch, self._queue = self._queue, []

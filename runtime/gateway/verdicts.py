@@ -11,7 +11,6 @@ usage event still carries its exact verdict.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -21,17 +20,17 @@ from redis.exceptions import RedisError
 
 from runtime.gateway.contract import TTFT_VERDICTS_TTL_S, ttft_verdict_field, ttft_verdicts_key
 from runtime.gateway.state import RedisHealth
+from runtime.gateway.usage import BackgroundWriter
 
 logger = logging.getLogger(__name__)
 
 
-class TtftVerdicts:
+class TtftVerdicts(BackgroundWriter):
     def __init__(self, client: aioredis.Redis, health: RedisHealth, flush_s: float = 0.5) -> None:
+        super().__init__(flush_s)
         self.client = client
         self.health = health
-        self.flush_s = flush_s
         self._counts: Counter[tuple[str, str]] = Counter()
-        self._task: asyncio.Task[None] | None = None
 
     def watch(self, deployment: str, deadlines_ms: tuple[float, ...], started: float) -> TtftWatch:
         """Judge one request sent at `started` (time.perf_counter) against each deadline."""
@@ -40,21 +39,6 @@ class TtftVerdicts:
     def count(self, deployment: str, deadline_ms: float, good: bool) -> None:
         minute, second = divmod(int(time.time()), 60)
         self._counts[(ttft_verdicts_key(deployment, minute), ttft_verdict_field(deadline_ms, second, good))] += 1
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.flush()
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.flush_s)
-            await self.flush()
 
     async def flush(self) -> None:
         counts, self._counts = self._counts, Counter()
