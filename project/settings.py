@@ -78,6 +78,7 @@ INSTALLED_APPS = [
     "inferops",
     "registry",
     "deployments",
+    "evals",
     "tenants",
     "slo",
     "alerts",
