@@ -8,6 +8,7 @@ from costing import views as costing_views
 from costing.urls import api_urlpatterns as costing_api
 from degradation.urls import api_urlpatterns as degradation_api
 from deployments.urls import api_urlpatterns as deployments_api
+from evals.urls import api_urlpatterns as evals_api
 from inferops import api, user_views, views
 from project.metrics import ControlPlaneMetrics
 from registry.urls import api_urlpatterns as registry_api
@@ -23,6 +24,7 @@ urlpatterns = [
     path("deployments/<slug:name>/degradation/", include("degradation.urls")),
     path("tenants/", include("tenants.urls")),
     path("slos/", include("slo.urls")),
+    path("evals/", include("evals.urls")),
     path("alerts/", include("alerts.urls")),
     path("costs/", costing_views.report_page, name="costs"),
     path("costs/", include("costing.urls")),
@@ -39,6 +41,7 @@ urlpatterns = [
     path("api/v1/", include(registry_api)),
     path("api/v1/", include(deployments_api)),
     path("api/v1/", include(degradation_api)),
+    path("api/v1/", include(evals_api)),
     path("api/v1/", include(slo_api)),
     path("api/v1/", include(alerts_api)),
     path("api/v1/", include(tenants_api)),
