@@ -12,22 +12,22 @@ Exit codes: 0 succeeded (and passed its watch, when waited through; or created, 
 unknown deployment, no permission, another rollout active, error budget exhausted, rollouts frozen
 by a degradation level); 3 timed out or the server could not be reached.
 
-Only httpx: no Django, so it runs from any CI image with the package installed.
+Only httpx (project.cli_client): no Django, so it runs from any CI image with the package installed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from datetime import UTC, datetime
 
 import httpx
 
+from project.cli_client import Poller, api_client, base_url, say, say_refused, say_unreachable
+
 EXIT_SUCCEEDED, EXIT_ABORTED, EXIT_REFUSED, EXIT_UNREACHABLE = 0, 1, 2, 3
-DEFAULT_URL = "http://127.0.0.1:8000"
 FINAL = ("succeeded", "aborted", "rolled_back")
 
 
@@ -117,34 +117,6 @@ def build_body(args, current_engine_args: dict | None = None) -> dict:
     return body
 
 
-def error_message(response: httpx.Response) -> str:
-    """DRF's error body as one line: `detail`, or `field: message; message` per field."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()[:500] or response.reason_phrase
-    if isinstance(body, dict):
-        if set(body) == {"detail"}:
-            return str(body["detail"])
-        parts = []
-        for field, messages in body.items():
-            for message in messages if isinstance(messages, list) else [messages]:
-                text = str(message)
-                # rollout_spec's messages already start with their field ("steps[1].pause: ...").
-                named = field in ("detail", "non_field_errors") or text.startswith(field)
-                parts.append(text if named else f"{field}: {text}")
-        return "; ".join(parts)
-    return "; ".join(map(str, body)) if isinstance(body, list) else str(body)
-
-
-def _stamp() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _say(text: str, stream=None) -> None:
-    print(f"{_stamp()} {text}", file=stream or sys.stdout, flush=True)
-
-
 def _steps(count: int) -> str:
     return f"{count} step" if count == 1 else f"{count} steps"
 
@@ -185,68 +157,43 @@ def _done(rollout: dict, *, through_watch: bool) -> bool:
 
 
 def _unreachable(base: str, exc: Exception) -> int:
-    _say(f"error: cannot reach inferops at {base} ({exc.__class__.__name__}: {exc}). Check INFEROPS_URL, that "
-         "the control plane is running, and that this machine can reach it.", sys.stderr)
+    say_unreachable(base, exc)
     return EXIT_UNREACHABLE
 
 
 def _refused(response: httpx.Response, base: str) -> int:
-    message = error_message(response).rstrip(".")
-    hint = ""
-    if response.status_code == 401:
-        hint = (" Check INFEROPS_TOKEN (a token from `manage.py drf_create_token`)." if os.environ.get("INFEROPS_TOKEN")
-                else " INFEROPS_TOKEN is not set.")
-    elif response.status_code == 403:
-        hint = " The token's user needs the operator role."
-    elif response.status_code == 404:
-        hint = " Check --deployment and INFEROPS_URL."
-    elif response.status_code >= 500:
-        _say(f"error: inferops at {base} failed with HTTP {response.status_code}: {message}. Check the server's "
-             "logs.", sys.stderr)
-        return EXIT_UNREACHABLE
-    _say(f"refused (HTTP {response.status_code}): {message}.{hint}", sys.stderr)
-    return EXIT_REFUSED
+    server_failed = say_refused(response, base, not_found="Check --deployment and INFEROPS_URL.")
+    return EXIT_UNREACHABLE if server_failed else EXIT_REFUSED
 
 
 def wait(client: httpx.Client, url: str, rollout: dict, *, timeout: float, poll_interval: float, base: str,
          through_watch: bool = True) -> int:
     deadline = time.monotonic() + timeout
     last = _state(rollout)
-    failing = False
+    poller = Poller(client, url)
     watched = False
     while not _done(rollout, through_watch=through_watch):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             if rollout.get("watching"):
-                _say(f"timed out after {timeout:g}s: rollout {rollout['id']} succeeded and is still watched until "
-                     f"{_clock(rollout['watch_until'])} UTC; wait longer with --timeout, or use --no-wait-watch.",
-                     sys.stderr)
+                say(f"timed out after {timeout:g}s: rollout {rollout['id']} succeeded and is still watched until "
+                    f"{_clock(rollout['watch_until'])} UTC; wait longer with --timeout, or use --no-wait-watch.",
+                    sys.stderr)
             else:
-                _say(f"timed out after {timeout:g}s waiting for rollout {rollout['id']}, which is still "
-                     f"{rollout['status']} at {rollout['weight']}% and keeps going on the server: promote or abort "
-                     f"it ({url}promote/ or abort/), or wait longer with --timeout.", sys.stderr)
+                say(f"timed out after {timeout:g}s waiting for rollout {rollout['id']}, which is still "
+                    f"{rollout['status']} at {rollout['weight']}% and keeps going on the server: promote or abort "
+                    f"it ({url}promote/ or abort/), or wait longer with --timeout.", sys.stderr)
             return EXIT_UNREACHABLE
         time.sleep(min(poll_interval, remaining))
-        try:
-            response = client.get(url)
-        except httpx.HTTPError as exc:  # keep polling through a blip until the deadline
-            if not failing:
-                _say(f"warning: polling {url} failed ({exc.__class__.__name__}: {exc}); retrying", sys.stderr)
-            failing = True
-            continue
-        if response.status_code >= 500:
-            if not failing:
-                _say(f"warning: polling {url} answered HTTP {response.status_code}; retrying", sys.stderr)
-            failing = True
+        if (response := poller.get()) is None:
             continue
         if response.status_code != 200:
             return _refused(response, base)
-        failing = False
         rollout = response.json()
         watched = watched or bool(rollout.get("watching"))
         if _state(rollout) != last:
             last = _state(rollout)
-            _say(describe(rollout))
+            say(describe(rollout))
     if rollout["status"] == "succeeded":
         version, deployment = rollout["candidate"]["version"], rollout["deployment"]
         line = f"rollout {rollout['id']} succeeded: v{version} serves all traffic on {deployment}"
@@ -254,32 +201,28 @@ def wait(client: httpx.Client, url: str, rollout: dict, *, timeout: float, poll_
             line += f"; the platform watches it until {_clock(rollout['watch_until'])} UTC and may still roll it back"
         elif watched:
             line += " and passed its watch"
-        _say(line + ".")
+        say(line + ".")
         return EXIT_SUCCEEDED
     if rollout["status"] == "rolled_back":
-        _say(f"rollout {rollout['id']}: {rollout.get('message') or 'rolled back by the platform'}. Rollout "
-             f"{rollout.get('rolled_back_by')} puts v{rollout['stable']['version']} back on {rollout['deployment']}.",
-             sys.stderr)
+        say(f"rollout {rollout['id']}: {rollout.get('message') or 'rolled back by the platform'}. Rollout "
+            f"{rollout.get('rolled_back_by')} puts v{rollout['stable']['version']} back on {rollout['deployment']}.",
+            sys.stderr)
         return EXIT_ABORTED
-    _say(f"rollout {rollout['id']} aborted, traffic back on v{rollout['stable']['version']}: "
-         f"{rollout.get('message') or 'no reason given'}", sys.stderr)
+    say(f"rollout {rollout['id']} aborted, traffic back on v{rollout['stable']['version']}: "
+        f"{rollout.get('message') or 'no reason given'}", sys.stderr)
     return EXIT_ABORTED
 
 
 def main(args) -> int:
-    base = (os.environ.get("INFEROPS_URL") or DEFAULT_URL).rstrip("/")
-    token = os.environ.get("INFEROPS_TOKEN", "")
+    base = base_url()
     try:
         build_body(args)  # a malformed option fails before any request
     except ValueError as exc:
-        _say(f"error: {exc}", sys.stderr)
+        say(f"error: {exc}", sys.stderr)
         return EXIT_REFUSED
-    headers = {"Accept": "application/json"}
-    if token:
-        headers["Authorization"] = f"Token {token}"
     deployment_url = f"{base}/api/v1/deployments/{args.deployment}/"
     collection = f"{deployment_url}rollouts/"
-    with httpx.Client(headers=headers, timeout=httpx.Timeout(30.0, connect=10.0)) as client:
+    with api_client() as client:
         try:
             current = None
             if args.engine_arg:
@@ -294,9 +237,9 @@ def main(args) -> int:
             return _refused(response, base)
         rollout = response.json()
         stable, candidate = rollout["stable"], rollout["candidate"]
-        _say(f"rollout {rollout['id']} of {rollout['deployment']} created: v{stable['version']} → "
-             f"v{candidate['version']} ({rollout['strategy']}, {_steps(len(rollout['steps']))})")
-        _say(describe(rollout))
+        say(f"rollout {rollout['id']} of {rollout['deployment']} created: v{stable['version']} → "
+            f"v{candidate['version']} ({rollout['strategy']}, {_steps(len(rollout['steps']))})")
+        say(describe(rollout))
         if not args.wait:
             return EXIT_SUCCEEDED
         return wait(client, f"{collection}{rollout['id']}/", rollout, timeout=args.timeout,
