@@ -443,6 +443,39 @@ def parse_embedding_request(body: Any) -> EmbeddingRequest:
                             inputs=inputs, encoding_format=encoding_format)
 
 
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """One /tokenize request, in vLLM's two shapes: a `prompt`, or chat `messages`."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    fields = _Fields(body)
+    chat = body.get("messages") is not None
+    allowed = {"model", "add_special_tokens", "return_token_strs"}
+    fields.refuse_unsupported(frozenset(allowed | ({"messages", "add_generation_prompt"}
+                                                   if chat else {"prompt"})))
+    prompt = None
+    if not chat:
+        prompt = fields.get("prompt", (str,), None, "a string")
+        if prompt is None:
+            raise bad_request("`prompt` or `messages` is required.", "prompt")
+    # vLLM's defaults: a prompt gets the special tokens, a chat's template writes its own.
+    return TokenizeRequest(
+        model=fields.get("model", (str,), None, "a string"),
+        prompt=prompt,
+        messages=_parse_messages(body["messages"]) if chat else None,
+        add_special_tokens=fields.boolean("add_special_tokens", not chat),
+        add_generation_prompt=fields.boolean("add_generation_prompt", True),
+        return_token_strs=fields.boolean("return_token_strs", False))
+
+
 def new_request_id(kind: str) -> str:
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return f"{prefix}-{secrets.token_hex(8)}"

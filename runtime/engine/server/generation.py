@@ -32,6 +32,7 @@ from runtime.engine.server.settings import FaultSettings
 
 if TYPE_CHECKING:  # sampling.py imports torch, which loads in the model thread
     from runtime.engine.sampling import TokenLogprob
+    from runtime.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("inferops.serve")
 
@@ -60,16 +61,24 @@ def prompt_token_ids(engine: AsyncEngine, parsed: GenerationRequest) -> list[int
         return parsed.prompt_token_ids
     if parsed.prompt_text is not None:
         return list(tokenizer.encode(parsed.prompt_text, add_special_tokens=True))
+    return chat_token_ids(tokenizer, parsed.messages or [])
+
+
+def chat_token_ids(tokenizer: Tokenizer, messages: list[dict[str, str]],
+                   add_generation_prompt: bool = True,
+                   add_special_tokens: bool = False) -> list[int]:
+    """The messages through the chat template, as token ids (for generation and /tokenize)."""
     # OpenAI's "developer" role is the newer name for "system"; templates know the latter.
     messages = [{**m, "role": "system" if m["role"] == "developer" else m["role"]}
-                for m in parsed.messages or []]
+                for m in messages]
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # jinja2 raise_exception and template errors are input errors
         raise bad_request(f"The chat template rejected the messages: {exc}",
                           "messages") from None
-    # The template writes the special tokens (BOS) itself.
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    # The template writes the special tokens (BOS) itself, unless asked for them again.
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def checked_max_tokens(engine: AsyncEngine, parsed: GenerationRequest,

@@ -45,10 +45,17 @@ from runtime.engine.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
     parse_embedding_request,
+    parse_tokenize_request,
     usage_body,
 )
 from runtime.engine.server.draining import AdmissionMiddleware, Lifecycle
-from runtime.engine.server.generation import GenerationRun, checked_max_tokens, tokenize_prompt
+from runtime.engine.server.generation import (
+    LONG_PROMPT_CHARS,
+    GenerationRun,
+    chat_token_ids,
+    checked_max_tokens,
+    tokenize_prompt,
+)
 from runtime.engine.server.responses import SSE_HEADERS, error_response, unavailable_error
 from runtime.engine.server.settings import ServerSettings
 from runtime.gateway import jsonlog
@@ -140,6 +147,7 @@ class ReplicaServer:
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/admin/faults", self.admin_faults, methods=["GET", "POST"]),
         ]
 
@@ -245,6 +253,37 @@ class ReplicaServer:
             raise unavailable_error(exc) from None
         return JSONResponse(embedding_response(self.settings.served_model_name, result.vectors,
                                                result.token_counts, parsed.encoding_format))
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: the token ids the model would see for a prompt or chat, so a
+        client (an eval harness) can split a text into context and continuation tokens."""
+        log_request_id(request)
+        body = await read_json_body(request, self.settings.max_body_bytes)
+        parsed = parse_tokenize_request(body)
+        self._check_model(parsed.model)
+        engine = self.backend
+        if not isinstance(engine, AsyncEngine):
+            raise bad_request("This model only supports the Embeddings API.", "model")
+        self._check_ready()
+        tokenizer = engine.tokenizer
+
+        def token_ids() -> list[int]:
+            if parsed.messages is not None:
+                return chat_token_ids(tokenizer, parsed.messages, parsed.add_generation_prompt,
+                                      parsed.add_special_tokens)
+            return tokenizer.encode(parsed.prompt or "", parsed.add_special_tokens)
+
+        text_size = len(parsed.prompt or "") + sum(len(m["content"])
+                                                   for m in parsed.messages or [])
+        if text_size > LONG_PROMPT_CHARS:  # off the event loop, as generation does
+            tokens = await asyncio.to_thread(token_ids)
+        else:
+            tokens = token_ids()
+        answer: dict[str, Any] = {"count": len(tokens), "max_model_len": engine.max_model_len,
+                                  "tokens": tokens, "token_strs": None}
+        if parsed.return_token_strs:  # the vocabulary's own spelling, as vLLM gives them
+            answer["token_strs"] = [tokenizer.backend.id_to_token(t) for t in tokens]
+        return JSONResponse(answer)
 
     async def _generate(self, request: Request,
                         parse: Callable[[Any, GenerationDefaults], GenerationRequest]
