@@ -81,6 +81,8 @@ class EvalRun(Authored):
     usd = models.DecimalField(max_digits=14, decimal_places=6, null=True, blank=True)
     error = models.TextField(blank=True)
     started_at = models.DateTimeField(null=True, blank=True)
+    # Written by the runner while it works; a running run whose heartbeat stops is failed by the reaper.
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
