@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("runtime.loadgen", "load-test any OpenAI-compatible endpoint"),
     "gateway": ("runtime.gateway.server", "the API gateway: keys, rate limits, routing, usage events"),
     "rollout": ("project.rollout_cli", "start a progressive rollout through the REST API and follow it (for CI)"),
+    "eval": ("project.eval_cli", "score a deployment or a model version on an eval set through the REST API (for CI)"),
 }
 
 
