@@ -11,16 +11,18 @@ from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, renderers, serializers, status, viewsets
+from rest_framework.exceptions import NotFound
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from costing import services
+from costing import compare, services
 from costing.choices import Tier
 from costing.ledger import floor_hour, ledger_sync, ledger_through
 from costing.models import Budget, ListPrice, Price
 from costing.report import month_range, prices_in_effect, report_csv, report_for
 from inferops.api import CONFLICT, ERRORS, TOO_LARGE, RejectUnknownFields, query_time
 from inferops.validators import slug_validator
+from registry.models import ModelVersion, RegisteredModel
 from tenants.models import Tenant
 
 MONTH_RE = re.compile(r"^(\d{4})-(\d{2})$")
@@ -338,3 +340,87 @@ class Report(APIView):
         if kind in ("csv", "pdf"):
             return export_response(report, kind)
         return Response(report)
+
+
+# ---------------------------------------------------------------------------- version comparison
+
+
+def _version_param(model: RegisteredModel, params, name: str) -> ModelVersion | None:
+    value = params.get(name)
+    if value in (None, ""):
+        return None
+    if not value.isdigit() or not int(value):
+        raise serializers.ValidationError({name: [f"{value!r} is not a version number."]})
+    version = model.versions.filter(number=int(value)).first()
+    if version is None:
+        known = ", ".join(str(n) for n in model.versions.order_by("number").values_list("number", flat=True))
+        raise serializers.ValidationError({name: [
+            f"{model.name} has no version {value} (versions: {known or 'none'})."]})
+    return version
+
+
+def _days_param(params) -> int:
+    value = params.get("days")
+    if value in (None, ""):
+        return compare.DEFAULT_DAYS
+    if not value.isdigit() or not 1 <= int(value) <= compare.MAX_DAYS:
+        raise serializers.ValidationError({"days": [f"Give a whole number of days from 1 to {compare.MAX_DAYS}."]})
+    return int(value)
+
+
+def versions_compare_for(name: str, params) -> dict:
+    """?a=&b=&days= read and checked (400 naming the parameter), then the comparison. Without a
+    and b: the latest version (b) against its predecessor (a)."""
+    model = RegisteredModel.objects.filter(name=name).first()
+    if model is None:
+        raise NotFound(f"No model named {name!r}.")
+    a, b, days = _version_param(model, params, "a"), _version_param(model, params, "b"), _days_param(params)
+    b = b or model.versions.order_by("-number").first()
+    if a is None and b is not None:
+        a = model.versions.filter(number__lt=b.number).order_by("-number").first()
+    if a is None or b is None:
+        missing = f"{model.name} has no version before {b.number}: give a and b." if b else \
+            f"{model.name} has no versions yet."
+        raise serializers.ValidationError({"a": [missing]})
+    if a == b:
+        raise serializers.ValidationError({"b": [f"a and b are both version {a.number}: give two different versions."]})
+    return compare.versions_compare(model=model, a=a, b=b, days=days, now=timezone.now())
+
+
+class CompareSideSerializer(serializers.Serializer):
+    version = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+    description = serializers.CharField()
+    serving = serializers.ListField(child=serializers.CharField(), help_text="Deployments serving it now.")
+    speed = serializers.DictField(help_text="requests, ttft_p95_ms, tpot_p95_ms (null: no requests).")
+    cost = serializers.DictField(help_text="usd, tokens, usd_per_mtok, usd_per_mtok_slo_compliant (null: no data).")
+
+
+class CompareSerializer(serializers.Serializer):
+    model = serializers.CharField()
+    days = serializers.IntegerField()
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    ledger_through = serializers.DateTimeField(allow_null=True)
+    deployments = serializers.ListField(child=serializers.CharField())
+    a = CompareSideSerializer()
+    b = CompareSideSerializer()
+    scores = serializers.ListField(child=serializers.DictField(), help_text=(
+        "Per eval set version: {eval_set, set_version, cases, a, b, better}; a and b are the latest succeeded "
+        "run ({run, score, scores, finished_at}) or null."))
+    speed = serializers.DictField(help_text="ttft_p95_ms and tpot_p95_ms: {a, b, better, better_is}.")
+    cost = serializers.DictField(help_text="usd_per_mtok and usd_per_mtok_slo_compliant: {a, b, better, better_is}.")
+
+
+@extend_schema(tags=["costing"])
+class VersionCompare(APIView):
+    @extend_schema(parameters=[
+        OpenApiParameter("a", OpenApiTypes.INT, description="A version number (default: b's predecessor)"),
+        OpenApiParameter("b", OpenApiTypes.INT, description="A version number (default: the latest)"),
+        OpenApiParameter("days", OpenApiTypes.INT, description=f"Window of speed and cost, 1 to {compare.MAX_DAYS} "
+                                                                f"(default {compare.DEFAULT_DAYS})"),
+    ], responses={200: CompareSerializer, **ERRORS},
+        description="Two versions of a model side by side: scores per eval set version (latest succeeded run), "
+                    "TTFT and TPOT p95 and $/MTok (also per SLO-compliant token) over the window. null: no data.")
+    def get(self, request, name: str):
+        return Response(versions_compare_for(name, request.query_params))

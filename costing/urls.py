@@ -24,4 +24,5 @@ api_urlpatterns = [
          api.BudgetViewSet.as_view({"get": "retrieve", "patch": "partial_update", "delete": "destroy"}),
          name="api-costing-budget"),
     path("costing/report/", api.Report.as_view(), name="api-costing-report"),
+    path("models/<str:name>/compare/", api.VersionCompare.as_view(), name="api-model-compare"),
 ]

@@ -15,13 +15,14 @@ from django.views.decorators.http import require_POST
 from rest_framework.exceptions import ValidationError as ApiValidationError
 
 from costing import services
-from costing.api import current_report, export_response
+from costing.api import current_report, export_response, versions_compare_for
 from costing.choices import RESOURCE_UNITS, Tier
 from costing.ledger import resources_held
 from costing.models import Budget, Price
 from costing.report import allocation_method, report_in_cents
 from inferops.forms import apply_service
 from inferops.roles import require_operator
+from registry.models import RegisteredModel
 from tenants.models import Tenant
 
 
@@ -148,3 +149,58 @@ def budgets_page(request):
         budgets.append({"budget": budget, "spent": used, "percent": percent})
     return render(request, "costing/budgets.html", {"form": form, "budgets": budgets},
                   status=400 if request.method == "POST" else 200)
+
+
+# ---------------------------------------------------------------------------- version comparison
+
+NO_DATA = "no data"
+
+
+def _percent(score: float | None) -> str:
+    return NO_DATA if score is None else f"{score * 100:.1f} %"
+
+
+def _ms(value: float | None) -> str:
+    return NO_DATA if value is None else f"{value:,.0f} ms" if value >= 10 else f"{value:.2f} ms"
+
+
+def _per_mtok(value: str | None) -> str:
+    return NO_DATA if value is None else f"${value}"
+
+
+def figure_rows(data: dict) -> list[dict]:
+    """The page's table: one line per figure, both sides in words, the better one named."""
+    rows = []
+    for row in data["scores"]:
+        a, b = row["a"], row["b"]
+        rows.append({"key": f"score-{row['eval_set']}-v{row['set_version']}",
+                     "label": f"Score: {row['eval_set']} v{row['set_version']} ({row['cases']} cases)",
+                     "a": _percent(a and a["score"]), "b": _percent(b and b["score"]),
+                     "a_run": a and a["run"], "b_run": b and b["run"], "better": row["better"], "hint": "higher"})
+    for key, label in (("ttft_p95_ms", "TTFT p95"), ("tpot_p95_ms", "TPOT p95")):
+        pair = data["speed"][key]
+        rows.append({"key": key, "label": label, "a": _ms(pair["a"]), "b": _ms(pair["b"]), "better": pair["better"],
+                     "hint": "lower"})
+    for key, label in (("usd_per_mtok", "$ / 1M tokens"),
+                       ("usd_per_mtok_slo_compliant", "$ / 1M SLO-compliant tokens")):
+        pair = data["cost"][key]
+        rows.append({"key": key, "label": label, "a": _per_mtok(pair["a"]), "b": _per_mtok(pair["b"]),
+                     "better": pair["better"], "hint": "lower"})
+    return rows
+
+
+@login_required
+def version_compare_page(request, name: str):
+    model = get_object_or_404(RegisteredModel, name=name)
+    context = {"model": model, "versions": list(model.versions.order_by("-number").values_list("number", flat=True)),
+               "params": {key: request.GET.get(key, "") for key in ("a", "b", "days")}}
+    try:
+        data = versions_compare_for(name, request.GET)
+    except ApiValidationError as exc:
+        return render(request, "costing/compare.html", {**context, "error": _first_error(exc)}, status=400)
+    chart = {"sets": [f"{row['eval_set']} v{row['set_version']}" for row in data["scores"]],
+             "a": [row["a"] and row["a"]["score"] for row in data["scores"]],
+             "b": [row["b"] and row["b"]["score"] for row in data["scores"]],
+             "a_name": f"v{data['a']['version']}", "b_name": f"v{data['b']['version']}"}
+    return render(request, "costing/compare.html", {**context, "data": data, "rows": figure_rows(data),
+                                                    "chart": chart})

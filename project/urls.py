@@ -19,6 +19,8 @@ urlpatterns = [
     path("", views.home, name="home"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    # A model's page, but costing's view: the comparison reads eval runs, usage and costs, all above the registry.
+    path("models/<slug:name>/compare/", costing_views.version_compare_page, name="model-compare"),
     path("models/", include("registry.urls")),
     path("deployments/", include("deployments.urls")),
     path("deployments/<slug:name>/degradation/", include("degradation.urls")),
