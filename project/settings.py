@@ -158,6 +158,10 @@ WHITENOISE_USE_FINDERS = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Registration bodies are small JSON; anything bigger is a mistake or an attack.
 DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("INFEROPS_MAX_BODY_BYTES", 1024 * 1024)
+# An eval set version (evals/sets/): its JSONL upload's bytes and cases at most. Its upload URLs
+# take a body that large (and a multipart envelope within the limit above).
+INFEROPS_EVALSET_MAX_BYTES = env_int("INFEROPS_EVALSET_MAX_BYTES", 5 * 1024 * 1024)
+INFEROPS_EVALSET_MAX_CASES = env_int("INFEROPS_EVALSET_MAX_CASES", 10_000)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -319,6 +323,8 @@ CELERY_BEAT_SCHEDULE |= {
     "evaluate-cost-budgets": {"task": "costing.evaluate_budgets", "schedule": 300.0, "options": {"expires": 290}},
     "close-cost-months": {"task": "costing.close_months", "schedule": 3600.0, "options": {"expires": 3500}},
 }
+# Eval runs (evals/runs/runner.py): a running run whose worker stopped beating is failed.
+CELERY_BEAT_SCHEDULE["reap-eval-runs"] = {"task": "evals.reap_runs", "schedule": 60.0, "options": {"expires": 55}}
 
 # INFEROPS_LOG_FORMAT=json: one JSON object a line, the gateway's and the replicas' format too;
 # Celery then keeps Django's handler instead of installing its own plain one.
