@@ -12,7 +12,7 @@ from rest_framework import serializers, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from degradation import services
+from degradation import quality, services
 from degradation.engine import covering_slos
 from degradation.models import DegradationPolicy, DegradationState
 from deployments.models import Deployment
@@ -201,8 +201,15 @@ def state_document(deployment: Deployment, policy: DegradationPolicy | None) -> 
     }
 
 
+def quality_document(deployment: Deployment, policy: DegradationPolicy) -> dict:
+    """Each fallback's eval scores beside the deployment's, and a warning where a fallback scores lower."""
+    fallbacks = quality.fallback_quality(deployment, policy.levels)
+    return {"fallbacks": fallbacks, "warnings": quality.fallback_warnings(deployment, fallbacks)}
+
+
 def degradation_document(deployment: Deployment, policy: DegradationPolicy) -> dict:
-    return {**services.policy_document(policy), **state_document(deployment, policy)}
+    return {**services.policy_document(policy), **state_document(deployment, policy),
+            **quality_document(deployment, policy)}
 
 
 class HistoryEntrySerializer(serializers.Serializer):
@@ -225,6 +232,30 @@ class OverrideStateSerializer(serializers.Serializer):
     by = serializers.CharField(allow_null=True)
 
 
+class RunScoreSerializer(serializers.Serializer):
+    score = serializers.FloatField()
+    set_version = serializers.IntegerField()
+    run = serializers.IntegerField(help_text="The eval run that gives the score.")
+
+
+class SetScoresSerializer(serializers.Serializer):
+    eval_set = serializers.CharField()
+    fallback = RunScoreSerializer(allow_null=True)
+    own = RunScoreSerializer(allow_null=True, help_text="The deployment's own score on the set.")
+
+
+class FallbackLevelSerializer(serializers.Serializer):
+    number = serializers.IntegerField()
+    name = serializers.CharField()
+
+
+class FallbackQualitySerializer(serializers.Serializer):
+    deployment = serializers.CharField()
+    version = serializers.IntegerField()
+    levels = FallbackLevelSerializer(many=True, help_text="The levels that send requests there.")
+    scores = SetScoresSerializer(many=True)
+
+
 class DegradationSerializer(PolicySerializer):
     """What GET answers: the policy, then where the deployment stands."""
 
@@ -238,6 +269,11 @@ class DegradationSerializer(PolicySerializer):
     override = OverrideStateSerializer(allow_null=True)
     actions = serializers.DictField(allow_null=True, help_text="The actions in force (what gateways apply).")
     history = HistoryEntrySerializer(many=True)
+    fallbacks = FallbackQualitySerializer(many=True, help_text=(
+        "Per fallback deployment of the levels: the version it serves and, per eval set, its score and the "
+        "deployment's own (latest succeeded run of the version each serves; null: no score)."))
+    warnings = serializers.ListField(child=serializers.CharField(), help_text=(
+        "What looks wrong without being refused: a fallback that scores lower than the deployment on an eval set."))
 
 
 def _deployment(name: str) -> Deployment:

@@ -9,9 +9,10 @@ from django.template.loader import render_to_string
 from django.utils import timezone
 
 from degradation import services
-from degradation.api import state_document
+from degradation.api import quality_document, state_document
 from degradation.engine import burn_rate_series, watched_slos
 from degradation.models import DegradationPolicy, LevelChange
+from degradation.quality import percent
 from degradation.views import OverrideForm, PolicyForm
 from deployments.models import Deployment
 from inferops.roles import OPERATOR, has_role
@@ -44,8 +45,22 @@ def degradation_panel(request, deployment: Deployment) -> str:
                        "to_name": services.level_name(policy, entry["to"])} for entry in state["history"]],
             chart=chart_data(deployment, policy, state["level"], now),
             override_form=operator and (bound.get("override") or OverrideForm(policy)),
+            quality=quality_shown(deployment, policy),
         )
     return render_to_string("degradation/_panel.html", context, request=request)
+
+
+def quality_shown(deployment: Deployment, policy: DegradationPolicy) -> dict:
+    """The fallbacks' scores as the panel reads them: percentages, and the lower fallback scores marked."""
+    shown = quality_document(deployment, policy)
+    for fallback in shown["fallbacks"]:
+        for row in fallback["scores"]:
+            theirs, own = row["fallback"], row["own"]
+            row["lower"] = bool(theirs and own and theirs["score"] < own["score"])
+            for side in (theirs, own):
+                if side:
+                    side["percent"] = percent(side["score"])
+    return shown
 
 
 def action_lines(actions: dict | None) -> list[str]:

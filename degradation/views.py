@@ -18,7 +18,13 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from degradation import services
-from degradation.api import ClearSerializer, OverrideSerializer, PolicySerializer, policy_save_validated
+from degradation.api import (
+    ClearSerializer,
+    OverrideSerializer,
+    PolicySerializer,
+    policy_save_validated,
+    quality_document,
+)
 from degradation.engine import covering_slos
 from degradation.models import DegradationPolicy
 from deployments.api import deployment_queryset
@@ -166,7 +172,9 @@ def policy_edit(request, name: str):
     policy = DegradationPolicy.objects.filter(deployment=deployment).first()
 
     def save(data: dict) -> str:
-        policy_save_validated(deployment=deployment, actor=request.user, data=data)
+        saved = policy_save_validated(deployment=deployment, actor=request.user, data=data)
+        for warning in quality_document(deployment, saved)["warnings"]:
+            messages.warning(request, warning)  # saved all the same: degrading may mean answering worse
         state = "" if data["enabled"] else " (disabled)"
         return (f"Degradation policy of {name} saved{state}: {len(data['levels'])} level(s), "
                 f"window {data['window']}m, hold {data['hold_s']} s.")
