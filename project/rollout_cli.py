@@ -47,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preview", metavar="DURATION",
                         help="blue-green: time on the preview route first ('{}' = until promoted)")
     parser.add_argument("--analysis", metavar="DURATION|JSON", help="blue-green: analysis after the switch (1m)")
+    parser.add_argument("--quality", metavar="JSON",
+                        help='blue-green: score the candidate on an eval set before the switch, e.g. '
+                             '\'{"eval_set": "tiny-facts", "max_drop": 0.05, "min_score": 0.8}\' (a canary lists '
+                             'it as a step: {"quality": {...}})')
     parser.add_argument("--promote-alias", help="alias moved to the candidate on success (default champion; '' none)")
     parser.add_argument("--rollback", action="store_true", help="this is a rollback (allowed with no error budget)")
     parser.add_argument("--override-reason", metavar="TEXT",
@@ -102,6 +106,12 @@ def build_body(args, current_engine_args: dict | None = None) -> dict:
     for field in ("scale_down_delay", "preview", "analysis"):
         if (value := getattr(args, field)) is not None:
             body[field] = parse_value(value)
+    if args.quality is not None:
+        try:
+            body["quality"] = json.loads(args.quality)
+        except ValueError as exc:
+            raise ValueError(f"--quality is not valid JSON ({exc}); e.g. '{{\"eval_set\": \"tiny-facts\", "
+                             "\"max_drop\": 0.05}'") from None
     if args.promote_alias is not None:
         body["promote_alias"] = args.promote_alias
     if args.rollback:
@@ -129,7 +139,27 @@ def _describe_step(step) -> str:
         return f"set_weight {value}%"
     if kind == "pause":
         return "pause until promoted" if value is None else f"pause {value:g}s"
+    if kind == "quality":
+        return quality_text(value)
     return f"analysis {value['duration']:g}s" if isinstance(value, dict) else f"analysis {value}"
+
+
+def quality_text(config: dict) -> str:
+    """"quality tiny-facts: max drop 0.05, min 0.80"."""
+    limits = []
+    if config.get("max_drop") is not None:
+        limits.append(f"max drop {config['max_drop']:.2f}")
+    if config.get("min_score") is not None:
+        limits.append(f"min {config['min_score']:.2f}")
+    return f"quality {config['eval_set']}: {', '.join(limits)}"
+
+
+def failing_cases(rollout: dict) -> list[str]:
+    """Links to the failing cases of the quality steps that failed in the rollout's latest attempt."""
+    looks = rollout.get("quality") or []
+    latest = max((look["attempt"] for look in looks), default=None)
+    return [look["link"] for look in looks
+            if look["attempt"] == latest and look.get("verdict") == "fail" and look.get("link")]
 
 
 def describe(rollout: dict) -> str:
@@ -210,6 +240,8 @@ def wait(client: httpx.Client, url: str, rollout: dict, *, timeout: float, poll_
         return EXIT_ABORTED
     say(f"rollout {rollout['id']} aborted, traffic back on v{rollout['stable']['version']}: "
         f"{rollout.get('message') or 'no reason given'}", sys.stderr)
+    for link in failing_cases(rollout):
+        say(f"failing cases: {link}", sys.stderr)
     return EXIT_ABORTED
 
 
@@ -239,6 +271,8 @@ def main(args) -> int:
         stable, candidate = rollout["stable"], rollout["candidate"]
         say(f"rollout {rollout['id']} of {rollout['deployment']} created: v{stable['version']} → "
             f"v{candidate['version']} ({rollout['strategy']}, {_steps(len(rollout['steps']))})")
+        if rollout["steps"]:
+            say("steps: " + "; ".join(_describe_step(step) for step in rollout["steps"]))
         say(describe(rollout))
         if not args.wait:
             return EXIT_SUCCEEDED

@@ -18,6 +18,7 @@ from rest_framework.response import Response
 from deployments.choices import RolloutStatus, Strategy, Verdict
 from deployments.models import Deployment, Rollout, RolloutMeasurement
 from deployments.rollouts import services as rollouts
+from deployments.rollouts.quality import quality_looks
 from inferops.api import ERRORS, TOO_LARGE, ErrorSerializer, RejectUnknownFields
 from inferops.validators import slug_validator
 
@@ -45,6 +46,27 @@ class DurationOrObjectField(serializers.JSONField):
     """A duration, or an object (preview `{}`: until promoted; analysis: duration, min_requests, ...)."""
 
 
+@extend_schema_field({"type": "object", "example": {"eval_set": "tiny-facts", "max_drop": 0.05, "min_score": 0.8},
+                      "properties": {"eval_set": {"type": "string"}, "max_drop": {"type": "number"},
+                                     "min_score": {"type": "number"}, "set_version": {"type": "integer"},
+                                     "timeout": {"oneOf": [{"type": "string"}, {"type": "number"}]}}})
+class QualityStepField(serializers.JSONField):
+    """A quality step: eval_set, max_drop and/or min_score (0-1), optional set_version and timeout (15m)."""
+
+
+class QualityLookSerializer(serializers.Serializer):
+    attempt = serializers.IntegerField()
+    step_index = serializers.IntegerField()
+    eval_set = serializers.CharField()
+    set_version = serializers.IntegerField(allow_null=True)
+    runs = serializers.DictField(child=serializers.IntegerField(), help_text="Eval run ids: candidate, stable.")
+    verdict = serializers.ChoiceField(Verdict.choices, allow_null=True)
+    reason = serializers.CharField(allow_blank=True)
+    link = serializers.CharField(allow_blank=True, help_text="The candidate run's failing cases.")
+    candidate = serializers.DictField(help_text="run, status, done, total, score, url.")
+    stable = serializers.DictField(help_text="run, score, basis (latest run, run on stable or parity), url.")
+
+
 class StrictSerializer(RejectUnknownFields, serializers.Serializer):
     """Unknown keys are refused with a 400 naming each of them."""
 
@@ -58,14 +80,20 @@ class RolloutCreateSerializer(StrictSerializer):
         "Candidate engine arguments (replace the deployment's); omitted: the deployment's own."))
     strategy = serializers.ChoiceField(Strategy.choices, default=Strategy.CANARY)
     steps = StepsField(required=False, allow_null=True, help_text=(
-        "Canary: set_weight (percent), pause (duration, or {} until promoted) and analysis (duration or "
-        "{duration, min_requests, max_burn_rate, thresholds}). Omitted: 10% / analysis 2m / 50% / analysis 2m."))
+        "Canary: set_weight (percent), pause (duration, or {} until promoted), analysis (duration or "
+        "{duration, min_requests, max_burn_rate, thresholds}) and quality ({eval_set, max_drop, min_score, "
+        "set_version, timeout}: the candidate scored on an eval set through its preview route against the stable "
+        "version). Omitted: 10% / analysis 2m / 50% / analysis 2m."))
     scale_down_delay = DurationField(required=False, allow_null=True,
                                      help_text="Blue-green: how long the old set stays warm after the switch.")
     preview = DurationOrObjectField(required=False, allow_null=True, help_text=(
         "Blue-green: keep the candidate on `<deployment>--preview` for this long ({} = until promoted)."))
     analysis = DurationOrObjectField(required=False, allow_null=True,
                                      help_text="Blue-green: analysis after the switch (duration or object).")
+    quality = QualityStepField(required=False, allow_null=True, help_text=(
+        "Blue-green: score the candidate on an eval set through the preview route before the switch (and "
+        "before the preview pause); aborts when it drops more than max_drop under the stable version's score "
+        "or scores under min_score."))
     rollback = serializers.BooleanField(default=False, help_text="A rollback: allowed while a budget is exhausted.")
     override_reason = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000, help_text=(
         "Go ahead although an SLO's error budget is exhausted; recorded in the audit log."))
@@ -174,14 +202,21 @@ class RolloutSerializer(serializers.ModelSerializer):
     weight = serializers.IntegerField(help_text="Percent of traffic on the candidate now.")
     timeline = TimelineField()
     created_by = serializers.CharField(source="created_by.username", allow_null=True, default=None)
+    quality = serializers.SerializerMethodField(help_text=(
+        "Each quality step's eval runs and its latest look, by attempt and step; `link` lists the failing cases."))
 
     class Meta:
         model = Rollout
         fields = ["id", "deployment", "strategy", "status", "rollback", "stable", "candidate", "steps", "current_step",
                   "weight", "message", "timeline", "scale_down_delay_s", "scale_down_at", "promote_alias",
                   "override_reason", "created_by", "created_at", "updated_at", "finished_at", "frozen_since",
-                  "watch_s", "auto_rollback", "holdback_percent", "watch_until", "watching", "rolled_back_by"]
+                  "watch_s", "auto_rollback", "holdback_percent", "watch_until", "watching", "rolled_back_by",
+                  "quality"]
         read_only_fields = fields
+
+    @extend_schema_field(QualityLookSerializer(many=True))
+    def get_quality(self, rollout: Rollout) -> list:
+        return quality_looks(rollout)
 
     @extend_schema_field(RolloutSpecSerializer)
     def get_stable(self, rollout: Rollout) -> dict:

@@ -44,8 +44,12 @@ class RolloutForm(forms.Form):
                                           help_text="the whole set; empty = keep the current ones")
     strategy = forms.ChoiceField(choices=Strategy.choices, initial=Strategy.CANARY)
     steps = JSONValueField(required=False, initial=DEFAULT_CANARY_STEPS,
-                           help_text='canary: set_weight / pause ("60s", {} = until promoted) / analysis ("2m")')
+                           help_text='canary: set_weight / pause ("60s", {} = until promoted) / analysis ("2m") / '
+                                     'quality ({"eval_set": "tiny-facts", "max_drop": 0.05, "min_score": 0.8})')
     scale_down_delay = forms.CharField(required=False, max_length=32, help_text='blue-green: e.g. "10m"')
+    quality = JSONValueField(required=False, label="Quality gate",
+                             help_text='blue-green: scored on the preview route before the switch, e.g. '
+                                       '{"eval_set": "tiny-facts", "max_drop": 0.05}')
     override_reason = forms.CharField(required=False, max_length=500, label="Budget override reason",
                                       help_text="only while an SLO's error budget is exhausted; audited")
     holdback = forms.IntegerField(required=False, min_value=0, max_value=50, label="Holdback during the watch (%)",
@@ -74,6 +78,7 @@ class RolloutForm(forms.Form):
                   "override_reason": data["override_reason"].strip(), "holdback": data["holdback"]}
         if data["strategy"] == Strategy.BLUE_GREEN:  # each strategy reads its own fields
             kwargs["scale_down_delay"] = data["scale_down_delay"].strip() or None
+            kwargs["quality"] = data["quality"]
         else:
             kwargs["steps"] = data["steps"]
         return kwargs

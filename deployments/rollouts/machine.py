@@ -11,7 +11,8 @@ same row.
 Tracks: the stable spec is the deployment's own (version + engine args, pinned while a rollout
 runs); the candidate's replicas carry the rollout's id, so analysis can tell them apart even
 when only engine args differ. Analysis compares the tracks through the SLO module's gate
-(deployments/rollouts/gate.py).
+(deployments/rollouts/gate.py); a quality step scores the candidate on an eval set through the
+evals app's implementation (deployments/rollouts/quality.py), its runs kept on the row.
 
 While the deployment's degradation level freezes rollouts, a rollout that is not a rollback takes
 no weight, pause or analysis transition: its weight holds until the level lifts.
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.db import transaction
 
 from alerts.choices import Severity
@@ -32,6 +34,7 @@ from alerts.services import alert_raise, alerts_resolve_open
 from deployments.choices import ACTIVE_ROLLOUT, RolloutStatus, Strategy, Verdict
 from deployments.models import Deployment, Rollout, RolloutMeasurement
 from deployments.rollouts.gate import gate, low_traffic_guard
+from deployments.rollouts.quality import QualityVerdict, limits_text, quality, state_key
 from deployments.services import frozen_by, level_text
 from inferops.audit import audit_record, snapshot
 from registry.models import Alias
@@ -79,19 +82,28 @@ def enter_step(rollout: Rollout, index: int, now: datetime) -> None:
         rollout.message = ""
 
 
-def raise_alert(rollout: Rollout, now: datetime, alertname: str, summary: str, reason: str) -> None:
-    """A ticket alert that links the rollout's page."""
+def raise_alert(rollout: Rollout, now: datetime, alertname: str, summary: str, reason: str,
+                links: dict | None = None) -> None:
+    """A ticket alert that links the rollout's page (and `links`, e.g. the failing cases of a quality step)."""
     alert_raise(
         labels={"alertname": alertname, "deployment": rollout.deployment.name, "rollout": str(rollout.pk),
                 "severity": Severity.TICKET},
         annotations={"summary": summary, "description": reason,
                      "rollout_url": f"{settings.INFEROPS_EXTERNAL_URL}/deployments/{rollout.deployment.name}"
-                                    f"/rollouts/{rollout.pk}/"},
+                                    f"/rollouts/{rollout.pk}/", **(links or {})},
         severity=Severity.TICKET, now=now,
     )
 
 
-def abort(rollout: Rollout, now: datetime, reason: str) -> None:
+def stop_quality_runs(rollout: Rollout) -> None:
+    """Cancel what the current quality step's eval runs still do: the step ends without them."""
+    entry = rollout.quality.get(state_key(rollout))
+    if entry is not None:
+        quality().stop(entry["state"])
+
+
+def abort(rollout: Rollout, now: datetime, reason: str, links: dict | None = None) -> None:
+    stop_quality_runs(rollout)
     rollout.status = RolloutStatus.ABORTED
     rollout.weight = 0
     rollout.finished_at = now
@@ -100,7 +112,7 @@ def abort(rollout: Rollout, now: datetime, reason: str) -> None:
     add_timeline(rollout, now, "traffic on stable", f"v{rollout.stable_version.number} takes 100%")
     rollout.save()
     raise_alert(rollout, now, ALERT_NAME,
-                f"Rollout {rollout.pk} of {rollout.deployment.name} was aborted and rolled back", reason)
+                f"Rollout {rollout.pk} of {rollout.deployment.name} was aborted and rolled back", reason, links)
     log.warning("rollout %s aborted: %s", rollout.pk, reason)
 
 
@@ -197,8 +209,10 @@ def _step_once(rollout: Rollout, deployment: Deployment, state: CandidateState, 
             enter_step(rollout, rollout.step_index + 1, now)
             return True
         return False
-    if rollout.status == RolloutStatus.PAUSED:  # an inconclusive analysis waits for an operator
+    if rollout.status == RolloutStatus.PAUSED:  # an inconclusive analysis or quality step waits for an operator
         return False
+    if "quality" in step:
+        return _score_quality(rollout, step["quality"], state, now, elapsed)
     return _analyse(rollout, step["analysis"], now, elapsed)
 
 
@@ -248,3 +262,76 @@ def _analyse(rollout: Rollout, config: dict, now: datetime, elapsed: float) -> b
         return True
     rollout.message = f"Analysing: {result.reason}"
     return False
+
+
+def _score_quality(rollout: Rollout, config: dict, state: CandidateState, now: datetime, elapsed: float) -> bool:
+    """A quality step: start the eval runs once (this pass holds the row's lock, and they are created in its
+    transaction), then judge them on every pass until a verdict or the step's timeout."""
+    key = state_key(rollout)
+    entry = rollout.quality.get(key)
+    if entry is None:
+        if state.ready < 1:  # scored through the preview route: someone must answer it
+            rollout.message = "Warming the candidate: 0/1 replicas ready before its quality step."
+            return False
+        entry = _start_quality(rollout, config, now)
+        if entry is None:
+            return False
+    result = quality().verdict(rollout, config, entry["state"])
+    entry = {**entry, "verdict": result.verdict, "reason": result.reason, "link": result.link,
+             "candidate": result.candidate, "stable": result.stable, "checks": result.checks}
+    rollout.quality = {**rollout.quality, key: entry}
+    if result.verdict == Verdict.RUNNING:
+        if elapsed < config["timeout"]:
+            rollout.message = f"Scoring quality: {result.reason}"
+            return False
+        reason = f"quality {config['eval_set']}: no verdict within {config['timeout']:g}s ({result.reason})"
+        entry["verdict"] = Verdict.FAIL
+        _record_quality(rollout, replace(result, verdict=Verdict.FAIL, reason=reason), now)
+        add_timeline(rollout, now, "quality timed out", reason)
+        abort(rollout, now, f"quality step timed out: {reason}")
+        return False
+    _record_quality(rollout, result, now)
+    if result.verdict == Verdict.FAIL:
+        reason = result.reason + (f"; failing cases: {result.link}" if result.link else "")
+        add_timeline(rollout, now, "quality failed", reason)
+        abort(rollout, now, f"quality failed: {reason}",
+              {"failing_cases_url": result.link} if result.link else None)
+        return False
+    if result.verdict == Verdict.INCONCLUSIVE:
+        rollout.status = RolloutStatus.PAUSED
+        rollout.message = f"Quality inconclusive: {result.reason} Promote to continue, or abort (retry scores again)."
+        add_timeline(rollout, now, "quality inconclusive", result.reason)
+        return False
+    add_timeline(rollout, now, "quality passed", result.reason)
+    enter_step(rollout, rollout.step_index + 1, now)
+    return True
+
+
+def _start_quality(rollout: Rollout, config: dict, now: datetime) -> dict | None:
+    """Ask the evals app to start scoring; the entry kept on the row, or None when it cannot start (the rollout
+    then waits for an operator)."""
+    try:
+        with transaction.atomic():  # a refusal leaves no half-created run behind
+            started = quality().start(rollout, config)
+    except ValidationError as exc:
+        reason = "; ".join(exc.messages)
+        rollout.status = RolloutStatus.PAUSED
+        rollout.message = (f"Quality step could not start: {reason}. Promote to skip it, or abort and fix the "
+                           "step.")
+        add_timeline(rollout, now, "quality inconclusive", f"could not start: {reason}")
+        return None
+    entry = {"eval_set": config["eval_set"], "attempt": rollout.attempt, "step_index": rollout.step_index,
+             "started_at": now.isoformat(), "state": started}
+    rollout.quality = {**rollout.quality, state_key(rollout): entry}
+    runs = ", ".join(f"{role} run {run}" for role, run in started.get("runs", {}).items())
+    add_timeline(rollout, now, "quality started", f"{config['eval_set']} ({limits_text(config)}): {runs}")
+    return entry
+
+
+def _record_quality(rollout: Rollout, result: QualityVerdict, now: datetime) -> None:
+    """The step's verdict as a measurement, beside the analysis ones (API and console show both)."""
+    RolloutMeasurement.objects.create(
+        rollout=rollout, attempt=rollout.attempt, step_index=rollout.step_index, taken_at=now,
+        window_start=rollout.step_started_at, window_end=now, verdict=result.verdict,
+        candidate=result.candidate, stable=result.stable, checks=result.checks, reason=result.reason,
+    )

@@ -26,7 +26,9 @@ class Rollout(Authored):
     deployment = models.ForeignKey("deployments.Deployment", on_delete=models.CASCADE, related_name="rollouts")
     strategy = models.CharField(max_length=16, choices=Strategy.choices, default=Strategy.CANARY)
     # Normalised steps: {"set_weight": 20}, {"pause": 60.0} or {"pause": None} (until promoted),
-    # {"analysis": {"duration": 120.0, "min_requests": 20, "max_burn_rate": 2.0, "thresholds": {}}}.
+    # {"analysis": {"duration": 120.0, "min_requests": 20, "max_burn_rate": 2.0, "thresholds": {}}},
+    # {"quality": {"eval_set": "tiny-facts", "set_version": None, "max_drop": 0.05, "min_score": None,
+    #              "timeout": 900.0}}.
     steps = models.JSONField(default=list, blank=True)
     scale_down_delay_s = models.FloatField(default=0, help_text="Blue-green: how long the old set stays warm.")
     rollback = models.BooleanField(default=False, help_text="Undo or an explicit rollback: no budget gate.")
@@ -60,6 +62,10 @@ class Rollout(Authored):
         "During the watch, percent of traffic kept on the previous version to compare with; 0: none."))
     rolled_back_by = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
                                        help_text="The rollback rollout the platform started during the watch.")
+    # Each quality step's eval runs and its latest look, by attempt and step: {"<attempt>.<step>": {eval_set,
+    # state (what the evals app keeps: runs, set version, the stable score's basis), verdict, reason, link,
+    # candidate, stable, checks}}. Kept on the row, so a step starts its runs once (rollouts/machine.py).
+    quality = models.JSONField(default=dict, blank=True, help_text="Quality steps' eval runs and verdicts.")
 
     class Meta:
         ordering = ["-id"]

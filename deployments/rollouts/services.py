@@ -16,7 +16,8 @@ from django.utils import timezone
 from deployments.choices import ACTIVE_ROLLOUT, DriverName, RolloutStatus, Strategy
 from deployments.models import Deployment, Rollout
 from deployments.rollouts.gate import gate
-from deployments.rollouts.machine import abort, add_timeline, enter_step, resolve_abort_alerts
+from deployments.rollouts.machine import abort, add_timeline, enter_step, resolve_abort_alerts, stop_quality_runs
+from deployments.rollouts.quality import quality as quality_checks
 from deployments.rollouts.spec import holdback_percent, normalise, watch_seconds
 from deployments.services import (
     check_frozen,
@@ -60,9 +61,23 @@ def _check_budget(deployment: Deployment, *, rollback: bool, override_reason: st
         )
 
 
+def _check_quality_steps(strategy: str, steps: list) -> None:
+    """Every quality step's eval set (and version) exists: asked of the evals app, which deployments does not
+    import. ValidationError naming each step's field."""
+    errors: dict[str, list[str]] = {}
+    for index, step in enumerate(steps):
+        if "quality" in step:
+            canary = strategy == Strategy.CANARY
+            field, prefix = ("steps", f"steps[{index}].quality") if canary else ("quality", "quality")
+            problems = quality_checks().validate(step["quality"])
+            errors.setdefault(field, []).extend(f"{prefix}.{problem}" for problem in problems)
+    if any(errors.values()):
+        raise ValidationError({field: messages for field, messages in errors.items() if messages})
+
+
 def rollout_create(*, deployment: Deployment, actor, version: int | None = None, alias: str | None = None,
                    engine_args: dict | None = None, strategy: str = Strategy.CANARY, steps=None,
-                   scale_down_delay=None, preview=None, analysis=None, rollback: bool = False,
+                   scale_down_delay=None, preview=None, analysis=None, quality=None, rollback: bool = False,
                    override_reason: str = "", promote_alias: str = "champion", watch=None,
                    auto_rollback: bool = True, holdback: int | None = None, redeploys: Rollout | None = None,
                    reason: str = "") -> Rollout:
@@ -70,7 +85,8 @@ def rollout_create(*, deployment: Deployment, actor, version: int | None = None,
     degradation level freezes rollouts. `redeploys` names a rollout the platform rolled back whose
     candidate this one brings back, for `reason` (see rollout_undo)."""
     normalised_steps, delay = normalise(strategy, steps=steps, scale_down_delay=scale_down_delay,
-                                        preview=preview, analysis=analysis)
+                                        preview=preview, analysis=analysis, quality=quality)
+    _check_quality_steps(strategy, normalised_steps)
     watch_s = watch_seconds(watch)
     holdback_pct = holdback_percent(holdback)
     if promote_alias:  # checked now: a bad name would otherwise fail the finalizing transaction every pass
@@ -159,6 +175,7 @@ def rollout_promote(*, rollout: Rollout, actor, full: bool = False, reason: str 
         target = len(locked.steps) if full else locked.step_index + 1
         add_timeline(locked, now, "promoted",
                      f"by {_who(actor)}" + (" (full)" if full else "") + (f": {reason}" if reason else ""))
+        stop_quality_runs(locked)  # a quality step promoted past waits for no verdict
         enter_step(locked, target, now)
         locked.save()
         audit_record(actor=actor, action="rollout.promote", obj=locked, before=before,
@@ -290,6 +307,7 @@ def _strategy_args(rollout: Rollout) -> dict:
         return {"steps": rollout.steps}  # normalised steps read back as they are
     pauses = [step["pause"] for step in rollout.steps if "pause" in step]
     analyses = [step["analysis"] for step in rollout.steps if "analysis" in step]
+    qualities = [step["quality"] for step in rollout.steps if "quality" in step]
     preview = None if not pauses else {} if pauses[0] is None else pauses[0]  # {}: until promoted
     return {"scale_down_delay": rollout.scale_down_delay_s, "preview": preview,
-            "analysis": analyses[0] if analyses else None}
+            "analysis": analyses[0] if analyses else None, "quality": qualities[0] if qualities else None}

@@ -3,10 +3,12 @@
 Durations are "90s", "2m", "1h30m" or a number of seconds. A canary is a list of steps:
 `{"set_weight": 20}`, `{"pause": "60s"}` (or `{"pause": {}}`: until an operator promotes) and
 `{"analysis": "2m"}` (or an object with `duration`, `min_requests`, `min_events`, `max_burn_rate`
-and `thresholds`). After the last step the candidate takes all traffic. A blue-green rollout is
-the same machinery with the candidate at full size from the start: an optional preview pause,
-then all traffic at once, then an optional analysis while the old set stays warm for
-`scale_down_delay`.
+and `thresholds`) and `{"quality": {"eval_set": "tiny-facts", "max_drop": 0.05, "min_score": 0.8}}`
+(the candidate scored on an eval set through its preview route against the stable version; optional
+`set_version` and `timeout`). After the last step the candidate takes all traffic. A blue-green
+rollout is the same machinery with the candidate at full size from the start: an optional quality
+step and an optional preview pause, then all traffic at once, then an optional analysis while the
+old set stays warm for `scale_down_delay`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ DEFAULT_WATCH_S = 600.0
 MAX_STEPS = 50
 MAX_MIN_REQUESTS = 1_000_000
 MAX_DURATION_S = 7 * 24 * 3600
+QUALITY_KEYS = {"eval_set", "set_version", "max_drop", "min_score", "timeout"}
+# How long a quality step waits for its eval runs before it aborts the rollout.
+DEFAULT_QUALITY_TIMEOUT_S = 15 * 60.0
+
+
+class StepErrors(ValueError):
+    """Every bad field of one step, one message each."""
+
+    def __init__(self, messages: list[str]):
+        super().__init__("; ".join(messages))
+        self.messages = messages
 
 
 def parse_duration(value, field: str) -> float:
@@ -75,9 +88,54 @@ def _analysis(value, field: str) -> dict:
             **({"min_events": min_events} if min_events is not None else {})}
 
 
+def _fraction(value, field: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"{field}: expected a number from 0 to 1")
+    return float(value)
+
+
+def _quality(value, field: str) -> dict:
+    """A quality step's config, normalised: every key present (None when not given)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{field}: expected an object, e.g. {{\"eval_set\": \"tiny-facts\", \"max_drop\": 0.05}}")
+    errors = []
+    unknown = set(value) - QUALITY_KEYS
+    if unknown:
+        errors.append(f"{field}: unknown key(s) {', '.join(sorted(unknown))}; accepted: "
+                      f"{', '.join(sorted(QUALITY_KEYS))}")
+    eval_set = value.get("eval_set")
+    if not isinstance(eval_set, str) or not eval_set.strip():
+        errors.append(f"{field}.eval_set: required, the name of an eval set")
+    set_version = value.get("set_version")
+    if set_version is not None and (type(set_version) is not int or set_version < 1):
+        errors.append(f"{field}.set_version: expected a version number (1 or more)")
+    limits = {}
+    for key in ("max_drop", "min_score"):
+        try:
+            limits[key] = _fraction(value.get(key), f"{field}.{key}")
+        except ValueError as exc:
+            errors.append(str(exc))
+    if value.get("max_drop") is None and value.get("min_score") is None:
+        errors.append(f"{field}: give max_drop (how far under the stable version's score the candidate may be), "
+                      "min_score (a floor), or both")
+    timeout = DEFAULT_QUALITY_TIMEOUT_S
+    try:
+        if value.get("timeout") is not None:
+            timeout = parse_duration(value["timeout"], f"{field}.timeout")
+            if timeout <= 0:
+                raise ValueError(f"{field}.timeout: must be longer than 0s")
+    except ValueError as exc:
+        errors.append(str(exc))
+    if errors:
+        raise StepErrors(errors)
+    return {"eval_set": eval_set.strip(), "set_version": set_version, **limits, "timeout": timeout}
+
+
 def _step(step, field: str) -> dict:
     if not isinstance(step, dict) or len(step) != 1:
-        raise ValueError(f"{field}: each step is an object with one key: set_weight, pause or analysis")
+        raise ValueError(f"{field}: each step is an object with one key: set_weight, pause, analysis or quality")
     (kind, value), = step.items()
     if kind == "set_weight":
         if type(value) is not int or not 0 <= value <= 100:
@@ -93,16 +151,24 @@ def _step(step, field: str) -> dict:
         return {"pause": parse_duration(value, f"{field}.pause")}
     if kind == "analysis":
         return {"analysis": _analysis(value, f"{field}.analysis")}
-    raise ValueError(f"{field}: unknown step {kind!r}; use set_weight, pause or analysis")
+    if kind == "quality":
+        return {"quality": _quality(value, f"{field}.quality")}
+    raise ValueError(f"{field}: unknown step {kind!r}; use set_weight, pause, analysis or quality")
 
 
-def normalise(strategy: str, *, steps=None, scale_down_delay=None, preview=None, analysis=None) -> tuple[list, float]:
+def _messages(exc: ValueError) -> list[str]:
+    return exc.messages if isinstance(exc, StepErrors) else [str(exc)]
+
+
+def normalise(strategy: str, *, steps=None, scale_down_delay=None, preview=None, analysis=None,
+              quality=None) -> tuple[list, float]:
     """(steps, scale_down_delay_s) for a strategy; raises ValidationError listing every problem."""
     errors: dict[str, list[str]] = {}
     out: list[dict] = []
     delay = 0.0
     if strategy == Strategy.CANARY:
-        for name, value in (("scale_down_delay", scale_down_delay), ("preview", preview), ("analysis", analysis)):
+        for name, value in (("scale_down_delay", scale_down_delay), ("preview", preview), ("analysis", analysis),
+                            ("quality", quality)):
             if value is not None:
                 errors[name] = [f"{name} applies to blue-green; a canary lists its steps."]
         raw = DEFAULT_CANARY_STEPS if steps is None else steps
@@ -116,14 +182,20 @@ def normalise(strategy: str, *, steps=None, scale_down_delay=None, preview=None,
             try:
                 out.append(_step(step, f"steps[{index}]"))
             except ValueError as exc:
-                errors.setdefault("steps", []).append(str(exc))
+                errors.setdefault("steps", []).extend(_messages(exc))
     elif strategy == Strategy.BLUE_GREEN:
         if steps is not None:
-            errors["steps"] = ["A blue-green rollout has no steps: give preview, analysis and scale_down_delay."]
+            errors["steps"] = ["A blue-green rollout has no steps: give preview, quality, analysis and "
+                               "scale_down_delay."]
         try:
             delay = parse_duration("0s" if scale_down_delay is None else scale_down_delay, "scale_down_delay")
         except ValueError as exc:
             errors["scale_down_delay"] = [str(exc)]
+        if quality is not None:  # scored on the preview route before anyone is sent there, and before the switch
+            try:
+                out.append(_step({"quality": quality}, "quality"))
+            except ValueError as exc:
+                errors["quality"] = [text.replace("quality.quality", "quality") for text in _messages(exc)]
         if preview is not None:  # keep the candidate on its preview route: for this long, or until promoted
             try:
                 out.append(_step({"pause": preview}, "preview"))

@@ -18,6 +18,7 @@ from deployments.models import Rollout
 from deployments.rollouts import services as rollouts
 from deployments.rollouts.forms import RolloutForm
 from deployments.rollouts.gate import gate
+from deployments.rollouts.quality import limits_text, quality_looks
 from deployments.rollouts.series import rollout_series
 from deployments.views import render_detail
 from inferops.api import Conflict
@@ -64,6 +65,11 @@ def step_text(step: dict) -> tuple[str, str]:
     if "pause" in step:
         seconds = step["pause"]
         return "pause", "pause until promoted" if seconds is None else f"pause {duration_text(seconds)}"
+    if "quality" in step:
+        config = step["quality"]
+        version = f" v{config['set_version']}" if config.get("set_version") else ""
+        return "quality", (f"quality {config['eval_set']}{version}: {limits_text(config)} "
+                           f"(timeout {duration_text(config['timeout'])})")
     config = step["analysis"]
     details = [f"min {config['min_requests']} requests", f"burn rate ≤ {config['max_burn_rate']:g}×"]
     details += [THRESHOLD_TEXT[name].format(limit) for name, limit in config.get("thresholds", {}).items()]
@@ -95,10 +101,13 @@ def measurement_row(measurement, steps: list) -> dict:
         return f"{number_text(rate)} req/s per replica{waiting}"
 
     index = measurement.step_index
+    scored = index < len(steps) and "quality" in steps[index]  # eval runs, not traffic: no requests or load
     return {"m": measurement, "step": index + 1,
             "step_text": step_text(steps[index])[1] if index < len(steps) else "",
-            "candidate_requests": requests(measurement.candidate), "stable_requests": requests(measurement.stable),
-            "candidate_load": load(measurement.candidate), "stable_load": load(measurement.stable),
+            "candidate_requests": "—" if scored else requests(measurement.candidate),
+            "stable_requests": "—" if scored else requests(measurement.stable),
+            "candidate_load": "—" if scored else load(measurement.candidate),
+            "stable_load": "—" if scored else load(measurement.stable),
             "baseline": measurement.stable.get("baseline", ""), "checks": checks}
 
 
@@ -140,12 +149,15 @@ def rollout_detail(request, name: str, pk: int):
     final_state = ("done" if completed
                    else "current" if rollout.active and rollout.step_index >= len(rollout.steps) else "")
     measurements = [measurement_row(m, rollout.steps) for m in rollout.measurements.order_by("-taken_at", "-id")[:200]]
+    quality = [{**look, "step_text": step_text(rollout.steps[look["step_index"]])[1],
+                "current": look["attempt"] == rollout.attempt}
+               for look in reversed(quality_looks(rollout))]  # latest attempt first
     holding_back = rollout.holding_back(now) and rollouts.undo_target(rollout.deployment) == rollout
     candidate_share = candidate_share_now(rollout, holding_back)
     return render(request, "deployments/rollout.html", {
         "rollout": rollout, "deployment": rollout.deployment, "steps": steps, "final_state": final_state,
         "candidate_share": candidate_share, "stable_share": 100 - candidate_share, "measurements": measurements,
-        "holding_back": holding_back,
+        "holding_back": holding_back, "quality": quality,
         "preview_route": rollout.deployment.name + PREVIEW_SUFFIX,
         "timeline": [{**entry, "at": datetime.fromisoformat(entry["at"])} for entry in rollout.timeline],
         "chart_data": {"series": series, "timeline": rollout.timeline}, "chart_clipped": start > rollout.created_at,

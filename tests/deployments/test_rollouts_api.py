@@ -70,7 +70,7 @@ def test_create_and_the_shape_ci_polls(api, deployment):
         "id", "deployment", "strategy", "status", "rollback", "stable", "candidate", "steps", "current_step",
         "weight", "message", "timeline", "scale_down_delay_s", "scale_down_at", "promote_alias",
         "override_reason", "created_by", "created_at", "updated_at", "finished_at", "measurements", "frozen_since",
-        "watch_s", "auto_rollback", "holdback_percent", "watch_until", "watching", "rolled_back_by"}
+        "watch_s", "auto_rollback", "holdback_percent", "watch_until", "watching", "rolled_back_by", "quality"}
     assert {k: body[k] for k in ("deployment", "strategy", "status", "rollback", "weight", "promote_alias",
                                  "created_by", "finished_at", "measurements", "watch_s", "auto_rollback",
                                  "holdback_percent", "watch_until", "watching", "rolled_back_by")} == {
