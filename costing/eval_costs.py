@@ -33,7 +33,7 @@ from costing.ledger import RUNNING, Held, PriceBook, replica_resources
 from costing.models import ListPrice
 from deployments.choices import DriverName
 from deployments.models import Deployment, Replica
-from evals.choices import TargetKind
+from evals.choices import Scorer, TargetKind
 from evals.models import EvalRun
 
 log = logging.getLogger(__name__)
@@ -84,14 +84,16 @@ def replicas_used(run: EvalRun, deployment: Deployment) -> list[tuple[Replica, d
     return spans
 
 
-def temporary_replicas(run: EvalRun, deployment: Deployment | None) -> int:
-    """How many replicas the run started for itself: the target's (a version target) and the
-    parity reference's when no replica of the target's deployment serves it."""
-    count = 1 if run.target_kind == TargetKind.VERSION else 0
-    if run.reference_version_id and not (deployment and Replica.objects.filter(
+def temporary_replicas(run: EvalRun, deployment: Deployment | None) -> list[dict]:
+    """The engine arguments of each replica the run started for itself (as evals.runs.runner does):
+    the target's for a version target, and the parity reference's, with the engine's defaults,
+    when no replica of the target's deployment served the reference version."""
+    started = [run.engine_args] if run.target_kind == TargetKind.VERSION else []
+    parity = any(case.get("scorer") == Scorer.PARITY for case in run.set_version.items)
+    if parity and run.reference_version_id and not (deployment and Replica.objects.filter(
             deployment=deployment, version=run.reference_version, started_at__lt=run.finished_at).exists()):
-        count += 1
-    return count
+        started.append({})
+    return started
 
 
 def replica_time_cost(run: EvalRun, deployment: Deployment | None, book: PriceBook) -> Decimal | None:
@@ -99,8 +101,8 @@ def replica_time_cost(run: EvalRun, deployment: Deployment | None, book: PriceBo
     if deployment is not None and run.target_kind != TargetKind.VERSION:
         held += [(replica_resources(deployment, replica), start, end)
                  for replica, start, end in replicas_used(run, deployment)]
-    temporary = replica_resources(TEMPORARY, SimpleNamespace(driver=DriverName.LOCAL, engine_args=run.engine_args))
-    held += [(temporary, run.started_at, run.finished_at)] * temporary_replicas(run, deployment)
+    held += [(replica_resources(TEMPORARY, SimpleNamespace(driver=DriverName.LOCAL, engine_args=engine_args)),
+              run.started_at, run.finished_at) for engine_args in temporary_replicas(run, deployment)]
     rates = [(hourly_price(resources, book, run.started_at), start, end) for resources, start, end in held]
     if all(rate is None for rate, _, _ in rates):
         return None

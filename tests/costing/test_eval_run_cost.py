@@ -13,9 +13,12 @@ from django.utils import timezone
 from costing import services
 from evals.choices import RunStatus, TargetKind
 from evals.models import EvalRun
+from evals.runs import runner
+from evals.runs import services as run_services
 from evals.signals import run_finished
 from tests.costing.conftest import make_deployment, make_replica, price
 from tests.costing.eval_rows import finished_run, set_version
+from tests.evals.runs_world import eval_set_with, register_tiny
 
 pytestmark = pytest.mark.django_db
 
@@ -85,10 +88,15 @@ def test_a_version_target_pays_its_temporary_replica_for_the_whole_run(chat, now
     run.engine_args = {}
     run.save(update_fields=["engine_args"])
     assert finish(run).usd == Decimal("0.240000")
-    # A parity reference no deployment serves ran on a temporary replica of its own too.
+    # A parity reference no deployment serves ran on a temporary replica of its own too, with the
+    # engine's defaults; on an exact set, no reference replica was started.
     run.reference_version = chat.model.versions.get(number=1)
-    run.save(update_fields=["reference_version"])
-    assert finish(run).usd == Decimal("0.480000")
+    run.engine_args = {"cpu_threads": 2}
+    run.save(update_fields=["reference_version", "engine_args"])
+    assert finish(run).usd == Decimal("0.120000")
+    run.set_version = eval_set_with([{"id": "p1", "prompt": "hello"}], name="parity", scorer="parity")
+    run.save(update_fields=["set_version"])
+    assert finish(run).usd == Decimal("0.360000")  # + 10 minutes of the host's 4 cores
 
 
 def test_unpriced_runs_stay_unpriced_and_a_run_that_never_started_cost_nothing(now):
@@ -108,3 +116,17 @@ def test_a_failed_run_pays_for_what_it_held(chat, now):
     make_replica(chat, started_at=now - timedelta(hours=2))
     run = finish(run_on(chat, now, minutes=5, status=RunStatus.FAILED))
     assert run.usd == Decimal("0.030000")
+
+
+@pytest.mark.django_db(transaction=True)  # the runner sends run_finished once its row is committed
+def test_a_real_run_on_a_temporary_replica_is_priced_for_its_whole_life(tiny_llama_dir, settings, tmp_path):
+    settings.INFEROPS_DATA_DIR = tmp_path
+    price("cpu", "0.36", timezone.now() - timedelta(days=1))
+    register_tiny(tiny_llama_dir)
+    cases = eval_set_with([{"id": "a", "prompt": "one two three", "expected": "never said"}], name="smoke")
+    run = run_services.run_create(eval_set=cases.eval_set, actor=None, target={"model": "tiny", "version": 1})
+    assert runner.execute_run(run.pk) == RunStatus.SUCCEEDED
+    run.refresh_from_db()
+    held_s = Decimal(str((run.finished_at - run.started_at).total_seconds()))
+    # The host's 4 cores (this suite's INFEROPS_COST_LOCAL_CPUS) at $0.36 an hour, from the claim to the end.
+    assert run.usd == (Decimal("0.36") * 4 * held_s / 3600).quantize(Decimal("0.000001")) and run.usd > 0
