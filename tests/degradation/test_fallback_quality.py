@@ -97,7 +97,7 @@ def test_no_warning_when_the_fallback_scores_as_well_or_has_no_common_set(api, s
     assert all(row["fallback"] is None for row in body["fallbacks"][0]["scores"])
 
 
-def test_without_a_fallback_or_scores_the_document_says_so(api, deployment):
+def test_without_a_fallback_or_scores_the_document_says_so(api, make_user, deployment):
     body = api("operator").put(URL, {"levels": LEVELS}, format="json").json()
     assert (body["fallbacks"], body["warnings"]) == ([], [])
     make_deployment("small", model_name="tiny-small")
@@ -105,6 +105,9 @@ def test_without_a_fallback_or_scores_the_document_says_so(api, deployment):
     assert body["fallbacks"] == [{"deployment": "small", "version": 1,
                                   "levels": [{"number": 1, "name": "shed-batch"}], "scores": []}]
     assert body["warnings"] == []
+    browser = Client()
+    browser.force_login(make_user("viewer"))
+    assert "no eval scores for either" in browser.get("/deployments/chat/").content.decode()
 
 
 def test_the_policy_form_warns_and_the_panel_shows_the_scores(make_user, scored):
