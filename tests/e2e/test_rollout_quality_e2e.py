@@ -9,20 +9,23 @@ private Redis and the test database. The test process only creates the rollouts 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 
 import pytest
 import torch
+from rest_framework.authtoken.models import Token
 from safetensors.torch import load_file, save_file
 
 from alerts.models import Alert
 from deployments import services as deployment_services
-from deployments.models import Deployment, Replica
+from deployments.models import Deployment, Replica, Rollout
 from deployments.replicas.drivers.local import LocalProcessDriver
 from deployments.rollouts import services as rollouts
 from evals.models import EvalCaseResult, EvalRun
+from project import cli, rollout_cli
 from registry import services as registry_services
 from tests.deployments.test_reconcile import all_ready, reconcile_until
 from tests.e2e.test_rollout_e2e import wait_rollout
@@ -86,7 +89,8 @@ def candidate_run(rollout) -> EvalRun:
     return EvalRun.objects.get(pk=look["state"]["runs"]["candidate"])
 
 
-def test_a_noisy_candidate_fails_the_parity_step_an_identical_one_passes(platform, client):
+def test_a_noisy_candidate_fails_the_parity_step_an_identical_one_passes(platform, client, live_server, monkeypatch,
+                                                                         capsys):
     deployment, actor = platform["deployment"], platform["actor"]
     steps = [{"quality": QUALITY}, {"set_weight": 100}]  # judged before it takes any traffic
 
@@ -103,9 +107,15 @@ def test_a_noisy_candidate_fails_the_parity_step_an_identical_one_passes(platfor
     deployment.refresh_from_db()
     assert deployment.version.number == 2
 
-    worse = rollouts.rollout_create(deployment=deployment, actor=actor, version=3, steps=steps, watch=0)
-    wait_rollout(worse, {"succeeded", "aborted"}, 240)
-    assert worse.status == "aborted", worse.message
+    # The worse one as CI starts it: the CLI shows the step, waits, and says why with the link.
+    monkeypatch.setenv("INFEROPS_URL", live_server.url)
+    monkeypatch.setenv("INFEROPS_TOKEN", Token.objects.create(user=actor).key)
+    code = cli.main(["rollout", "--deployment", "chat", "--version", "3", "--steps", json.dumps(steps),
+                     "--watch", "0", "--wait", "--timeout", "240", "--poll-interval", "0.5"])
+    out, err = capsys.readouterr()
+    worse = Rollout.objects.get(candidate_version__number=3)
+    assert code == rollout_cli.EXIT_ABORTED, (out, err, worse.message)
+    assert "steps: quality tiny-parity: max drop 0.05, min 0.90; set_weight 100%" in out
     run = candidate_run(worse)
     assert run.status == "succeeded" and run.reference_version.number == 2 and run.score < 0.9
     failing = list(EvalCaseResult.objects.filter(run=run, passed=False).order_by("index"))
@@ -119,6 +129,7 @@ def test_a_noisy_candidate_fails_the_parity_step_an_identical_one_passes(platfor
     alert = Alert.objects.get(labels__alertname="RolloutAborted", labels__rollout=str(worse.pk))
     assert alert.annotations["failing_cases_url"] == link
     assert Deployment.objects.get(pk=deployment.pk).version.number == 2  # stable keeps serving
+    assert worse.message in err and f"failing cases: {link}" in err
 
     # The link opens the run's failing cases in the console.
     client.force_login(actor)
