@@ -153,6 +153,9 @@ def test_the_run_page_shows_progress_scores_and_the_failing_cases_first(world, a
 
     listing = words(client.get("/evals/runs/"))
     assert f"{run['id']} api" in listing and "deployment chat" in listing
+    set_page = client.get("/evals/sets/smoke/")
+    assert f'href="/evals/runs/{run["id"]}/"' in set_page.content.decode()
+    assert "Recent runs" in words(set_page)
 
 
 def test_cancel_from_the_page_needs_an_operator(world, api, client, make_user):
