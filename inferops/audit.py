@@ -24,6 +24,10 @@ def actor_or_none(actor):
 
 def snapshot(obj) -> dict:
     data = model_to_dict(obj, exclude=list(SNAPSHOT_EXCLUDE))
+    # A many-to-many field comes as its rows; the trail keeps their keys, as it does a foreign key's.
+    for field in obj._meta.many_to_many:
+        if field.name in data:
+            data[field.name] = sorted(related.pk for related in data[field.name])
     return json.loads(json.dumps(data, cls=DjangoJSONEncoder))
 
 
