@@ -185,3 +185,19 @@ def test_the_reaper_fails_a_run_whose_worker_died_and_kills_its_temporary_replic
 
 def test_a_nul_in_an_output_is_stored_as_a_replacement_character():
     assert runner.storable({"out\x00": ["a\x00b", 1, None]}) == {"out\ufffd": ["a\ufffdb", 1, None]}
+
+
+def test_a_rollout_run_scores_the_candidate_replicas_only(deployment, replica_process):
+    from deployments.models import Rollout
+
+    # The stable replica answers nothing: a request sent to it would fail the run.
+    Replica.objects.filter(deployment=deployment).update(url="http://127.0.0.1:9")
+    rollout = Rollout.objects.create(deployment=deployment, stable_version=deployment.version,
+                                     candidate_version=deployment.version, step_started_at=timezone.now(),
+                                     steps=[{"set_weight": 20}])
+    Replica.objects.create(deployment=deployment, version=deployment.version, node="here", url=replica_process,
+                           state=ReplicaState.READY, rollout=rollout)
+    set_version = eval_set_with([{"id": "a", "prompt": "hello", "expected": greedy(replica_process, "hello")}])
+    run = services.run_create(eval_set=set_version.eval_set, actor=None, target={"rollout": rollout.pk})
+    assert runner.execute_run(run.pk) == RunStatus.SUCCEEDED
+    assert EvalRun.objects.get(pk=run.pk).score == 1.0
