@@ -171,4 +171,29 @@ def test_the_upload_form_takes_a_file_over_the_usual_body_limit(client, make_use
     client.force_login(make_user("operator"))
     assert len(raw) > 500 and post_file(client, raw).status_code == 302
     assert EvalSetVersion.objects.get().case_count == 20
-    assert client.post("/evals/sets/new/", {"name": "x", "scorer": "exact", "description": "d" * 600}).status_code == 413
+    too_long = {"name": "x", "scorer": "exact", "description": "d" * 600}
+    assert client.post("/evals/sets/new/", too_long).status_code == 413  # other forms keep the usual limit
+
+
+def test_the_admin_writes_sets_through_the_service_and_only_reads_versions(client, eval_set):
+    from django.contrib.auth.models import User
+
+    chat = registry_services.model_create(name="chat", task="generate", actor=None)
+    client.force_login(User.objects.create_superuser("root", password="pw-12345678"))
+    response = client.post("/admin/evals/evalset/add/", {"name": "mc", "scorer": "choice", "description": "",
+                                                         "default_for": [chat.pk]})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    response = client.post(f"/admin/evals/evalset/{eval_set.pk}/change/",
+                           {"scorer": "regex", "description": "changed", "default_for": [chat.pk]})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert [m.name for m in EvalSet.objects.get(name="mc").default_for.all()] == ["chat"]
+    eval_set.refresh_from_db()
+    assert (eval_set.scorer, [m.name for m in eval_set.default_for.all()]) == ("regex", ["chat"])
+    events = {e.action: e for e in AuditEvent.objects.filter(actor_name="root")}
+    assert set(events) == {"evalset.create", "evalset.update"}
+    assert events["evalset.update"].before["default_for"] == [] and events["evalset.update"].after[
+        "default_for"] == [chat.pk]
+    version = services.version_upload(eval_set=eval_set, raw=GOOD, actor=None)
+    assert client.get(f"/admin/evals/evalsetversion/{version.pk}/change/").status_code == 200
+    assert client.get("/admin/evals/evalsetversion/add/").status_code == 403
+    assert client.get("/admin/evals/evalrun/add/").status_code == 403
