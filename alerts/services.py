@@ -41,6 +41,9 @@ from inferops.celery import enqueue
 log = logging.getLogger(__name__)
 
 ALERT_NAME = "SloErrorBudgetBurn"
+# A quality SLO pages on its latest eval run's score, not on a burn rate (slo/quality.py).
+QUALITY_ALERT_NAME = "SloQualityBelowFloor"
+SLO_ALERT_NAMES = (ALERT_NAME, QUALITY_ALERT_NAME)
 ACK_SALT = "inferops.alerts.ack"
 
 
@@ -53,7 +56,8 @@ class AlertChanges:
 
 
 def alert_labels(slo, severity: str) -> dict[str, str]:
-    labels = {"alertname": ALERT_NAME, "slo": slo.name, "severity": severity, "sli": slo.sli_kind,
+    alertname = QUALITY_ALERT_NAME if slo.sli_kind == "quality" else ALERT_NAME
+    labels = {"alertname": alertname, "slo": slo.name, "severity": severity, "sli": slo.sli_kind,
               "window": slo.window, "scope": slo.scope}
     if slo.deployment_id:
         labels["deployment"] = slo.deployment.name
@@ -69,6 +73,8 @@ def _minutes(n: int) -> str:
 
 
 def alert_annotations(slo, evaluation, severity: str) -> dict[str, str]:
+    if evaluation.quality is not None:  # judged on its latest eval run, which words the alert
+        return {**evaluation.quality.annotations(slo), "runbook_url": slo.runbook_url}
     holding = evaluation.firing(severity)
     verdict = max(holding, key=lambda v: v.short_burn) if holding else None
     remaining = evaluation.budget.budget_remaining
@@ -187,7 +193,8 @@ def alerts_sync(*, pairs: list, now: datetime) -> AlertChanges:
                 changes.resolved += 1
     changes.updated = Alert.objects.bulk_update(still_firing, ["annotations", "updated_at"], batch_size=500)
     # An SLO deleted along with its deployment leaves its open alerts without a source: end them.
-    for orphan in Alert.objects.filter(status__in=OPEN_STATUSES, slo__isnull=True, labels__alertname=ALERT_NAME):
+    for orphan in Alert.objects.filter(status__in=OPEN_STATUSES, slo__isnull=True,
+                                        labels__alertname__in=SLO_ALERT_NAMES):
         alert_resolve(alert=orphan, now=now)
         changes.resolved += 1
     return changes

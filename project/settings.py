@@ -292,6 +292,10 @@ INFEROPS_SLO_MINUTE_RETENTION_DAYS = env_int("INFEROPS_SLO_MINUTE_RETENTION_DAYS
 CELERY_BEAT_SCHEDULE["prune-slo-minutes"] = {
     "task": "slo.prune_minutes", "schedule": 3600.0, "options": {"expires": 3500},
 }
+# Quality SLOs: each tick starts the eval runs that are due (slo/quality.py).
+CELERY_BEAT_SCHEDULE["start-quality-runs"] = {
+    "task": "slo.start_quality_runs", "schedule": 60.0, "options": {"expires": 55},
+}
 
 # Tenants, API keys and the usage ledger (tenants/): keys republished every 30 s so a flushed
 # Redis heals; usage ingested every 2 s (each run drains the backlog for up to

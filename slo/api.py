@@ -11,17 +11,18 @@ from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema, extend_schema_field, inline_serializer
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.exceptions import ValidationError
+from rest_framework.exceptions import NotFound, ValidationError
 from rest_framework.response import Response
 
 from alerts.api import AlertSerializer
 from alerts.choices import OPEN_STATUSES
 from deployments.models import Deployment
+from evals.models import EvalSet
 from inferops.api import CONFLICT, ERRORS, query_time
-from inferops.timeparse import format_duration
+from inferops.timeparse import DURATION_HINT, format_duration, parse_duration
 from inferops.validators import slug_validator
 from registry.models import RegisteredModel
-from slo import services
+from slo import quality, services
 from slo.budget import BURN_WINDOWS, MINUTE, alert_rules, floor_minute
 from slo.choices import Budgeting, Scope, SliKind, SloState, Window
 from slo.evaluation import evaluate_at
@@ -29,8 +30,26 @@ from slo.models import Slo
 
 # Model field -> where it sits in the API body, so a clean() error names the field the client sent.
 API_FIELD = {"sli_kind": "sli.kind", "ttft_ms": "sli.ttft_ms", "tpot_ms": "sli.tpot_ms", "e2e_ms": "sli.e2e_ms",
-             "ratio_good": "sli.good", "ratio_total": "sli.total"}
+             "ratio_good": "sli.good", "ratio_total": "sli.total", "eval_set": "sli.eval_set",
+             "eval_every_s": "sli.every"}
 MAX_HISTORY_POINTS = 2000
+
+
+@extend_schema_field(OpenApiTypes.STR)
+class EverySecondsField(serializers.Field):
+    """A schedule: "15m", "6h", "1d" or a number of seconds in; whole seconds stored, "6h" out."""
+
+    def to_internal_value(self, data) -> int:
+        try:
+            seconds = parse_duration(data, "every")
+        except ValueError:
+            raise serializers.ValidationError(f"Expected {DURATION_HINT}.") from None
+        if seconds <= 0 or seconds != int(seconds):
+            raise serializers.ValidationError("A positive whole number of seconds.")
+        return int(seconds)
+
+    def to_representation(self, value: int) -> str:
+        return format_duration(value)
 
 
 class SliSerializer(serializers.Serializer):
@@ -42,6 +61,13 @@ class SliSerializer(serializers.Serializer):
                                  help_text="Ratio SLIs: the scraped series counting good events.")
     total = serializers.CharField(required=False, allow_blank=True, max_length=32,
                                   help_text="Ratio SLIs: the scraped series counting all events.")
+    eval_set = serializers.SlugRelatedField(
+        slug_field="name", queryset=EvalSet.objects.all(), required=False, allow_null=True,
+        help_text="Quality SLIs: the eval set scored on the deployment; each case is an event, good when it "
+                  "passes, and the objective is the floor (the fraction of cases that must pass).")
+    every = EverySecondsField(required=False, allow_null=True,
+                              help_text='Quality SLIs: how often the eval set is scored ("15m", "6h" or seconds; '
+                                        "at least 5m).")
 
 
 class StatusSerializer(serializers.Serializer):
@@ -61,17 +87,33 @@ class StatusSerializer(serializers.Serializer):
     evaluated_at = serializers.DateTimeField(allow_null=True)
 
 
+class QualityRunSerializer(serializers.Serializer):
+    run = serializers.IntegerField(help_text="The eval run's id.")
+    finished_at = serializers.DateTimeField()
+    score = serializers.FloatField(help_text="Fraction of its cases passed.")
+    passed = serializers.IntegerField()
+    cases = serializers.IntegerField()
+    set_version = serializers.IntegerField()
+    url = serializers.CharField(help_text="Its console page, with the failing cases.")
+
+
+class QualitySerializer(serializers.Serializer):
+    floor = serializers.FloatField(help_text="The objective: the fraction of cases that must pass.")
+    latest_run = QualityRunSerializer(allow_null=True, help_text="The latest run counted; below the floor, it pages.")
+
+
 class SloSerializer(serializers.ModelSerializer):
     deployment = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
     model = serializers.SlugRelatedField(slug_field="name", read_only=True, allow_null=True)
     sli = serializers.SerializerMethodField()
     status = serializers.SerializerMethodField()
+    quality = serializers.SerializerMethodField()
 
     class Meta:
         model = Slo
         fields = ["id", "name", "description", "owner", "runbook_url", "scope", "deployment", "model", "tenant", "sli",
                   "objective", "window", "time_zone", "budgeting", "timeslice_target", "min_requests",
-                  "backfilled_from", "status", "created_at", "updated_at"]
+                  "backfilled_from", "status", "quality", "created_at", "updated_at"]
         read_only_fields = fields
 
     @extend_schema_field(SliSerializer)
@@ -79,12 +121,22 @@ class SloSerializer(serializers.ModelSerializer):
         sli = {"kind": slo.sli_kind, "ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2e_ms": slo.e2e_ms}
         if slo.sli_kind == SliKind.RATIO:
             sli.update(good=slo.ratio_good, total=slo.ratio_total)
+        if slo.sli_kind == SliKind.QUALITY:
+            sli.update(eval_set=slo.eval_set.name, every=format_duration(slo.eval_every_s),
+                       every_s=slo.eval_every_s)
         return sli
 
     @extend_schema_field(StatusSerializer(allow_null=True))
     def get_status(self, slo: Slo) -> dict | None:
         evaluated = getattr(slo, "status", None)
         return StatusSerializer(evaluated).data if evaluated else None
+
+    @extend_schema_field(QualitySerializer(allow_null=True))
+    def get_quality(self, slo: Slo) -> dict | None:
+        if slo.sli_kind != SliKind.QUALITY:
+            return None
+        runs = quality.run_history(slo, limit=1)
+        return {"floor": slo.objective, "latest_run": QualityRunSerializer(runs[0]).data if runs else None}
 
 
 class SloWriteSerializer(serializers.Serializer):
@@ -118,6 +170,7 @@ class SloWriteSerializer(serializers.Serializer):
             for name in ("ttft_ms", "tpot_ms", "e2e_ms"):
                 data[name] = sli.get(name)
             data["ratio_good"], data["ratio_total"] = sli.get("good") or "", sli.get("total") or ""
+            data["eval_set"], data["eval_every_s"] = sli.get("eval_set"), sli.get("every")
         if "scope" not in data and not self.partial:
             if data.get("tenant"):
                 data["scope"] = Scope.TENANT
@@ -134,7 +187,7 @@ def api_validation_error(exc: DjangoValidationError) -> ValidationError:
 
 
 def slo_queryset():
-    return Slo.objects.select_related("deployment", "model", "status")
+    return Slo.objects.select_related("deployment", "model", "eval_set", "status")
 
 
 def get_slo(pk: int) -> Slo:
@@ -256,6 +309,20 @@ class SloViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.Gene
         body.update(alerts=AlertSerializer(firing, many=True).data, backfilled_from=slo.backfilled_from,
                     alert_thresholds=alert_thresholds(slo))
         return Response(body)
+
+    @extend_schema(responses={200: inline_serializer("SloEvalRuns", {
+        "slo": serializers.CharField(), "floor": serializers.FloatField(), "eval_set": serializers.CharField(),
+        "every_s": serializers.IntegerField(), "runs": QualityRunSerializer(many=True)}), **ERRORS},
+        description="A quality SLO's eval runs counted into its minutes, oldest first (the last 500): each run's "
+                    "score against the floor.")
+    @action(detail=True, methods=["get"], url_path="eval-runs")
+    def eval_runs(self, request, pk: int):
+        slo = self.get_object()
+        if slo.sli_kind != SliKind.QUALITY:
+            raise NotFound(f"SLO {slo.name} is a {slo.sli_kind} SLO: only quality SLOs have eval runs.")
+        return Response({"slo": slo.name, "floor": slo.objective, "eval_set": slo.eval_set.name,
+                         "every_s": slo.eval_every_s,
+                         "runs": QualityRunSerializer(quality.run_history(slo), many=True).data})
 
     @extend_schema(
         parameters=[

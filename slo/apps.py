@@ -12,9 +12,10 @@ class SloConfig(AppConfig):
         from alerts import panels as alert_panels
         from deployments import overview
         from deployments.rollouts import gate as rollout_gate
+        from evals.signals import run_finished
         from inferops import usage_pipeline
         from inferops.panels import home_panels
-        from slo import panels, usage
+        from slo import panels, quality, usage
         from slo.alert_panels import slo_panel
         from slo.rollout_gate import SloRolloutGate
 
@@ -25,3 +26,5 @@ class SloConfig(AppConfig):
         home_panels.register(panels.home_panel, panels.SLOS)
         # Each new usage event is judged once, at ingest, into the SLO minutes (costing reads the verdict).
         usage_pipeline.register(usage.fold_events, stage=usage_pipeline.JUDGE)
+        # A quality SLO's scheduled eval run counts its cases into the SLO's minutes when it finishes.
+        run_finished.connect(quality.on_run_finished, dispatch_uid="slo.quality.on_run_finished")

@@ -12,6 +12,7 @@ class SliKind(models.TextChoices):
     LATENCY = "latency", "Latency"
     GOODPUT = "goodput", "Goodput"
     RATIO = "ratio", "Ratio of two scraped series"
+    QUALITY = "quality", "Quality: eval cases passed"
 
 
 class Window(models.TextChoices):
@@ -43,3 +44,8 @@ RATIO_SERIES = (
     "requests", "prompt_tokens", "generation_tokens", "preemptions", "prefix_cache_queries",
     "prefix_cache_hits", "ttft_count", "itl_count", "e2e_count",
 )
+
+# A quality SLI's schedule: an eval run every eval_every_s, never more often than this (a run holds
+# replica capacity, and the minute rows it feeds are per minute).
+MIN_EVAL_EVERY_S = 300
+MAX_EVAL_EVERY_S = 30 * 86400  # the longest rolling window: a rarer run leaves windows without one

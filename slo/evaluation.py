@@ -14,7 +14,9 @@ The scheme, and why it is exact and idempotent:
 An SLO evaluated for the first time (or redefined) is back-filled from the stored events of the
 last BACKFILL_LIMIT (the usage-event retention) through the SLI SQL; `backfilled_from` says where
 its data begin. Ratio SLIs re-read their scraped minutes from the watermark minus OVERLAP (the
-scraper updates the current minute's row in place), recompute and upsert.
+scraper updates the current minute's row in place), recompute and upsert. Quality SLIs read no usage
+events: their eval runs add into their minutes like the pipeline does (slo/quality.py), and their
+back-fill counts the stored runs; the cycle then judges their latest run against the floor.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from datetime import datetime, timedelta
 from django.db import connection, transaction
 from django.utils import timezone
 
+from alerts.choices import Severity
 from inferops.locks import LockId, try_advisory_lock
 from slo import signals
 from slo.budget import (
@@ -48,6 +51,7 @@ from slo.budget import (
 )
 from slo.choices import Budgeting, SliKind
 from slo.models import Slo, SloStatus
+from slo.quality import QualityVerdict, backfill_runs, with_verdicts
 from slo.sli import REQUEST_BACKFILL_SQL, SliQuery, ratio_query
 from slo.usage import FOLD_LOCK
 
@@ -163,7 +167,11 @@ def backfill(slo: Slo, now: datetime) -> int:
             # after it see the watermark set and add their events themselves.
             _execute("SELECT pg_advisory_xact_lock(%s, %s)", FOLD_LOCK)
             read_at = _database_now()
-            written = _execute(_UPSERT.format(counted=REQUEST_BACKFILL_SQL), params)
+            if slo.sli_kind == SliKind.QUALITY:
+                with connection.cursor() as cursor:
+                    written = backfill_runs(cursor, slo, params["start"])
+            else:
+                written = _execute(_UPSERT.format(counted=REQUEST_BACKFILL_SQL), params)
         _refresh_running_totals({slo.pk: params["start"]})
         first = slo.minutes.order_by("minute").values_list("minute", flat=True).first()
         created = floor_minute(slo.created_at or now)
@@ -219,11 +227,12 @@ def ingest_new(slos: list[Slo], now: datetime, phases: dict[str, float] | None =
             _refresh_running_totals({slo.pk: params["start"]})
         slo.watermark = max(slo.watermark, floor_minute(now))
         written, fresh = written + rows, fresh + bool(rows)
-    requests = [slo for slo in slos if slo.sli_kind != SliKind.RATIO]
-    if not requests:
+    # Request and quality SLIs: their rows were added to (by the usage pipeline, by eval runs).
+    added = [slo for slo in slos if slo.sli_kind != SliKind.RATIO]
+    if not added:
         return written, fresh, 0
     started = clock.perf_counter()
-    stale_rows, stale_slos = fold_stale(requests)
+    stale_rows, stale_slos = fold_stale(added)
     phases["running_totals_s"] = clock.perf_counter() - started
     return written + stale_rows, fresh + stale_slos, stale_rows
 
@@ -265,13 +274,17 @@ class Evaluation:
     min_events: int = 0
     # minutes -> (burn rate, requests) over the windows a listener asked for (slo.signals.burn_windows)
     window_burns: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # Quality SLIs, in the cycle: the latest eval run against the floor, which alone pages (not a burn rate).
+    quality: QualityVerdict | None = None
 
     @property
     def insufficient_traffic(self) -> bool:
         """Too few events in the budget window to judge (the SLO's min_requests)."""
         return not enough_events(self.counts.total, self.min_events)
 
-    def firing(self, severity: str) -> list[RuleVerdict]:
+    def firing(self, severity: str) -> list[RuleVerdict] | list[QualityVerdict]:
+        if self.quality is not None:  # one run's score is judged on its own cases, whatever the traffic
+            return [self.quality] if severity == Severity.PAGE and self.quality.below_floor else []
         # Each rule also guards its own long window; this holds the state and the alerts together
         # where a long window reaches before the budget window (a calendar week's first days).
         if self.insufficient_traffic:
@@ -399,7 +412,7 @@ def evaluate_slos(*, now: datetime | None = None, slo_ids: list[int] | None = No
             report.phases["ingest_s"] = clock.perf_counter() - phase
 
             phase = clock.perf_counter()
-            evaluations = evaluate_at([(slo, now) for slo in slos], signals.wanted_windows(slos))
+            evaluations = with_verdicts(slos, evaluate_at([(slo, now) for slo in slos], signals.wanted_windows(slos)))
             report.evaluations = {slo.pk: ev for slo, ev in zip(slos, evaluations, strict=True)}
             report.phases["windows_s"] = clock.perf_counter() - phase
 

@@ -15,10 +15,12 @@ from django.core.validators import MinValueValidator
 from django.db import models
 
 from deployments.models import Deployment
+from evals.models import EvalRun, EvalSet
 from inferops.models import Authored
+from inferops.timeparse import format_duration
 from inferops.validators import slug_validator
 from registry.models import RegisteredModel
-from slo.choices import RATIO_SERIES, Budgeting, Scope, SliKind, SloState, Window
+from slo.choices import MAX_EVAL_EVERY_S, MIN_EVAL_EVERY_S, RATIO_SERIES, Budgeting, Scope, SliKind, SloState, Window
 
 LATENCY_FIELDS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
@@ -40,7 +42,15 @@ class Slo(Authored):
     e2e_ms = models.FloatField(null=True, blank=True, validators=[MinValueValidator(0)])
     ratio_good = models.CharField(max_length=32, blank=True)
     ratio_total = models.CharField(max_length=32, blank=True)
-    objective = models.FloatField()
+    # Quality SLIs: the eval set is scored on the deployment every eval_every_s (slo/quality.py); each
+    # case is an event, good when it passes. An SLO whose eval set is gone has nothing left to measure.
+    eval_set = models.ForeignKey(EvalSet, null=True, blank=True, on_delete=models.CASCADE, related_name="slos")
+    eval_every_s = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text=f"Quality SLIs: seconds between eval runs, {MIN_EVAL_EVERY_S} to {MAX_EVAL_EVERY_S}.")
+    objective = models.FloatField(
+        help_text="The fraction of events that must be good (e.g. 0.995). For a quality SLI it is the floor: "
+                  "the fraction of eval cases that must pass; the latest run scoring below it pages.")
     window = models.CharField(max_length=16, choices=Window.choices, default=Window.MONTH)
     time_zone = models.CharField(max_length=64, default="UTC")
     budgeting = models.CharField(max_length=16, choices=Budgeting.choices, default=Budgeting.OCCURRENCES)
@@ -125,6 +135,30 @@ class Slo(Authored):
                 errors["scope"] = "Replica metrics do not know tenants: a ratio SLI needs scope deployment or model."
         elif self.ratio_good or self.ratio_total:
             errors["ratio_good"] = "ratio_good and ratio_total apply only to ratio SLIs."
+        self._clean_quality(errors)
+
+    def _clean_quality(self, errors: dict) -> None:
+        if self.sli_kind != SliKind.QUALITY:
+            if self.eval_set_id is not None:
+                errors["eval_set"] = f"An eval set applies only to quality SLIs, not {self.sli_kind}."
+            if self.eval_every_s is not None:
+                errors["eval_every_s"] = f"An eval schedule applies only to quality SLIs, not {self.sli_kind}."
+            return
+        if self.eval_set_id is None:
+            errors["eval_set"] = "A quality SLI needs the eval set to score."
+        if self.eval_every_s is None:
+            errors["eval_every_s"] = (f"A quality SLI needs a schedule: how often to score the eval set "
+                                      f"(at least {format_duration(MIN_EVAL_EVERY_S)}).")
+        elif not MIN_EVAL_EVERY_S <= self.eval_every_s <= MAX_EVAL_EVERY_S:
+            errors["eval_every_s"] = (f"From {format_duration(MIN_EVAL_EVERY_S)} to "
+                                      f"{format_duration(MAX_EVAL_EVERY_S)} between eval runs; "
+                                      f"got {self.eval_every_s} s.")
+        if self.scope != Scope.DEPLOYMENT:
+            errors["scope"] = (f"A quality SLI scores one deployment's replicas: scope deployment, not {self.scope} "
+                               "(an eval run has no tenant, and a model's deployments are scored one by one).")
+        if self.budgeting == Budgeting.TIMESLICES:
+            errors["budgeting"] = ("A quality SLI budgets eval cases (occurrences): its minutes hold a run now and "
+                                   "then, not a steady flow to slice.")
 
     @property
     def thresholds(self) -> dict[str, float]:
@@ -135,6 +169,24 @@ class Slo(Authored):
         if self.scope == Scope.MODEL:
             return list(Deployment.objects.filter(model_id=self.model_id).values_list("name", flat=True))
         return [self.deployment.name] if self.deployment_id else []
+
+
+class SloEvalRun(models.Model):
+    """An eval run of a quality SLO, counted into its minute row: one row per (SLO, run), so a run is
+    counted once whoever records it first (the run_finished receiver or the back-fill)."""
+
+    slo = models.ForeignKey(Slo, on_delete=models.CASCADE, related_name="eval_runs")
+    run = models.ForeignKey(EvalRun, on_delete=models.CASCADE, related_name="+")
+    minute = models.DateTimeField(help_text="The minute row it was counted into: the run's finish.")
+    good = models.PositiveIntegerField(help_text="Cases passed.")
+    total = models.PositiveIntegerField(help_text="Cases scored.")
+
+    class Meta:
+        ordering = ["slo", "minute", "run"]
+        constraints = [models.UniqueConstraint(fields=["slo", "run"], name="unique_slo_eval_run")]
+
+    def __str__(self) -> str:
+        return f"{self.slo_id} run {self.run_id}: {self.good}/{self.total}"
 
 
 class SloMinute(models.Model):

@@ -20,6 +20,12 @@ The mapping, field by field:
   set (`slo.budget.alert_rules`): a policy naming any other burn rate or window is refused. An
   AlertCondition's `lookbackWindow` is the long window and `alertAfter` the short window that must
   burn as well before the alert fires.
+- A quality SLO (the pass rate of inferops' eval runs) is a `ratioMetric` of the source
+  `{sli: quality, cases: passed}` over `{sli: quality, cases: all}`; its objective is the floor.
+  Annotations name its eval set (`inferops.io/eval-set`) and schedule (`inferops.io/eval-every`,
+  a duration such as 6h). It pages when the latest run scores below the floor, which no burnrate
+  condition says: export writes no alert policy and says so in `inferops.io/alerting`; import
+  accepts that annotation as prose and refuses alert policies on a quality SLO.
 
 Everything else is refused, each unsupported field with its own path and reason, so that what is
 accepted round-trips: export(import(x)) equals x for documents in the form export writes. Prose
@@ -57,7 +63,12 @@ CALENDAR_WINDOWS = {"1w": Window.CALENDAR_WEEK, "1M": Window.CALENDAR_MONTH}
 CALENDAR_ANCHOR = "2024-01-01 00:00:00"
 LATENCY_KEYS = {"ttftMs": "ttft_ms", "tpotMs": "tpot_ms", "e2eMs": "e2e_ms"}
 ANNOTATIONS = {"scope": "scope", "tenant": "tenant", "owner": "owner", "runbook-url": "runbook_url",
-               "min-requests": "min_requests"}
+               "min-requests": "min_requests", "eval-set": "eval_set", "eval-every": "eval_every_s",
+               "alerting": None}
+# What a quality SLO's alerting is, in words: OpenSLO's alert conditions are burn rates only.
+QUALITY_ALERTING = ("pages when the latest eval run scores below the objective (the floor) and resolves when a "
+                    "later run is back at or above it; not a burn rate, so no OpenSLO alert policy")
+QUALITY_CASES = {"good": "passed", "total": "all"}
 
 
 SHORTHAND = re.compile(r"^([1-9][0-9]*)([mhdwMQY])$")
@@ -254,7 +265,9 @@ def read_slo(reader: Reader, by_kind: dict[str, dict[str, Document]]) -> dict:
     read_indicator(reader, spec, by_kind["SLI"], definition)
     read_time_window(reader, spec.get("timeWindow"), definition)
     read_budgeting(reader, spec, definition)
-    if "alertPolicies" in spec:
+    if "alertPolicies" in spec and definition.get("sli_kind") == SliKind.QUALITY:
+        reader.refuse("spec.alertPolicies", f"a quality SLO {QUALITY_ALERTING}: give none")
+    elif "alertPolicies" in spec:
         read_alert_policies(reader, spec["alertPolicies"], definition, by_kind)
     return plain(definition)
 
@@ -280,9 +293,18 @@ def read_annotations(reader: Reader, annotations: Any, definition: dict) -> None
                 reader.refuse(path, "must be a whole number of events")
                 continue
             definition["min_requests"] = int(value)
+        elif short == "eval-every":
+            seconds = int(value) if str(value).isdigit() else shorthand_seconds(value)
+            if seconds is None:
+                reader.refuse(path, "a duration such as 15m or 6h, or a number of seconds")
+                continue
+            definition["eval_every_s"] = seconds
+        elif short == "alerting":
+            if not isinstance(value, str):
+                reader.refuse(path, "must be a string")  # prose: accepted, and written anew on export
         elif short == "scope" and value not in (Scope.MODEL, Scope.TENANT, Scope.DEPLOYMENT):
             reader.refuse(path, "one of deployment, model, tenant")
-        else:
+        elif ANNOTATIONS[short] is not None:
             definition[ANNOTATIONS[short]] = str(value)
     if definition.get("tenant") and "scope" not in definition:
         definition["scope"] = Scope.TENANT
@@ -339,16 +361,22 @@ def read_sli_spec(reader: Reader, sli: Any, path: str, definition: dict) -> None
         return
     kinds = {part: source.pop("sli", None) for part, source in sources.items()}
     kind = kinds["total"]
-    if kind not in (SliKind.AVAILABILITY, SliKind.GOODPUT, SliKind.RATIO):
+    if kind not in (SliKind.AVAILABILITY, SliKind.GOODPUT, SliKind.RATIO, SliKind.QUALITY):
         reader.refuse(f"{ratio_path}.total.metricSource.spec.sli",
-                      "a ratioMetric is an availability, goodput or ratio SLI (latency is a thresholdMetric)")
+                      "a ratioMetric is an availability, goodput, ratio or quality SLI (latency is a thresholdMetric)")
         return
     if kinds["good"] != kind:
         reader.refuse(f"{ratio_path}.good.metricSource.spec.sli", f"must equal the total's sli ({kind})")
         return
     definition["sli_kind"] = kind
     good_path, total_path = f"{ratio_path}.good.metricSource.spec", f"{ratio_path}.total.metricSource.spec"
-    if kind == SliKind.RATIO:
+    if kind == SliKind.QUALITY:
+        for part, spec_path in (("good", good_path), ("total", total_path)):
+            if sources[part].pop("cases", None) != QUALITY_CASES[part]:
+                reader.refuse(f"{spec_path}.cases", f"a quality SLI's {part} events are its eval cases "
+                                                    f"{QUALITY_CASES[part]} (cases: {QUALITY_CASES[part]})")
+            read_source_params(reader, sources[part], spec_path, set(), definition)
+    elif kind == SliKind.RATIO:
         for part, spec_path, key in (("good", good_path, "ratio_good"), ("total", total_path, "ratio_total")):
             series = sources[part].pop("series", None)
             if series not in RATIO_SERIES:
@@ -602,7 +630,8 @@ def documents_from_definition(definition: dict) -> list[dict]:
         objective["timeSliceTarget"] = definition["timeslice_target"]
         objective["timeSliceWindow"] = TIMESLICE_WINDOW
     spec["objectives"] = [objective]
-    spec["alertPolicies"] = [alert_policy(name, definition["window"])]
+    if definition["sli_kind"] != SliKind.QUALITY:
+        spec["alertPolicies"] = [alert_policy(name, definition["window"])]
     return [service_doc, {"apiVersion": API_VERSION, "kind": "SLO", "metadata": metadata, "spec": spec}]
 
 
@@ -615,6 +644,11 @@ def slo_annotations(definition: dict, scope: str) -> dict[str, str]:
             annotations[key.replace("_", "-")] = definition[key]
     if definition.get("min_requests", DEFAULT_MIN_REQUESTS) != DEFAULT_MIN_REQUESTS:
         annotations["min-requests"] = str(definition["min_requests"])
+    if definition["sli_kind"] == SliKind.QUALITY:
+        annotations["eval-set"] = definition["eval_set"]
+        every = definition["eval_every_s"]
+        annotations["eval-every"] = duration_shorthand(every) if every % 60 == 0 else str(every)
+        annotations["alerting"] = QUALITY_ALERTING
     return {ANNOTATION_PREFIX + key: value for key, value in annotations.items()}
 
 
@@ -635,6 +669,8 @@ def sli_spec(definition: dict) -> dict:
     elif kind == SliKind.RATIO:
         good["series"] = definition["ratio_good"]
         total["series"] = definition["ratio_total"]
+    elif kind == SliKind.QUALITY:
+        good["cases"], total["cases"] = QUALITY_CASES["good"], QUALITY_CASES["total"]
     return {"ratioMetric": {"counter": True, "good": inferops_source(good), "total": inferops_source(total)}}
 
 
@@ -691,6 +727,7 @@ def definition_from_slo(slo) -> dict:
         "ratio_good": slo.ratio_good, "ratio_total": slo.ratio_total,
         "deployment": slo.deployment.name if slo.deployment_id else None,
         "model": slo.model.name if slo.model_id else None,
+        "eval_set": slo.eval_set.name if slo.eval_set_id else None, "eval_every_s": slo.eval_every_s,
     }
     for field_name in LATENCY_KEYS.values():
         definition[field_name] = getattr(slo, field_name)
@@ -715,6 +752,7 @@ def import_text(text: str, *, actor) -> list:
     from django.db import transaction
 
     from deployments.models import Deployment
+    from evals.models import EvalSet
     from registry.models import RegisteredModel
     from slo.services import slo_create
 
@@ -734,6 +772,12 @@ def import_text(text: str, *, actor) -> list:
                     hint = f" ({name!r} is a model: annotate the SLO with {ANNOTATION_PREFIX}scope: model)"
                 problems.append(Problem(index, "SLO", definition["name"], "spec.service",
                                         f"no {key} named {name!r} in inferops{hint}"))
+        if (name := definition.get("eval_set")) is not None:
+            definition["eval_set"] = EvalSet.objects.filter(name=name).first()
+            if definition["eval_set"] is None:
+                problems.append(Problem(index, "SLO", definition["name"],
+                                        f"metadata.annotations.{ANNOTATION_PREFIX}eval-set",
+                                        f"no eval set named {name!r} in inferops"))
     if problems:
         raise OpenSloRefused(problems)
     created = []

@@ -154,6 +154,9 @@ def check_expressible(definition: dict, source: str) -> None:
     if source not in SOURCES:
         raise RulesUnavailable(f"Unknown source {source!r}: use gateway or replica.")
     kind = definition["sli_kind"]
+    if kind == SliKind.QUALITY:
+        raise RulesUnavailable("A quality SLI is the pass rate of inferops' eval runs, which no Prometheus metric "
+                               "carries: inferops evaluates it and pages when the latest run scores below the floor.")
     if kind == SliKind.RATIO and source == "gateway":
         raise RulesUnavailable("A ratio SLI reads scraped replica series: use source=replica.")
     if definition.get("scope") == Scope.TENANT:

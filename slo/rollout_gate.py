@@ -146,8 +146,10 @@ def _track_stats(rollout: Rollout, slos: list[Slo], start: datetime, end: dateti
 
 
 def _judged_slos(deployment: Deployment) -> list[Slo]:
+    # Judged on each track's requests: not ratio SLIs (replica series) nor quality SLIs (eval runs, which
+    # a rollout's own quality step compares).
     return list(Slo.objects.filter(Q(deployment=deployment) | Q(scope=Scope.MODEL, model_id=deployment.model_id))
-                .exclude(sli_kind=SliKind.RATIO).order_by("name"))
+                .exclude(sli_kind__in=(SliKind.RATIO, SliKind.QUALITY)).order_by("name"))
 
 
 def _baseline(rollout: Rollout, slos: list[Slo], stable: dict, start: datetime, end: datetime, min_requests: int,

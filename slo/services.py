@@ -11,7 +11,7 @@ from inferops.api import Conflict
 from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.locks import LockId, advisory_xact_lock
 from inferops.writes import create_audited, update_audited
-from slo.models import Slo, SloMinute, SloStatus
+from slo.models import Slo, SloEvalRun, SloMinute, SloStatus
 from slo.usage import FOLD_LOCK
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 # longer describe the SLI: they are dropped and the SLO is back-filled again.
 SLI_DEFINITION_FIELDS = frozenset({
     "scope", "deployment", "model", "tenant", "sli_kind", "ttft_ms", "tpot_ms", "e2e_ms", "ratio_good",
-    "ratio_total", "budgeting", "timeslice_target",
+    "ratio_total", "budgeting", "timeslice_target", "eval_set",
 })
 
 
@@ -46,10 +46,12 @@ def slo_create(*, actor, **fields) -> Slo:
 
 
 def _forget_minutes_if_redefined(locked: Slo, before: dict) -> dict:
-    """A changed SLI definition drops the stored minutes, which no longer describe it: back-filled again."""
+    """A changed SLI definition drops the stored minutes, which no longer describe it: back-filled again
+    (a quality SLI's from the runs of its eval set, which are counted anew)."""
     redefined = any(before.get(name) != snapshot(locked).get(name) for name in SLI_DEFINITION_FIELDS)
     if redefined:
         SloMinute.objects.filter(slo=locked).delete()
+        SloEvalRun.objects.filter(slo=locked).delete()
         locked.watermark = None
         locked.backfilled_from = None
     return {"sli_recomputed": redefined}

@@ -44,6 +44,14 @@ def evaluate_slo_task(slo_id: int) -> dict:
     return evaluate_slos(slo_ids=[slo_id]).as_dict()
 
 
+@shared_task(name="slo.start_quality_runs", ignore_result=True)
+def start_quality_runs_task() -> list[int]:
+    """Beat (every minute): start the eval runs of the quality SLOs that are due (slo/quality.py)."""
+    from slo.quality import start_due_runs
+
+    return [run.pk for run in start_due_runs()]
+
+
 @shared_task(name="slo.prune_minutes", ignore_result=True)
 def prune_minutes_task() -> int:
     """Beat (hourly): drop minute rows older than the retention, keeping one anchor per SLO."""

@@ -21,6 +21,7 @@ api_urlpatterns = [
          name="api-slo-detail"),
     path("slos/<int:pk>/status/", api.SloViewSet.as_view({"get": "evaluated_status"}), name="api-slo-status"),
     path("slos/<int:pk>/history/", api.SloViewSet.as_view({"get": "history"}), name="api-slo-history"),
+    path("slos/<int:pk>/eval-runs/", api.SloViewSet.as_view({"get": "eval_runs"}), name="api-slo-eval-runs"),
     path("slos/import/", interchange_api.SloImport.as_view(), name="api-slo-import"),
     path("slos/<int:pk>/openslo/", interchange_api.SloOpenSlo.as_view(), name="api-slo-openslo"),
     path("slos/<int:pk>/prometheus-rules/", interchange_api.SloPrometheusRules.as_view(),

@@ -25,13 +25,14 @@ from slo.sli import COVERED_DEPLOYMENT_SQL, RequestSli, request_verdict
 FOLD_LOCK = (int(LockId.SLO_EVALUATION), 1)
 JUDGED_FOR_COST = frozenset({SliKind.LATENCY, SliKind.GOODPUT})
 
-# The request SLOs covering these deployments, locked FOR KEY SHARE so that an SLO redefined or
-# deleted meanwhile waits for this batch's commit (and its stale minutes are dropped after it).
+# The request SLOs (not ratio or quality: no request counts for those) covering these deployments,
+# locked FOR KEY SHARE so that an SLO redefined or deleted meanwhile waits for this batch's commit
+# (and its stale minutes are dropped after it).
 _COVERING = f"""
     SELECT s.id, d.name, s.sli_kind, CASE WHEN s.scope = '{Scope.TENANT}' THEN s.tenant END,
            s.ttft_ms, s.tpot_ms, s.e2e_ms, s.watermark IS NOT NULL
     FROM slo_slo s JOIN deployments_deployment d ON {COVERED_DEPLOYMENT_SQL}
-    WHERE d.name = ANY(%s) AND s.sli_kind <> '{SliKind.RATIO}'
+    WHERE d.name = ANY(%s) AND s.sli_kind NOT IN ('{SliKind.RATIO}', '{SliKind.QUALITY}')
     FOR KEY SHARE OF s
 """
 _ADD_MINUTES = """
@@ -69,6 +70,12 @@ def fold_events(cursor, events: list[dict]) -> None:
                 sums[0] += good
                 sums[1] += 1
         event["slo_compliant"] = compliant
+    add_minutes(cursor, minutes)
+
+
+def add_minutes(cursor, minutes: dict[tuple[int, float], list[int]]) -> None:
+    """Add {(slo id, minute as Unix seconds): [good, total]} into the minute rows, marked stale for the
+    next cycle to derive. The caller holds FOLD_LOCK shared (a quality SLO's eval runs add here too)."""
     if minutes:
         keys = sorted(minutes)  # one lock order for concurrent batches
         cursor.execute(_ADD_MINUTES, [[k[0] for k in keys], [k[1] for k in keys],

@@ -13,9 +13,10 @@ from alerts.choices import AlertStatus
 from alerts.flags import attach_flags, with_flag_columns
 from alerts.models import Alert
 from deployments.models import Deployment
+from evals.models import EvalSet
 from inferops.forms import apply_service
 from inferops.roles import require_operator
-from inferops.timeparse import format_duration
+from inferops.timeparse import DURATION_HINT, format_duration, parse_duration
 from registry.models import RegisteredModel
 from slo import services
 from slo.api import alert_thresholds, slo_queryset
@@ -25,8 +26,8 @@ from slo.models import Slo
 
 SERIES_CHOICES = [("", "—")] + [(name, name) for name in RATIO_SERIES]
 FORM_FIELDS = ["name", "description", "owner", "runbook_url", "scope", "deployment", "model", "tenant", "sli_kind",
-               "ttft_ms", "tpot_ms", "e2e_ms", "ratio_good", "ratio_total", "objective", "window", "time_zone",
-               "budgeting", "timeslice_target", "min_requests"]
+               "ttft_ms", "tpot_ms", "e2e_ms", "ratio_good", "ratio_total", "eval_set", "eval_every_s", "objective",
+               "window", "time_zone", "budgeting", "timeslice_target", "min_requests"]
 
 
 class SloForm(forms.Form):
@@ -48,7 +49,12 @@ class SloForm(forms.Form):
     e2e_ms = forms.FloatField(required=False, min_value=0, label="E2E ≤ (ms)")
     ratio_good = forms.ChoiceField(choices=SERIES_CHOICES, required=False, label="Ratio: good series")
     ratio_total = forms.ChoiceField(choices=SERIES_CHOICES, required=False, label="Ratio: total series")
-    objective = forms.FloatField(help_text="e.g. 0.995")
+    eval_set = forms.ModelChoiceField(EvalSet.objects.all(), to_field_name="name", required=False,
+                                      label="Quality: eval set",
+                                      help_text="scored on the deployment; a case is an event")
+    eval_every_s = forms.CharField(required=False, label="Quality: score every",
+                                   help_text="e.g. 15m or 6h (at least 5m)")
+    objective = forms.FloatField(help_text="e.g. 0.995; quality: the floor, the fraction of cases that must pass")
     window = forms.ChoiceField(choices=Window.choices, initial=Window.MONTH)
     time_zone = forms.CharField(max_length=64, initial="UTC", help_text="calendar windows start at local midnight")
     budgeting = forms.ChoiceField(choices=Budgeting.choices, initial=Budgeting.OCCURRENCES)
@@ -56,6 +62,18 @@ class SloForm(forms.Form):
     min_requests = forms.IntegerField(
         min_value=0, initial=20, label="Minimum events",
         help_text="fewer in the window: insufficient traffic (not exhausted, no alert, no rollout refused)")
+
+    def clean_eval_every_s(self) -> int | None:
+        text = self.cleaned_data["eval_every_s"].strip()
+        if not text:
+            return None
+        try:
+            seconds = parse_duration(text, "eval_every_s")
+        except ValueError:
+            raise forms.ValidationError(f"Expected {DURATION_HINT}.") from None
+        if seconds <= 0 or seconds != int(seconds):
+            raise forms.ValidationError("A positive whole number of seconds.")
+        return int(seconds)
 
     def slo_fields(self) -> dict:
         data = dict(self.cleaned_data)
@@ -74,6 +92,9 @@ def target_of(slo: Slo) -> str:
 
 
 def sli_text(slo: Slo) -> str:
+    if slo.sli_kind == SliKind.QUALITY:
+        return (f"quality: eval set {slo.eval_set.name} every {format_duration(slo.eval_every_s)}, "
+                f"floor {slo.objective:g} of cases passed")
     thresholds = ", ".join(f"{name.split('_')[0].upper()} ≤ {value:g} ms" for name, value in slo.thresholds.items())
     if slo.sli_kind == SliKind.RATIO:
         return f"ratio {slo.ratio_good} / {slo.ratio_total}"
@@ -160,6 +181,7 @@ def slo_detail(request, pk: int):
         "alerts": alerts, "thresholds": alert_thresholds(slo), "rules": rule_texts(slo),
         "budget_text": budget_text(status), "traffic": traffic_text(slo, status),
         "exhaustion": exhaustion_text(status), "evaluation": evaluation_facts(slo, status),
+        "quality_every": format_duration(slo.eval_every_s) if slo.eval_every_s else None,
         # The page re-reads itself as often as the SLO is evaluated (and every few seconds until its
         # first evaluation, which creating it has just queued).
         "refresh_ms": round(max(settings.INFEROPS_SLO_EVALUATE_INTERVAL_S, 1) * 1000),
@@ -200,7 +222,8 @@ def slo_edit(request, pk: int):
     require_operator(request, "Changing SLOs")
     slo = get_object_or_404(slo_queryset(), pk=pk)
     initial = {name: getattr(slo, name) for name in FORM_FIELDS}
-    form = SloForm(request.POST or None, initial=initial)
+    shown = {**initial, "eval_every_s": format_duration(slo.eval_every_s) if slo.eval_every_s else ""}
+    form = SloForm(request.POST or None, initial=shown)
     if request.method == "POST" and form.is_valid():
         changes = {name: value for name, value in form.slo_fields().items() if value != initial[name]}
         updated = apply_service(form, lambda: services.slo_update(slo=slo, actor=request.user, **changes))
