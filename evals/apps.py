@@ -6,7 +6,10 @@ class EvalsConfig(AppConfig):
     verbose_name = "Eval sets and eval runs"
 
     def ready(self) -> None:
-        from evals import registration, rollout_quality
+        from evals import panels, registration, rollout_quality
+        from inferops.panels import version_panels
 
         registration.connect()
         rollout_quality.register()
+        # A version's page (registry, a lower layer) shows its eval scores against its parent's.
+        version_panels.register(panels.version_scores_panel, panels.VERSION_SCORES)

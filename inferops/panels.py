@@ -30,6 +30,10 @@ class PanelRegistry:
 # Panels take (request, None).
 home_panels = PanelRegistry()
 
+# A model version's page: what the apps above the registry know about one version (its eval
+# scores next to its parent's). Panels take (request, the ModelVersion).
+version_panels = PanelRegistry()
+
 
 def safe_next(request) -> str | None:
     """The `next` a panel's form posted (the page it sits on), if it is a path of this site."""

@@ -8,6 +8,7 @@ urlpatterns = [
     path("", views.model_list, name="model-list"),
     path("<slug:name>/", views.model_detail, name="model-detail"),
     path("<slug:name>/versions/new/", views.version_new, name="version-new"),
+    path("<slug:name>/versions/<int:number>/", views.version_detail, name="version-detail"),
     path("<slug:name>/aliases/", views.alias_move, name="alias-move"),
 ]
 

@@ -14,12 +14,14 @@ from django.shortcuts import get_object_or_404, redirect, render
 from django.views.decorators.http import require_POST
 
 from inferops.models import AuditEvent
+from inferops.panels import version_panels
 from inferops.roles import require_operator
 from inferops.validators import slug_validator
 from registry import services
 from registry.api import AliasSetSerializer, VersionCreateSerializer, model_queryset
 from registry.checkpoint import CheckpointError
 from registry.choices import Task
+from registry.models import ModelVersion
 
 
 @login_required
@@ -115,10 +117,24 @@ def render_model(request, model, *, version_form=None, alias_form=None, status=2
         | Q(object_type="registry.alias", object_id__in=alias_ids)
         | Q(object_type="registry.alias", before__model=model.pk)
     )[:100]
+    latest = versions[0] if versions else None
     return render(request, "registry/model_detail.html", {
         "model": model, "versions": versions, "aliases": model.aliases.all(), "audit": audit,
         "version_form": version_form or VersionForm(), "alias_form": alias_form or AliasForm(model=model),
+        # The newest version's panels (its eval scores against its parent's): what a person asks first.
+        "latest": latest, "latest_panels": version_panels.render(request, latest) if latest else [],
     }, status=status)
+
+
+@login_required
+def version_detail(request, name: str, number: int):
+    """One version: its serving facts, its aliases, and what other apps add (inferops.panels.version_panels)."""
+    version = get_object_or_404(ModelVersion.objects.select_related("model").prefetch_related("aliases"),
+                                model__name=name, number=number)
+    audit = AuditEvent.objects.filter(object_type="registry.modelversion", object_id=str(version.pk))[:100]
+    return render(request, "registry/version_detail.html", {
+        "model": version.model, "version": version, "panels": version_panels.render(request, version), "audit": audit,
+    })
 
 
 @login_required
