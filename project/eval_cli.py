@@ -96,18 +96,20 @@ def build_body(args) -> dict:
     return body
 
 
-def describe_target(run: dict) -> str:
-    """`chat (tiny v3)`, `tiny v3` or `rollout 5 canary (tiny v3)`, from what the run document names."""
-    target = run.get("target") or {}
+def describe(run: dict) -> str:
+    """`eval run 12 of qa v2 on deployment chat (tiny v3)`, `... on tiny v3`, `... on rollout 5 canary (tiny v3)`."""
     version = run.get("model_version") or {}
     scored = f"{version['model']} v{version['version']}" if version.get("model") else ""
-    if target.get("deployment"):
-        named = f"deployment {target['deployment']}"
-    elif target.get("rollout"):
+    target = run.get("target") or {}
+    if target.get("rollout"):
         named = f"rollout {target['rollout']} {target.get('track') or 'canary'}"
+    elif target.get("deployment"):
+        named = f"deployment {target['deployment']}"
     else:
-        return scored or "its target"
-    return f"{named} ({scored})" if scored else named
+        named = ""
+    on = f"{named} ({scored})" if named and scored else named or scored or "its target"
+    set_version = f" v{run['set_version']}" if run.get("set_version") else ""
+    return f"eval run {run['id']} of {run.get('eval_set')}{set_version} on {on}"
 
 
 def percent(score: float) -> str:
@@ -258,7 +260,7 @@ def report(api: Api, run: dict, args) -> int:
         print(json.dumps({**run, "url": api.run_page(run["id"]), "failing_cases": failing.get("results", []),
                           "failing_count": failing.get("count", 0), "passed": code == EXIT_PASSED}, indent=2))
         return code
-    say(f"eval run {run['id']} of {run.get('eval_set')} on {describe_target(run)}: {run['status']}")
+    say(f"{describe(run)}: {run['status']}")
     for text in score_lines(run):
         print(text)
     if failing.get("count"):
@@ -286,12 +288,10 @@ def run_eval(api: Api, args) -> int:
         if args.json:
             print(json.dumps({**run, "url": api.run_page(run["id"])}, indent=2))
         else:
-            say(f"eval run {run['id']} of {run.get('eval_set')} on {describe_target(run)} {run['status']}: "
-                f"{api.run_page(run['id'])}")
+            say(f"{describe(run)} {run['status']}: {api.run_page(run['id'])}")
         return EXIT_PASSED
     if not args.json:
-        say(f"eval run {run['id']} of {run.get('eval_set')} on {describe_target(run)} started: "
-            f"{api.run_page(run['id'])}")
+        say(f"{describe(run)} started: {api.run_page(run['id'])}")
     try:
         run = wait(api, run, timeout=timeout, poll_interval=args.poll_interval)
     except KeyboardInterrupt:
@@ -311,14 +311,13 @@ def list_sets(api: Api) -> int:
     if not sets:
         print("No eval sets. Create one with POST /api/v1/evalsets/ or on the console's Evals page.")
         return EXIT_PASSED
-    rows = [("NAME", "SCORER", "VERSION", "CASES", "DEFAULT FOR", "DESCRIPTION")]
+    rows = [("NAME", "SCORER", "LATEST", "DEFAULT FOR", "DESCRIPTION")]
     for item in sets:
-        latest = item.get("latest_version") or {}
-        rows.append((item["name"], item.get("scorer", ""),
-                     f"v{latest['version']}" if latest.get("version") else "—",
-                     str(latest.get("cases", "—")) if latest else "—",
-                     ", ".join(item.get("default_for") or []) or "—",
-                     (item.get("description") or "").splitlines()[0][:60] if item.get("description") else ""))
+        latest = item.get("latest_version")
+        description = (item.get("description") or "").strip()
+        rows.append((item["name"], item.get("scorer", ""), f"v{latest}" if latest else "—",
+                     ", ".join(item.get("default_for") or []) or "—", description.splitlines()[0][:60] if description
+                     else ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[-1])
