@@ -1,5 +1,6 @@
 """The SLO panel of the alert page: for an alert raised on an SLO, its error budget (when the
-alert opened and now) and its burn rates and SLI around the alert's time, from the minute rows."""
+alert opened and now) and its burn rates and SLI around the alert's time, from the minute rows. A
+quality SLO's page is about its eval runs' scores instead: each run's score against the floor."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from django.utils import timezone
 
 from slo.api import MAX_HISTORY_POINTS, alert_thresholds, history_points
 from slo.budget import BURN_WINDOWS
+from slo.choices import SliKind
 from slo.evaluation import evaluate_at
+from slo.quality import run_history
 
 BEFORE = timedelta(hours=2)  # how much of the lead-up the chart shows
 AFTER = timedelta(minutes=30)  # and of the recovery, for a resolved alert
@@ -31,6 +34,8 @@ def slo_panel(request, alert) -> str:
     slo = alert.slo
     if slo is None:
         return ""
+    if slo.sli_kind == SliKind.QUALITY:
+        return quality_panel(request, alert)
     start, end, step = chart_range(alert, timezone.now())
     moments = history_points(start, end, step)
     at_start, *series = evaluate_at([(slo, alert.starts_at), *((slo, moment) for moment in moments)])
@@ -44,4 +49,17 @@ def slo_panel(request, alert) -> str:
     return render_to_string("slo/_alert_panel.html", {
         "slo": slo, "at_start": at_start, "latest": latest, "chart": chart, "step": step,
         "open": alert.is_open,
+    }, request=request)
+
+
+QUALITY_RUNS_SHOWN = 50
+
+
+def quality_panel(request, alert) -> str:
+    """A quality SLO's alert: its last runs' scores against the floor, the alert's time shaded."""
+    slo = alert.slo
+    runs = run_history(slo, limit=QUALITY_RUNS_SHOWN)
+    return render_to_string("slo/_quality_alert_panel.html", {
+        "slo": slo, "runs": list(reversed(runs[-5:])),
+        "chart": {"runs": runs, "floor": slo.objective, "starts_at": alert.starts_at, "ends_at": alert.ends_at},
     }, request=request)

@@ -27,6 +27,9 @@ from slo.evaluation import evaluate_slos
 from slo.models import Slo, SloEvalRun, SloMinute
 from slo.openslo import export_slos, import_text
 from slo.prometheus_rules import RulesUnavailable, slo_rules
+
+# The browser fixtures live beside the other browser suites.
+from tests.browser.conftest import browser, log_in, page, page_errors  # noqa: F401
 from tests.evals.runs_world import eval_set_with
 
 pytestmark = pytest.mark.django_db
@@ -114,8 +117,8 @@ def test_the_console_form_creates_a_quality_slo_and_names_a_bad_schedule(client,
     created = client.post("/slos/new/", {**form, "eval_every_s": "6h"})
     slo = Slo.objects.get()
     assert created.status_code == 302 and (slo.eval_set, slo.eval_every_s) == (smoke, 21600)
-    page = client.get(f"/slos/{slo.pk}/").content.decode()
-    assert "quality: eval set smoke every 6h" in page and 'id="chart-quality"' in page
+    html = client.get(f"/slos/{slo.pk}/").content.decode()
+    assert "quality: eval set smoke every 6h" in html and 'id="chart-quality"' in html
     assert 'value="6h"' in client.get(f"/slos/{slo.pk}/edit/").content.decode()
 
 
@@ -188,7 +191,7 @@ def scheduled_run(slo: Slo) -> EvalRun:
     return run
 
 
-def test_a_quality_slo_pages_below_the_floor_and_resolves_when_a_later_run_is_back(smoke):
+def test_a_quality_slo_pages_below_the_floor_and_resolves_when_a_later_run_is_back(smoke, client, make_user):
     slo = quality_slo(smoke, objective=0.8)
     evaluate_slos(slo_ids=[slo.pk])  # back-filled: no run yet
 
@@ -218,6 +221,11 @@ def test_a_quality_slo_pages_below_the_floor_and_resolves_when_a_later_run_is_ba
 
     evaluate_slos(slo_ids=[slo.pk])
     assert Alert.objects.get().status == AlertStatus.FIRING  # no new run: still the latest
+    # The alert page shows the runs' scores against the floor, each linked to its failing cases.
+    client.force_login(make_user("viewer"))
+    html = client.get(f"/alerts/{alert.pk}/").content.decode()
+    assert 'id="slo-quality-chart"' in html and f'href="/evals/runs/{bad.pk}/">run {bad.pk}</a>' in html
+    assert "3 of 5" in html and "burn" not in html.split('id="slo"')[1].split("</h2>")[0]
 
     back = finish(scheduled_run(slo), 4, at=now)
     evaluate_slos(slo_ids=[slo.pk])
@@ -229,6 +237,34 @@ def test_a_quality_slo_pages_below_the_floor_and_resolves_when_a_later_run_is_ba
     assert [(h["run"], h["score"], h["url"]) for h in history] == [
         (good.pk, 1.0, f"/evals/runs/{good.pk}/"), (bad.pk, 0.6, f"/evals/runs/{bad.pk}/"),
         (back.pk, 0.8, f"/evals/runs/{back.pk}/")]
+
+
+@pytest.mark.browser
+@pytest.mark.django_db(transaction=True)
+def test_the_slo_page_charts_each_runs_score_against_the_floor_and_links_it(live_server, page, page_errors,  # noqa: F811
+                                                                             make_user, smoke):
+    slo = quality_slo(smoke, objective=0.8)
+    evaluate_slos()
+    now = timezone.now()
+    good = finish(scheduled_run(slo), 5, at=now - timedelta(minutes=30))
+    bad = finish(scheduled_run(slo), 2, at=now - timedelta(minutes=10))
+    evaluate_slos()
+    user = make_user("viewer")
+    user.set_password("pw-viewer-123456")
+    user.save()
+    log_in(page, live_server.url, user.username, "pw-viewer-123456")
+    page.goto(f"{live_server.url}/slos/{slo.pk}/")
+    page.wait_for_function("document.getElementById('chart-quality').dataset.points == 2", timeout=30000)
+    chart = page.locator("#chart-quality")
+    assert chart.get_attribute("data-links") == f"/evals/runs/{good.pk}/ /evals/runs/{bad.pk}/"
+    assert page.evaluate("document.getElementById('chart-quality').layout.shapes[0].y0") == 0.8
+    assert "floor 0.8" in chart.inner_text()
+    assert "page when the latest eval run scores below 0.8" in page.locator("#rules").inner_text()
+    # A point is its run: clicking one opens the run's page with its failing cases.
+    page.evaluate("""() => { const el = document.getElementById('chart-quality');
+                             el.emit('plotly_click', {points: [{customdata: el.data[0].customdata[1]}]}); }""")
+    page.wait_for_url(f"{live_server.url}/evals/runs/{bad.pk}/")
+    assert page_errors == []
 
 
 def test_a_run_counts_once_and_only_for_its_slos(smoke):
