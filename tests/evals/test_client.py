@@ -17,15 +17,6 @@ from tests.evals.replica import MAX_MODEL_LEN, MODEL, Replica
 LOWEST_PRIORITY = -1000
 
 
-@pytest.fixture(scope="module")
-def replica(tiny_llama_dir, tmp_path_factory):
-    served = Replica(tiny_llama_dir, tmp_path_factory.mktemp("replica") / "serve.log").start()
-    try:
-        yield served.wait_ready()
-    finally:
-        served.stop()
-
-
 def call(base_url: str, method: str, *args, priority: int | None = LOWEST_PRIORITY, **kwargs):
     """One client call in its own event loop, the client closed after it."""
 

@@ -20,7 +20,7 @@ import pytest
 
 from evals.scoring.client import ReplicaClient
 from evals.scoring.scorers import score_case, summarise
-from tests.evals.replica import MODEL, Replica
+from tests.evals.replica import MODEL
 
 TASK = "inferops_choice_parity"
 
@@ -54,15 +54,6 @@ CASES = [
     ("Mixes prefill", [" chunks with decode steps.", " and", " water"], 0),
     ("Over the lazy dog the quick", [" brown fox", " red fox", " fox"], 0),
 ]
-
-
-@pytest.fixture(scope="module")
-def replica(tiny_llama_dir, tmp_path_factory):
-    served = Replica(tiny_llama_dir, tmp_path_factory.mktemp("replica") / "serve.log").start()
-    try:
-        yield served.wait_ready()
-    finally:
-        served.stop()
 
 
 def write_task(directory, cases: list[dict]) -> None:

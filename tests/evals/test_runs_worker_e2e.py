@@ -9,26 +9,15 @@ from __future__ import annotations
 import os
 import signal
 
-import httpx
 import pytest
 
-from deployments.choices import ReplicaState
 from deployments.models import Replica
 from deployments.replicas.drivers.local import LocalProcessDriver
-from tests.evals.runs_world import eval_set_with, register_tiny
+from tests.evals.runs_world import deployed_with_half_right_set, register_tiny
 from tests.services import start_worker
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-PROMPTS = ["one two three", "the cat sat", "hello there", "count to five", "a b c d", "numbers go up", "x y"]
-
-
-def greedy(url: str, prompt: str) -> str:
-    body = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": "e2e", "prompt": prompt, "max_tokens": 8, "temperature": 0, "seed": 0}).json()
-    return body["choices"][0]["text"]
-
 
 def test_a_worker_scores_a_deployment_through_the_api(api, tiny_llama_dir, worker_env, tmp_path):
     operator = api("operator")
@@ -36,15 +25,7 @@ def test_a_worker_scores_a_deployment_through_the_api(api, tiny_llama_dir, worke
     worker = start_worker(worker_env, tmp_path, "evals")
     log = tmp_path / "evals.log"
     try:
-        assert operator.post("/api/v1/deployments/", {"name": "e2e", "model": "tiny", "version": 1},
-                             format="json").status_code == 201
-        wait_until(lambda: operator.get("/api/v1/deployments/e2e/").json()["up_to_date"],
-                   lambda: f"the deployment to be ready\n{log.read_text()[-3000:]}", 120, 0.5)
-        replica = Replica.objects.get(deployment__name="e2e", state=ReplicaState.READY)
-        # Cases 0, 2, 4, 6 expect the replica's own greedy answer; the others something it never says.
-        cases = [{"id": f"c{i}", "prompt": prompt, "expected": greedy(replica.url, prompt) if i % 2 == 0 else "nope"}
-                 for i, prompt in enumerate(PROMPTS)]
-        eval_set_with(cases, name="e2e-set")
+        deployed_with_half_right_set(operator, log)
 
         started = operator.post("/api/v1/evals/runs/", {"eval_set": "e2e-set", "target": {"deployment": "e2e"},
                                                         "concurrency": 3}, format="json")

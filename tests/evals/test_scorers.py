@@ -19,7 +19,7 @@ from evals.scoring.scorers import (
     score_case,
     summarise,
 )
-from tests.evals.replica import MODEL, Replica
+from tests.evals.replica import MODEL
 
 
 def test_exact_compares_trimmed_text():
@@ -139,15 +139,6 @@ def test_a_case_the_replica_refused_counts_as_failed_everywhere():
 
 
 # -- every scorer on a real replica of the tiny checkpoint -----------------------------------
-
-@pytest.fixture(scope="module")
-def replica(tiny_llama_dir, tmp_path_factory):
-    served = Replica(tiny_llama_dir, tmp_path_factory.mktemp("replica") / "serve.log").start()
-    try:
-        yield served.wait_ready()
-    finally:
-        served.stop()
-
 
 def scored(replica, case: dict, index: int = 0, **kwargs) -> CaseOutcome:
     async def run():

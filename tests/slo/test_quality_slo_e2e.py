@@ -11,31 +11,20 @@ from __future__ import annotations
 import os
 import signal
 
-import httpx
 import pytest
 
 from alerts.models import Alert
-from deployments.choices import ReplicaState
 from deployments.models import Replica
 from deployments.replicas.drivers.local import LocalProcessDriver
 from evals.models import EvalRun
 from inferops.celery import app as celery_app
 from slo.budget import floor_minute
 from slo.models import SloMinute
-from tests.evals.runs_world import eval_set_with, register_tiny
+from tests.evals.runs_world import deployed_with_half_right_set, register_tiny
 from tests.services import start_worker
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.timeout(600)]
-
-PROMPTS = ["one two three", "the cat sat", "hello there", "count to five", "a b c d", "numbers go up", "x y"]
-
-
-def greedy(url: str, prompt: str) -> str:
-    body = httpx.post(f"{url}/v1/completions", timeout=60, json={
-        "model": "e2e", "prompt": prompt, "max_tokens": 8, "temperature": 0, "seed": 0}).json()
-    return body["choices"][0]["text"]
-
 
 def test_beat_scores_a_quality_slo_on_a_real_replica_and_it_pages_under_the_floor(api, tiny_llama_dir, worker_env,
                                                                                   tmp_path):
@@ -45,15 +34,7 @@ def test_beat_scores_a_quality_slo_on_a_real_replica_and_it_pages_under_the_floo
     worker = start_worker(worker_env, tmp_path, "quality")
     log = tmp_path / "quality.log"
     try:
-        assert operator.post("/api/v1/deployments/", {"name": "e2e", "model": "tiny", "version": 1},
-                             format="json").status_code == 201
-        wait_until(lambda: operator.get("/api/v1/deployments/e2e/").json()["up_to_date"],
-                   lambda: f"the deployment to be ready\n{log.read_text()[-3000:]}", 120, 0.5)
-        replica = Replica.objects.get(deployment__name="e2e", state=ReplicaState.READY)
-        # Cases 0, 2, 4, 6 expect the replica's own greedy answer; the others something it never says.
-        cases = [{"id": f"c{i}", "prompt": prompt, "expected": greedy(replica.url, prompt) if i % 2 == 0 else "nope"}
-                 for i, prompt in enumerate(PROMPTS)]
-        eval_set_with(cases, name="e2e-set")
+        deployed_with_half_right_set(operator, log)
         created = operator.post("/api/v1/slos/", {
             "name": "e2e-quality", "deployment": "e2e", "objective": 0.9, "window": "1d", "min_requests": 5,
             "sli": {"kind": "quality", "eval_set": "e2e-set", "every": "6h"}}, format="json")
