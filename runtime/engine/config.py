@@ -34,6 +34,10 @@ class EngineConfig:
     # Prefill tokens a step may carry while it also runs decodes (None: the whole budget).
     # Smaller keeps a long prompt from stretching every running stream's time per token.
     max_prefill_tokens_with_decodes: int | None = None
+    # Requests at or below this priority are background work (None: none are); while foreground
+    # requests run or wait, background ones share this many tokens a step (runtime/engine/scheduler.py).
+    background_priority: int | None = -1000
+    background_tokens_per_step: int = 16
     max_model_len: int | None = None  # default: config max_position_embeddings
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -74,6 +78,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.background_tokens_per_step < 1:
+            raise ValueError(f"background_tokens_per_step must be >= 1, got {self.background_tokens_per_step}")
         if self.max_prefill_tokens_with_decodes is not None and \
                 self.max_prefill_tokens_with_decodes < 1:
             raise ValueError("max_prefill_tokens_with_decodes must be >= 1, got "

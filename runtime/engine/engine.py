@@ -150,7 +150,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            config.max_prefill_tokens_with_decodes,
+            config.max_prefill_tokens_with_decodes, config.background_priority,
+            config.background_tokens_per_step,
         )
         self.sampler = Sampler()
         kv_bytes = self.num_kv_blocks * kv_bytes_per_block(

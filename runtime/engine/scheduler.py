@@ -9,6 +9,11 @@ Pure Python, no torch. Each step spends a token budget (`max_num_batched_tokens`
 3. waiting sequences are admitted (higher priority first, first come first served within a
    priority), using the prefix cache, with a first chunk that fits what is left.
 
+Background work (priority at or below `background_priority`, the lowest by default: eval runs and
+other offline scoring) runs in the capacity foreground requests leave: while any foreground
+sequence runs or waits, background sequences get at most `background_tokens_per_step` tokens of
+a step between them, so they add a little to each step instead of a whole prefill chunk.
+
 When a running sequence needs a block and none is free, the lowest-priority, newest running
 sequence not yet scheduled this step is preempted (blocks freed, sent back to waiting to be
 recomputed later); if that is the sequence itself, it waits.
@@ -64,8 +69,11 @@ class SchedulerCounters:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_tokens_with_decodes: int | None = None):
+                 max_prefill_tokens_with_decodes: int | None = None, background_priority: int | None = None,
+                 background_tokens_per_step: int = 16):
         self.block_manager = block_manager
+        self.background_priority = background_priority
+        self.background_tokens_per_step = background_tokens_per_step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
@@ -99,10 +107,22 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------
 
+    def is_background(self, seq: Sequence) -> bool:
+        return self.background_priority is not None and seq.priority <= self.background_priority
+
+    def _background_allowance(self) -> int | None:
+        """Tokens background sequences may take this step: capped while foreground work runs or
+        waits (both lists are sorted highest priority first), else no cap (None)."""
+        fronts = [queue[0] for queue in (self.running, self.waiting) if queue]
+        if any(not self.is_background(seq) for seq in fronts):
+            return self.background_tokens_per_step
+        return None
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
+        background_left = self._background_allowance()
         for want_decode in (True, False):
             cap = self.max_prefill_tokens_with_decodes
             if not want_decode and out.decodes and cap is not None:
@@ -114,16 +134,22 @@ class Scheduler:
                     continue
                 if (seq.num_uncomputed_tokens == 1) != want_decode:
                     continue
-                num_tokens = self._make_room(
-                    seq, min(seq.num_uncomputed_tokens, budget), scheduled, out
-                )
+                wanted = min(seq.num_uncomputed_tokens, budget)
+                capped = background_left is not None and self.is_background(seq)
+                if capped:
+                    wanted = min(wanted, background_left)
+                    if wanted == 0:
+                        continue
+                num_tokens = self._make_room(seq, wanted, scheduled, out)
                 if num_tokens == 0:
                     continue
                 chunk = self._allocate(seq, num_tokens)
                 (out.decodes if want_decode else out.prefills).append(chunk)
                 scheduled.add(seq.seq_id)
                 budget -= num_tokens
-        self._admit_waiting(budget, out)
+                if capped:
+                    background_left -= num_tokens
+        self._admit_waiting(budget, out, background_left)
         return out
 
     def on_chunks_computed(self, out: SchedulerOutput) -> None:
@@ -160,7 +186,7 @@ class Scheduler:
         self.counters.num_preemptions += 1
         out.preempted.append(seq)
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> int:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, background_left: int | None = None) -> int:
         spent = 0
         bm = self.block_manager
         while self.waiting and spent < budget and len(self.running) < self.max_num_seqs:
@@ -171,6 +197,9 @@ class Scheduler:
             free_after_prefix = bm.num_free_blocks - bm.num_free_needed_for_prefix(cached)
             room = (len(cached) + free_after_prefix) * bm.block_size - num_cached_tokens
             num_tokens = min(len(seq) - num_cached_tokens, budget - spent, room)
+            capped = background_left is not None and self.is_background(seq)
+            if capped:
+                num_tokens = min(num_tokens, background_left)
             if num_tokens < 1:
                 break  # strict order: nobody overtakes the head of the queue
             self.waiting.pop(0)
@@ -185,4 +214,6 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
             out.prefills.append(self._allocate(seq, num_tokens))
             spent += num_tokens
+            if capped:
+                background_left -= num_tokens
         return spent

@@ -68,6 +68,8 @@ def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
             kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+            background_priority=None if args.no_background_priority else args.background_priority,
+            background_tokens_per_step=args.background_tokens_per_step,
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
             linear_backend=args.linear_backend, ops_backend=args.ops_backend,
@@ -146,6 +148,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
                         help="prefill tokens a step may add while decodes run (default: the "
                              "whole --max-num-batched-tokens); lower trades TTFT for TPOT")
+    engine.add_argument("--background-priority", type=int, default=-1000,
+                        help="requests at or below this priority are background work (eval runs ask for "
+                             "-1000): they share --background-tokens-per-step while others run or wait")
+    engine.add_argument("--background-tokens-per-step", type=int, default=16,
+                        help="tokens of a step background requests may take while foreground ones run (16)")
+    engine.add_argument("--no-background-priority", action="store_true",
+                        help="no background class: every priority competes for the whole step")
     engine.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV cache size in blocks (overrides --kv-cache-memory)")
     engine.add_argument("--kv-cache-memory", type=_size_in_bytes, default=None,

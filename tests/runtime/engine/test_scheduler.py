@@ -216,3 +216,46 @@ def test_abort_frees_blocks_and_removes_the_request_everywhere():
     assert s.abort("y") == [waiting]
     assert not s.has_unfinished()
     assert s.abort("nope") == []
+
+
+# -- background work (the lowest priority: eval runs) ------------------------------------------
+
+def make_background_scheduler(budget=32, per_step=4, **kwargs):
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    return Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget, background_priority=-1000,
+                     background_tokens_per_step=per_step, **kwargs)
+
+
+def test_background_alone_takes_the_whole_step():
+    s = make_background_scheduler()
+    s.add(seq("eval", 20, priority=-1000))
+    assert plan(run_step(s)) == [("eval", 0, 20)]
+
+
+def test_background_shares_a_few_tokens_while_foreground_runs_or_waits():
+    s = make_background_scheduler(budget=32, per_step=4)
+    s.add(seq("eval-1", 20, priority=-1000, arrival=0))
+    s.add(seq("eval-2", 20, priority=-1000, arrival=1, first=300))
+    s.add(seq("chat", 10, priority=0, arrival=2, first=500))
+    # The foreground prompt goes first and whole; the background ones get 4 tokens between them.
+    assert plan(run_step(s)) == [("chat", 0, 10), ("eval-1", 0, 4)]
+    # chat decodes; eval-1 continues within the allowance; eval-2 still waits.
+    assert plan(run_step(s)) == [("chat", 10, 1), ("eval-1", 4, 4)]
+
+
+def test_background_takes_the_step_again_once_foreground_finishes():
+    s = make_background_scheduler(budget=32, per_step=4)
+    chat, work = seq("chat", 4, priority=0, arrival=0), seq("eval", 20, priority=-1000, arrival=1, first=300)
+    s.add(chat)
+    s.add(work)
+    assert plan(run_step(s)) == [("chat", 0, 4), ("eval", 0, 4)]
+    s.finish(chat, "stop")
+    assert plan(run_step(s)) == [("eval", 4, 16)]
+
+
+def test_without_a_background_priority_the_lowest_priority_competes_for_the_whole_step():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=32)
+    s.add(seq("chat", 10, priority=0, arrival=0))
+    s.add(seq("eval", 20, priority=-1000, arrival=1, first=300))
+    assert plan(run_step(s)) == [("chat", 0, 10), ("eval", 0, 20)]
