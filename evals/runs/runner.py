@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import httpx
-import numpy as np
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
@@ -377,11 +376,20 @@ def score_in_thread(run: EvalRun, targets: list[Endpoint], references: list[Endp
 # -- the run --------------------------------------------------------------------------------------
 
 
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-th percentile of sorted values, interpolated between the nearest ranks (numpy's default,
+    without numpy: the worker's image has none)."""
+    rank = q / 100 * (len(ordered) - 1)
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
 def latency_percentiles(outcomes: list[CaseOutcome]) -> dict:
     if not outcomes:
         return {}
-    values = np.asarray([o.latency_ms for o in outcomes], dtype=float)
-    return {f"p{p}": round(float(np.percentile(values, p)), 3) for p in PERCENTILES}
+    ordered = sorted(o.latency_ms for o in outcomes)
+    return {f"p{p}": round(percentile(ordered, p), 3) for p in PERCENTILES}
 
 
 def finish(run: EvalRun, recorder: Recorder, status: str, error: str = "") -> EvalRun:

@@ -15,9 +15,13 @@ _lock = threading.Lock()
 @functools.cache
 def embedding_model():
     # Imported here: torch loads only in a process that scores similarity.
-    from runtime.engine.encoder import EmbeddingModel, find_packaged_minilm
+    try:
+        from runtime.engine.encoder import EmbeddingModel, find_packaged_minilm
 
-    return EmbeddingModel.load(find_packaged_minilm())
+        return EmbeddingModel.load(find_packaged_minilm())
+    except ImportError as exc:
+        raise RuntimeError(f"similarity scoring needs the embedding model on the worker ({exc}): install the "
+                           "engine extra there (pip install 'inferops[engine]')") from exc
 
 
 def cosine_similarity_now(text: str, other: str) -> float:

@@ -137,7 +137,8 @@ UNSUPPORTED = {415: OpenApiResponse(ERRORS[400].response, description=HOW_TO_SEN
 
 
 def evalset_queryset():
-    return EvalSet.objects.prefetch_related("default_for").annotate(latest_number=Max("versions__number"))
+    return (EvalSet.objects.prefetch_related("default_for").annotate(latest_number=Max("versions__number"))
+            .order_by("name"))
 
 
 def get_evalset(name: str) -> EvalSet:
