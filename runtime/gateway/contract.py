@@ -18,6 +18,12 @@ request to a stream that the control plane ingests. Both sides import these name
   while an overload lasts rather than as its requests end. Kept apart from the usage stream (the
   exact SLIs still come from usage events): a hash per deployment and Unix minute,
   `ttft_verdicts_key()`, fields `<deadline ms>:<second of the minute>:<good|bad>`.
+- SLO_TARGETS_KEY: `<deployment>:<tenant>` -> JSON {ttft_ms, tpot_ms} (either null), the tightest
+  targets of the tenant's latency and goodput SLOs on that deployment; replaced whole on every
+  publish. The gateway sends them to built-in replicas as SLO_TTFT_HEADER / SLO_TPOT_HEADER (a
+  client's own copies of those headers are dropped), so the engine schedules each request for its
+  tenant's promise; requests without them get the deployment's targets, which the control plane
+  pushes to each replica (POST /admin/slo-targets).
 - KEYS_KEY: sha256 hex of an API key -> JSON {prefix, name, tenant, deployments, priority,
   expires_at, limits: {key, tenant}}; replaced whole on every publish.
 - USAGE_STREAM: entries {"e": JSON event}, one per request (tenants/ingest.py says which fields).
@@ -42,6 +48,11 @@ TTFT_VERDICTS_TTL_S = 900
 KEYS_KEY = "inferops:keys"
 KEYS_GENERATION_KEY = "inferops:keys:generation"
 KEYS_CHANNEL = "inferops:keys:changed"
+SLO_TARGETS_KEY = "inferops:slo-targets"
+SLO_TARGETS_GENERATION_KEY = "inferops:slo-targets:generation"
+SLO_TARGETS_CHANNEL = "inferops:slo-targets:changed"
+SLO_TTFT_HEADER = "x-inferops-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-inferops-slo-tpot-ms"
 USAGE_STREAM = "inferops:usage"
 # Live gateways: instance -> JSON {instance, address (host:port), metrics_path, seen_at (Unix s)},
 # refreshed every GATEWAY_HEARTBEAT_S; an entry older than GATEWAY_STALE_S is a dead gateway.
@@ -57,7 +68,11 @@ UPSTREAM_CONNECT = "upstream_connect"
 UPSTREAM_TIMEOUT = "upstream_timeout"
 UPSTREAM_ERROR = "upstream_error"
 INTERNAL = "internal"
-SERVER_ERROR_KINDS = (SHED, UPSTREAM_TIMEOUT, UPSTREAM_ERROR, UPSTREAM_CONNECT, INTERNAL)
+# Refused by a built-in replica under --slo-reject-late because it could no longer meet its TTFT
+# target (a 503 with code SLO_LATE): shed by the engine, so it counts against the SLO like any shed.
+LATE = "late"
+SLO_LATE = "slo_late"
+SERVER_ERROR_KINDS = (SHED, LATE, UPSTREAM_TIMEOUT, UPSTREAM_ERROR, UPSTREAM_CONNECT, INTERNAL)
 # Refused on purpose by the deployment's degradation policy (a 503 with code `degraded`): neither
 # good nor bad for an SLO, or shedding would keep the burn up that caused it.
 DEGRADED = "degraded"
@@ -74,6 +89,10 @@ PREVIEW_SUFFIX = "--preview"
 def ttft_verdicts_key(deployment: str, minute: int) -> str:
     """The TTFT verdict counters of a deployment in one minute (Unix seconds // 60)."""
     return f"{TTFT_VERDICTS_PREFIX}:{deployment}:{minute}"
+
+
+def slo_targets_field(deployment: str, tenant: str) -> str:
+    return f"{deployment}:{tenant}"
 
 
 def ttft_verdict_field(deadline_ms: float, second: int, good: bool) -> str:
