@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Protocol, TypeVar
 
+from runtime.engine.slo_scheduling import SloTargets
+
 if TYPE_CHECKING:  # each of these imports torch, which loads in the model thread
     from runtime.engine.engine import CompletionOutput, EngineStats
     from runtime.engine.sampling import SamplingParams
@@ -65,7 +67,8 @@ class GenerativeModel(Protocol):
     max_model_len: int
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None: ...
+                    priority: int = 0, arrival_time: float | None = None,
+                    targets: SloTargets | None = None) -> None: ...
     def abort_request(self, request_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def step(self) -> list[CompletionOutput]: ...
@@ -89,6 +92,8 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    arrival_time: float | None = None  # time.monotonic() when the request arrived; TTFT counts from it
+    targets: SloTargets | None = None
 
     @property
     def num_choices(self) -> int:
@@ -339,7 +344,8 @@ class AsyncEngine(_ModelThread[GenerativeModel]):
         refusal: Exception | None = None
         try:
             engine.add_request(command.request_id, list(command.prompt_token_ids),
-                               command.params, priority=command.priority)
+                               command.params, priority=command.priority,
+                               arrival_time=command.arrival_time, targets=command.targets)
         except ValueError as exc:  # the request is bad, the engine is fine
             refusal = RequestRefused(str(exc), getattr(exc, "param", None))
         except TypeError as exc:  # a malformed request object is the server's bug: a 500

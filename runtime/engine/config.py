@@ -57,6 +57,13 @@ class EngineConfig:
     # holds twice the tokens a float32 one does in the same memory; "float32" or "bfloat16"
     # force it (attention arithmetic is float32 with the kernels either way).
     kv_cache_dtype: str = "auto"
+    # How the queues are ordered (runtime/engine/scheduler.py): priority | fcfs | slo.
+    scheduling_policy: str = "priority"
+    # Targets of requests that bring none (the replica's own, or the control plane's, win).
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 200.0
+    # slo policy: refuse a request that can no longer meet its TTFT instead of serving it late.
+    slo_reject_late: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPE_BYTES):
@@ -78,6 +85,11 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.scheduling_policy not in ("fcfs", "priority", "slo"):
+            raise ValueError(f"scheduling_policy must be fcfs, priority or slo, not {self.scheduling_policy!r}")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.background_tokens_per_step < 1:
             raise ValueError(f"background_tokens_per_step must be >= 1, got {self.background_tokens_per_step}")
         if self.max_prefill_tokens_with_decodes is not None and \

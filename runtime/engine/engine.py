@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -49,6 +50,7 @@ from runtime.engine.sampling import (
 )
 from runtime.engine.scheduler import ScheduledChunk, Scheduler
 from runtime.engine.sequence import Sequence
+from runtime.engine.slo_scheduling import SlackHistogram, SloTargets
 from runtime.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,8 @@ class CompletionOutput:
     new_token_ids: list[int]
     new_text: str  # text delta (stop strings already cut)
     finished: bool
-    # "stop" | "length" | "abort" | "error" (the model's logits were NaN or infinite) | None
+    # "stop" | "length" | "abort" | "error" (the model's logits were NaN or infinite) | "late"
+    # (refused: it could no longer meet its TTFT target, slo policy with reject_late) | None
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
@@ -88,6 +91,8 @@ class CompletionOutput:
     # One per prompt token, on the first output of sequence 0 of a request that asked for
     # prompt logprobs.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # With finish_reason "late": seconds after which the engine expects to have room again.
+    retry_after_s: int | None = None
 
 
 @dataclass
@@ -102,6 +107,10 @@ class EngineStats:
     generation_tokens_total: int
     num_kv_blocks: int = 0
     block_size: int = 0
+    scheduling_policy: str = "priority"
+    slo_rejected_late_total: int = 0
+    slo_demoted_late_total: int = 0
+    slo_admission_slack: SlackHistogram | None = None  # slo policy only
 
 
 @dataclass
@@ -151,8 +160,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.max_prefill_tokens_with_decodes, config.background_priority,
-            config.background_tokens_per_step,
+            config.background_tokens_per_step, config.scheduling_policy, config.slo_reject_late,
         )
+        self.default_targets = SloTargets.from_ms(config.slo_ttft_ms, config.slo_tpot_ms)
         self.sampler = Sampler()
         kv_bytes = self.num_kv_blocks * kv_bytes_per_block(
             self.model_config, config.block_size, self.plan.kv_cache_dtype)
@@ -179,9 +189,15 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        arrival_time: float | None = None,
+        targets: SloTargets | None = None,
     ) -> None:
+        """`arrival_time` (time.monotonic seconds, default now) starts the TTFT clock; `targets`
+        missing a phase take the engine's `default_targets` for it."""
         self._validate(request_id, prompt_token_ids, params)
         arrival = next(self._arrivals)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        targets = (targets or SloTargets()).or_else(self.default_targets)
         request = _Request(request_id, params, states=[], num_unfinished=params.n)
         for index in range(params.n):
             seq = Sequence(
@@ -191,6 +207,9 @@ class LLMEngine:
                 priority=priority,
                 arrival=arrival,
                 max_tokens=params.max_tokens,
+                arrival_time=arrival_time,
+                ttft_deadline=None if targets.ttft_s is None else arrival_time + targets.ttft_s,
+                tpot_target=targets.tpot_s,
             )
             state = _SequenceState(
                 seq,
@@ -266,7 +285,7 @@ class LLMEngine:
         outputs = []
         for state in request.states:
             seq = state.seq
-            if seq.finish_reason is None or seq.finish_reason == "abort":
+            if seq.finish_reason in (None, "abort", reason):
                 outputs.append(self._output(state, [], "", reason))
             self._states.pop(seq.seq_id, None)
         return outputs
@@ -279,10 +298,15 @@ class LLMEngine:
     def step(self) -> list[CompletionOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         scheduled = self.scheduler.schedule()
+        for seq in scheduled.rejected:
+            for output in self._drop(seq.request_id, "late"):
+                output.retry_after_s = scheduled.retry_after_s
+                outputs.append(output)
         if scheduled.is_empty:
             return outputs
+        started = time.monotonic()
         logits, prompt_hidden = self.runner.execute(scheduled)
-        self.scheduler.on_chunks_computed(scheduled)
+        self.scheduler.on_chunks_computed(scheduled, time.monotonic() - started)
         sampled = [c.seq for c in scheduled.chunks if c.completes_sequence]
         if len(prompt_hidden):
             self._record_prompt_logprobs(scheduled.prefills, prompt_hidden)
@@ -367,7 +391,7 @@ class LLMEngine:
         seq = state.seq
         request = self._requests[seq.request_id]
         params = request.params
-        seq.append_token(token_id)
+        seq.append_token(token_id, time.monotonic())
         self._generation_tokens_total += 1
         if seq.index == 0 and request.pending_siblings:
             for sibling in request.pending_siblings:
@@ -423,6 +447,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         counters = self.scheduler.counters
+        slo = self.scheduler.slo
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + self._num_pending_siblings,
@@ -434,6 +459,10 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             num_kv_blocks=self.num_kv_blocks,
             block_size=self.config.block_size,
+            scheduling_policy=self.config.scheduling_policy,
+            slo_rejected_late_total=slo.rejected_late if slo else 0,
+            slo_demoted_late_total=slo.demoted_late if slo else 0,
+            slo_admission_slack=slo.slack if slo else None,
         )
 
     def generate(

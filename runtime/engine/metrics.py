@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 # vLLM 0.32's default buckets (bench/scrape/vllm-0.32-cpu-metrics.txt, as recorded).
@@ -61,9 +61,11 @@ LABEL_NAMES = ("engine", "model_name")
 class EngineStatsCollector(Collector):
     """Reads the engine's gauges and counters when Prometheus scrapes."""
 
-    def __init__(self, model_name: str, read_stats: Callable[[], Any | None]) -> None:
+    def __init__(self, model_name: str, read_stats: Callable[[], Any | None],
+                 settings: Any | None = None) -> None:
         self.labels = ["0", model_name]
         self.read_stats = read_stats
+        self.settings = settings  # ServerSettings: the policy and the replica-wide targets
 
     def collect(self) -> Iterable[Metric]:
         # Before the model has loaded there are no stats; report zeros so series exist early.
@@ -76,13 +78,49 @@ class EngineStatsCollector(Collector):
             family = CounterMetricFamily(name, help_text, labels=LABEL_NAMES)
             family.add_metric(self.labels, float(getattr(stats, attribute, 0) or 0))
             yield family
+        yield from self._slo_scheduling(stats)
+
+    def _slo_scheduling(self, stats: Any | None) -> Iterable[Metric]:
+        """What SLO scheduling does (generative replicas only): its policy and targets, requests
+        refused or served late, and the slack requests had when first admitted (slo policy)."""
+        settings = self.settings
+        if settings is None or not hasattr(stats, "scheduling_policy"):
+            return
+        info = GaugeMetricFamily("inferops:scheduling_policy_info", "The engine's scheduling policy.",
+                                 labels=(*LABEL_NAMES, "policy"))
+        info.add_metric([*self.labels, settings.scheduling_policy], 1.0)
+        yield info
+        targets = settings.slo_targets.effective
+        for phase, value in (("ttft", targets.ttft_s), ("tpot", targets.tpot_s)):
+            if value is not None:
+                gauge = GaugeMetricFamily(f"inferops:slo_target_{phase}_seconds",
+                                          f"The replica-wide {phase.upper()} target of requests that bring none.",
+                                          labels=LABEL_NAMES)
+                gauge.add_metric(self.labels, value)
+                yield gauge
+        for name, help_text, attribute in (
+                ("inferops:slo_rejected_late", "Requests refused (503) because they could no longer meet "
+                                               "their TTFT target (--slo-reject-late).", "slo_rejected_late_total"),
+                ("inferops:slo_served_late", "Requests found unable to meet their TTFT target and served "
+                                             "after those that could.", "slo_demoted_late_total")):
+            family = CounterMetricFamily(name, help_text, labels=LABEL_NAMES)
+            family.add_metric(self.labels, float(getattr(stats, attribute, 0) or 0))
+            yield family
+        slack = getattr(stats, "slo_admission_slack", None)
+        if slack is not None:
+            family = HistogramMetricFamily(
+                "inferops:slo_admission_slack_seconds",
+                "Time left to a request's TTFT deadline less its estimated prefill, when first admitted "
+                "(negative: already late).", labels=LABEL_NAMES)
+            family.add_metric(self.labels, slack.cumulative(), slack.sum)
+            yield family
 
 
 class ServerMetrics:
     """The replica's private registry: request histograms plus the engine collector."""
 
     def __init__(self, model_name: str, read_stats: Callable[[], Any | None],
-                 buckets: dict[str, tuple[float, ...]] | None = None) -> None:
+                 buckets: dict[str, tuple[float, ...]] | None = None, settings: Any | None = None) -> None:
         chosen = {**DEFAULT_BUCKETS, **(buckets or {})}
         self.registry = CollectorRegistry()
         # process_start_time_seconds (and the other process_* series vLLM exposes too) lets the
@@ -123,7 +161,13 @@ class ServerMetrics:
         self.request_success = {
             reason: success.labels(engine="0", finished_reason=reason, model_name=model_name)
             for reason in FINISH_REASONS}
-        self.registry.register(EngineStatsCollector(model_name, read_stats))
+        self.slo_judged = Counter("inferops:slo_requests_judged",
+                                  "Finished requests judged against their TTFT and TPOT targets.",
+                                  labelnames=LABEL_NAMES, registry=self.registry).labels(**labels)
+        misses = Counter("inferops:slo_deadline_misses", "Finished requests that missed a target, by phase.",
+                         labelnames=(*LABEL_NAMES, "phase"), registry=self.registry)
+        self.slo_misses = {phase: misses.labels(phase=phase, **labels) for phase in ("ttft", "tpot")}
+        self.registry.register(EngineStatsCollector(model_name, read_stats, settings))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -150,6 +194,7 @@ class RequestTimer:
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
         self.finished = False
+        self.targets: Any = None  # SloTargets the request was scheduled for (generation only)
 
     def on_scheduled(self, step_started_at: float) -> None:
         """The first engine step that produced output for this request began at this time.
@@ -179,10 +224,13 @@ class RequestTimer:
             return
         self.finished = True
         now = time.monotonic()
+        if reason == "late":  # refused, not served: counted by the engine (inferops:slo_rejected_late)
+            return
         self.metrics.request_success[reason if reason in FINISH_REASONS else "stop"].inc()
         if reason in ("abort", "error"):
             return
         metrics = self.metrics
+        self._judge(now)
         metrics.e2e.observe(now - self.arrived_at)
         metrics.prompt_tokens.observe(self.num_prompt_tokens)
         metrics.generation_tokens.observe(self.num_output_tokens)
@@ -192,3 +240,16 @@ class RequestTimer:
             metrics.prefill.observe(self.first_token_at - self.scheduled_at)
             metrics.decode.observe(now - self.first_token_at)
             metrics.inference.observe(now - self.scheduled_at)
+
+    def _judge(self, now: float) -> None:
+        """Count a finished request against its targets: TTFT from arrival, TPOT as the mean gap."""
+        targets = self.targets
+        if targets is None or self.first_token_at is None:
+            return
+        metrics = self.metrics
+        metrics.slo_judged.inc()
+        if targets.ttft_s is not None and self.first_token_at - self.arrived_at > targets.ttft_s:
+            metrics.slo_misses["ttft"].inc()
+        if targets.tpot_s is not None and self.num_output_tokens > 1 and \
+                (now - self.first_token_at) / (self.num_output_tokens - 1) > targets.tpot_s:
+            metrics.slo_misses["tpot"].inc()

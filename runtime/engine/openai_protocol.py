@@ -73,11 +73,14 @@ CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
 class OpenAIError(Exception):
     """An error answered to the client as `{"error": {message, type, param, code}}`."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code  # default: the status, as vLLM sends it
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {
@@ -85,7 +88,7 @@ class OpenAIError(Exception):
                 "message": self.message,
                 "type": ERROR_TYPES.get(self.status, "APIError"),
                 "param": self.param,
-                "code": self.status,
+                "code": self.code if self.code is not None else self.status,
             }
         }
 

@@ -17,15 +17,24 @@ a step between them, so they add a little to each step instead of a whole prefil
 When a running sequence needs a block and none is free, the lowest-priority, newest running
 sequence not yet scheduled this step is preempted (blocks freed, sent back to waiting to be
 recomputed later); if that is the sequence itself, it waits.
+
+The policy (`--scheduling-policy`) orders the queues: `priority` (the default) as above; `fcfs`
+by arrival alone, priorities ignored (vLLM's default, for comparison); `slo` plans each step for
+the requests' TTFT and TPOT targets (runtime/engine/slo_scheduling.py): the step's budget, the
+waiting order, how many may run, and which requests are late. Late requests come last among
+running ones too, so they are the first preempted.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.sequence import Sequence, SequenceStatus
+from runtime.engine.slo_scheduling import POLICIES, SloPlanner
 
 
 @dataclass
@@ -46,6 +55,9 @@ class SchedulerOutput:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     prefills: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Refused as late (slo policy with reject_late): finished by the scheduler, to be reported.
+    rejected: list[Sequence] = field(default_factory=list)
+    retry_after_s: int = 1
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -70,21 +82,35 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_tokens_with_decodes: int | None = None, background_priority: int | None = None,
-                 background_tokens_per_step: int = 16):
+                 background_tokens_per_step: int = 16, policy: str = "priority",
+                 reject_late: bool = False, clock: Callable[[], float] = time.monotonic):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+        self.policy = policy
+        self.clock = clock
+        self.slo = SloPlanner(reject_late, clock) if policy == "slo" else None
+        self._plan = None
         self.block_manager = block_manager
         self.background_priority = background_priority
         self.background_tokens_per_step = background_tokens_per_step
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_tokens_with_decodes = max_prefill_tokens_with_decodes
-        # Both kept sorted by Sequence.schedule_key: front = highest priority, oldest.
+        # Both kept sorted by _key: front = first served (highest priority, oldest, by default).
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
 
+    def _key(self, seq: Sequence) -> tuple:
+        if self.policy == "fcfs":
+            return (seq.arrival, seq.seq_id)
+        if self.policy == "slo":
+            return (-seq.priority, seq.late, seq.arrival, seq.seq_id)
+        return seq.schedule_key
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
+        bisect.insort(self.waiting, seq, key=self._key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -113,14 +139,29 @@ class Scheduler:
     def _background_allowance(self) -> int | None:
         """Tokens background sequences may take this step: capped while foreground work runs or
         waits (both lists are sorted highest priority first), else no cap (None)."""
-        fronts = [queue[0] for queue in (self.running, self.waiting) if queue]
-        if any(not self.is_background(seq) for seq in fronts):
-            return self.background_tokens_per_step
-        return None
+        if self.background_priority is None:
+            return None
+        if self.policy == "fcfs":  # queues are in arrival order: look at every sequence
+            foreground = any(not self.is_background(s) for s in self.running + self.waiting)
+        else:  # highest priority first
+            foreground = any(not self.is_background(q[0]) for q in (self.running, self.waiting) if q)
+        return self.background_tokens_per_step if foreground else None
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        max_running = self.max_num_seqs
+        if self.slo is not None:
+            now = self.clock()
+            plan = self.slo.plan(self, now)
+            budget, max_running = plan.budget, plan.max_running
+            self.waiting = self.slo.order_waiting(self, plan, now, self._prefill_need)
+            for seq in self.slo.rejected:
+                self.finish(seq, "late")
+            out.rejected = self.slo.rejected
+            if out.rejected:
+                out.retry_after_s = self.slo.retry_after_s(self, plan.prefill_rate)
+            self._plan = plan
         scheduled: set[int] = set()
         background_left = self._background_allowance()
         for want_decode in (True, False):
@@ -149,11 +190,21 @@ class Scheduler:
                 budget -= num_tokens
                 if capped:
                     background_left -= num_tokens
-        self._admit_waiting(budget, out, background_left)
+        self._admit_waiting(budget, out, background_left, max_running)
         return out
 
-    def on_chunks_computed(self, out: SchedulerOutput) -> None:
-        """The model wrote KV for every scheduled chunk: advance and publish full blocks."""
+    def _prefill_need(self, seq: Sequence) -> int:
+        """Tokens a waiting sequence must compute before its first token (less its cached prefix)."""
+        bm = self.block_manager
+        if bm.enable_prefix_caching and not seq.needs_prompt_logits and not seq.was_admitted:
+            return max(len(seq) - len(bm.find_cached_prefix(seq)) * bm.block_size, 1)
+        return len(seq) - seq.num_computed_tokens
+
+    def on_chunks_computed(self, out: SchedulerOutput, seconds: float | None = None) -> None:
+        """The model wrote KV for every scheduled chunk (in `seconds`, when measured): advance
+        and publish full blocks."""
+        if self.slo is not None and seconds is not None:
+            self.slo.cost.observe(out.num_batched_tokens, seconds)
         for chunk in out.chunks:
             chunk.seq.num_computed_tokens = chunk.end
             self.block_manager.register_computed_blocks(chunk.seq)
@@ -186,10 +237,12 @@ class Scheduler:
         self.counters.num_preemptions += 1
         out.preempted.append(seq)
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput, background_left: int | None = None) -> int:
+    def _admit_waiting(self, budget: int, out: SchedulerOutput, background_left: int | None = None,
+                       max_running: int | None = None) -> int:
         spent = 0
         bm = self.block_manager
-        while self.waiting and spent < budget and len(self.running) < self.max_num_seqs:
+        max_running = self.max_num_seqs if max_running is None else max_running
+        while self.waiting and spent < budget and len(self.running) < max_running:
             seq = self.waiting[0]
             uses_cache = bm.enable_prefix_caching and not seq.needs_prompt_logits
             cached = bm.find_cached_prefix(seq) if uses_cache else []
@@ -210,8 +263,11 @@ class Scheduler:
             if not seq.was_admitted:
                 seq.num_cached_tokens = min(num_cached_tokens, seq.num_prompt_tokens)
                 seq.was_admitted = True
+                if self.slo is not None:
+                    self.slo.on_admitted(seq, self.clock(), len(seq) - num_cached_tokens,
+                                         self._plan.prefill_rate)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
+            bisect.insort(self.running, seq, key=self._key)
             out.prefills.append(self._allocate(seq, num_tokens))
             spent += num_tokens
             if capped:

@@ -31,6 +31,9 @@ class Sequence:
         priority: int = 0,
         arrival: int = 0,
         max_tokens: int = 16,
+        arrival_time: float = 0.0,
+        ttft_deadline: float | None = None,
+        tpot_target: float | None = None,
     ) -> None:
         self.seq_id = next(_next_seq_id)
         self.request_id = request_id
@@ -38,6 +41,13 @@ class Sequence:
         self.priority = priority
         self.arrival = arrival
         self.max_tokens = max_tokens
+        # SLO scheduling (runtime/engine/slo_scheduling.py): clock seconds.
+        self.arrival_time = arrival_time
+        self.ttft_deadline = ttft_deadline
+        self.tpot_target = tpot_target
+        self.first_token_time: float | None = None
+        self.late = False  # can no longer make its TTFT: served after those that can
+        self.slack = 0.0  # seconds, as of the last plan
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -84,5 +94,7 @@ class Sequence:
         """Sort key: higher priority first, then first come first served."""
         return (-self.priority, self.arrival, self.seq_id)
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, now: float | None = None) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = now if now is not None else self.arrival_time
         self.token_ids.append(token_id)

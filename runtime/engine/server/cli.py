@@ -19,7 +19,14 @@ from runtime.engine.config import KV_CACHE_DTYPES, LINEAR_BACKENDS, OPS_BACKENDS
 from runtime.engine.metrics import DEFAULT_BUCKETS
 from runtime.engine.server.draining import DrainingServer
 from runtime.engine.server.routes import ReplicaServer
-from runtime.engine.server.settings import DEFAULT_MAX_BODY_BYTES, FaultSettings, ServerSettings
+from runtime.engine.server.settings import (
+    DEFAULT_MAX_BODY_BYTES,
+    MAX_TARGET_MS,
+    FaultSettings,
+    ServerSettings,
+    SloTargetSettings,
+)
+from runtime.engine.slo_scheduling import POLICIES, SloTargets
 from runtime.gateway import jsonlog
 
 if TYPE_CHECKING:  # both import torch, which loads in the model thread
@@ -73,7 +80,9 @@ def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
             max_model_len=args.max_model_len,
             enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
             linear_backend=args.linear_backend, ops_backend=args.ops_backend,
-            kv_cache_dtype=args.kv_cache_dtype))
+            kv_cache_dtype=args.kv_cache_dtype, scheduling_policy=args.scheduling_policy,
+            slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+            slo_reject_late=args.slo_reject_late))
     return AsyncEngine(load_engine)
 
 
@@ -102,6 +111,13 @@ def _non_negative(text: str) -> float:
     value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _target_ms(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= MAX_TARGET_MS:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most {MAX_TARGET_MS} ms, got {text}")
     return value
 
 
@@ -155,6 +171,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens of a step background requests may take while foreground ones run (16)")
     engine.add_argument("--no-background-priority", action="store_true",
                         help="no background class: every priority competes for the whole step")
+    engine.add_argument("--scheduling-policy", default="priority", choices=POLICIES,
+                        help="priority: higher priority first, then first come first served; fcfs: arrival "
+                             "order only (vLLM's default); slo: plan each step for the requests' TTFT and "
+                             "TPOT targets, least slack first, late requests last (docs/serving.md)")
+    engine.add_argument("--slo-ttft-ms", type=_target_ms, default=2000.0,
+                        help="TTFT target of requests that bring none and get none from the control plane")
+    engine.add_argument("--slo-tpot-ms", type=_target_ms, default=200.0,
+                        help="TPOT target of requests that bring none and get none from the control plane")
+    engine.add_argument("--slo-reject-late", action="store_true",
+                        help="with --scheduling-policy slo: refuse a request that can no longer meet its TTFT "
+                             "target with a 503 and Retry-After instead of serving it late (a stream's "
+                             "headers then wait for its first token)")
     engine.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV cache size in blocks (overrides --kv-cache-memory)")
     engine.add_argument("--kv-cache-memory", type=_size_in_bytes, default=None,
@@ -219,6 +247,9 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
                            if getattr(args, f"histogram_buckets_{key}") is not None},
         generation_defaults=GenerationDefaults() if args.no_generation_config
         else GenerationDefaults.from_dir(model_root),
+        slo_targets=SloTargetSettings(SloTargets.from_ms(args.slo_ttft_ms, args.slo_tpot_ms)),
+        scheduling_policy=args.scheduling_policy,
+        slo_reject_late=args.slo_reject_late and args.scheduling_policy == "slo",
     )
 
 
@@ -232,6 +263,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:  # an unusable generation_config.json
         logger.error("%s; fix it or start with --no-generation-config", error)
         return 2
+    if args.slo_reject_late and args.scheduling_policy != "slo":
+        logger.warning("--slo-reject-late applies only with --scheduling-policy slo; it is ignored under %s",
+                       args.scheduling_policy)
     defaults = settings.generation_defaults
     if replace(defaults, ignored=()) != GenerationDefaults():  # any value applies
         logger.info("requests that leave them out get the checkpoint's generation_config.json "

@@ -29,6 +29,7 @@ from runtime.engine.openai_protocol import (
 )
 from runtime.engine.server.responses import SSE_DONE, sse, unavailable_error
 from runtime.engine.server.settings import FaultSettings
+from runtime.gateway.contract import SLO_LATE
 
 if TYPE_CHECKING:  # sampling.py imports torch, which loads in the model thread
     from runtime.engine.sampling import TokenLogprob
@@ -43,6 +44,13 @@ NON_FINITE_LOGITS = (
     "The model's logits for this request were NaN or infinite, so no token could be chosen. "
     "The checkpoint's weights may be broken, or its numbers overflow in this dtype: try "
     "serving it with --dtype float32.")
+
+
+def late_refusal(retry_after_s: int) -> OpenAIError:
+    return OpenAIError(
+        503, "The server is overloaded: this request could no longer meet its time-to-first-token target, "
+             f"so it was refused rather than served late. Retry after {retry_after_s} s, or elsewhere.",
+        code=SLO_LATE, headers={"Retry-After": str(retry_after_s)})
 
 
 async def tokenize_prompt(engine: AsyncEngine, parsed: GenerationRequest) -> list[int]:
@@ -173,6 +181,9 @@ class GenerationRun:
                 if output.finish_reason == "error":
                     outcome = "error"
                     raise OpenAIError(500, NON_FINITE_LOGITS)
+                if output.finish_reason == "late":
+                    outcome = "late"
+                    raise late_refusal(output.retry_after_s or 1)
                 choice = self.choices[output.index]
                 choice.text += output.new_text
                 choice.num_output_tokens += num_new
@@ -224,6 +235,8 @@ class GenerationRun:
                                                   else None, output.logprobs,
                                                   output.stop_reason))
         except (EngineUnavailableError, OpenAIError) as exc:
+            if isinstance(exc, OpenAIError) and exc.code == SLO_LATE and not opened:
+                raise  # before the first chunk: the headers wait for it (--slo-reject-late)
             # Headers are gone already; vLLM reports mid-stream failures as an error event.
             error = unavailable_error(exc) if isinstance(exc, EngineUnavailableError) else exc
             yield sse(error.body())

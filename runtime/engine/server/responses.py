@@ -15,7 +15,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def unavailable_error(exc: EngineUnavailableError) -> OpenAIError:

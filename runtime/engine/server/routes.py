@@ -57,8 +57,10 @@ from runtime.engine.server.generation import (
     tokenize_prompt,
 )
 from runtime.engine.server.responses import SSE_HEADERS, error_response, unavailable_error
-from runtime.engine.server.settings import ServerSettings
+from runtime.engine.server.settings import ServerSettings, target_ms
+from runtime.engine.slo_scheduling import SloTargets
 from runtime.gateway import jsonlog
+from runtime.gateway.contract import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 
 logger = logging.getLogger("inferops.serve")
 
@@ -103,6 +105,18 @@ class ClientDisconnected(Exception):
     pass
 
 
+async def with_first_chunk(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Waits for the first chunk (raising what the stream raises before it), then streams it and
+    the rest."""
+    first = await anext(chunks)
+
+    async def rest() -> AsyncIterator[str]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+    return rest()
+
+
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Runs `work`, cancelling it if the client disconnects first (aborting its request)."""
     task = asyncio.ensure_future(work)
@@ -136,7 +150,7 @@ class ReplicaServer:
         self.faults = settings.faults
         self.lifecycle = Lifecycle()
         self.metrics = ServerMetrics(settings.served_model_name, backend.stats,
-                                     settings.histogram_buckets)
+                                     settings.histogram_buckets, settings)
         self.started_at = int(time.time())
 
     def build_app(self) -> Starlette:
@@ -149,6 +163,7 @@ class ReplicaServer:
             Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/admin/faults", self.admin_faults, methods=["GET", "POST"]),
+            Route("/admin/slo-targets", self.admin_slo_targets, methods=["GET", "POST"]),
         ]
 
         @contextlib.asynccontextmanager
@@ -220,6 +235,31 @@ class ReplicaServer:
             logger.warning("fault injection changed: %s", asdict(self.faults))
         return JSONResponse(asdict(self.faults))
 
+    async def admin_slo_targets(self, request: Request) -> Response:
+        """The replica-wide TTFT and TPOT targets, which the control plane sets from the
+        deployment's latency SLOs; they apply to requests that arrive from then on."""
+        self._authorize_admin(request)
+        targets = self.settings.slo_targets
+        if request.method == "POST":
+            targets.update(await read_json_body(request, self.settings.max_body_bytes))
+            logger.info("SLO targets set: %s", targets.as_json())
+        return JSONResponse(targets.as_json())
+
+    def _request_targets(self, request: Request) -> SloTargets:
+        """Header (the gateway's, from the tenant's SLO) > the control plane's > the engine's."""
+        asked = {}
+        for name, header in (("ttft_ms", SLO_TTFT_HEADER), ("tpot_ms", SLO_TPOT_HEADER)):
+            text = request.headers.get(header)
+            if text is None:
+                continue
+            try:
+                asked[name] = target_ms(float(text), header)
+            except ValueError:
+                raise bad_request(f"`{header}` must be a number of milliseconds, got {text[:40]!r}.",
+                                  header) from None
+        return SloTargets.from_ms(asked.get("ttft_ms"), asked.get("tpot_ms")).or_else(
+            self.settings.slo_targets.effective)
+
     def _authorize_admin(self, request: Request) -> None:
         token = self.settings.admin_token
         if not token:
@@ -290,6 +330,7 @@ class ReplicaServer:
                         ) -> Response:
         timer = self.metrics.start_request()  # TTFT and E2E count from arrival
         log_request_id(request)
+        timer.targets = targets = self._request_targets(request)
         body = await read_json_body(request, self.settings.max_body_bytes)
         parsed = parse(body, self.settings.generation_defaults)
         self._check_model(parsed.model)
@@ -312,14 +353,19 @@ class ReplicaServer:
             echo = parsed.prompt_text if parsed.prompt_text is not None \
                 else engine.tokenizer.decode(prompt_ids)
         run = GenerationRun(engine, self.faults, timer,
-                            EngineRequest(request_id, prompt_ids, params, parsed.priority),
+                            EngineRequest(request_id, prompt_ids, params, parsed.priority,
+                                          timer.arrived_at, targets),
                             echo, parsed.echo_only)
         headers = {"X-Request-Id": request_id}
         try:
             if parsed.stream:
-                # Submitted before the headers go out, so a refusal is still a plain 400.
+                # Submitted before the headers go out, so a refusal is still a plain 400; under
+                # --slo-reject-late they wait for the first token, so a late refusal is a 503.
                 await run.start()
-                return StreamingResponse(run.stream(shapes, parsed.include_usage),
+                chunks = run.stream(shapes, parsed.include_usage)
+                if self.settings.slo_reject_late:
+                    chunks = await cancel_on_disconnect(request, with_first_chunk(chunks))
+                return StreamingResponse(chunks,
                                          media_type="text/event-stream",
                                          headers={**SSE_HEADERS, **headers},
                                          # runs even when a disconnect cut the stream short

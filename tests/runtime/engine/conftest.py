@@ -50,8 +50,8 @@ def seen_params(engine) -> list:
     seen = []
     add_request = engine.add_request
 
-    def recording(request_id, prompt_token_ids, params, priority=0):
-        add_request(request_id, prompt_token_ids, params, priority=priority)
+    def recording(request_id, prompt_token_ids, params, priority=0, **slo):
+        add_request(request_id, prompt_token_ids, params, priority=priority, **slo)
         seen.append(params)
 
     engine.add_request = recording

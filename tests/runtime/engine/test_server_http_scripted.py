@@ -58,7 +58,8 @@ class ScriptedEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
-    def add_request(self, request_id, prompt_token_ids, params, priority=0) -> None:
+    def add_request(self, request_id, prompt_token_ids, params, priority=0, arrival_time=None,
+                    targets=None) -> None:
         self.prompt_tokens_total += len(prompt_token_ids)
         for index in range(params.n):
             self.running[(request_id, index)] = {"params": params, "count": 0,
