@@ -79,6 +79,14 @@ class SchedulerCounters:
     prefix_cache_hits: int = 0  # tokens found
 
 
+@dataclass
+class _StepState:
+    """What is left of one step as the scheduler fills it."""
+
+    budget: int  # tokens
+    background_left: int | None  # tokens background sequences may still take (None: no cap)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_prefill_tokens_with_decodes: int | None = None, background_priority: int | None = None,
@@ -164,34 +172,48 @@ class Scheduler:
             self._plan = plan
         scheduled: set[int] = set()
         background_left = self._background_allowance()
-        for want_decode in (True, False):
-            cap = self.max_prefill_tokens_with_decodes
-            if not want_decode and out.decodes and cap is not None:
-                budget = min(budget, cap)
-            for seq in list(self.running):
-                if budget == 0:
-                    break
-                if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
-                    continue
-                if (seq.num_uncomputed_tokens == 1) != want_decode:
-                    continue
-                wanted = min(seq.num_uncomputed_tokens, budget)
-                capped = background_left is not None and self.is_background(seq)
-                if capped:
-                    wanted = min(wanted, background_left)
-                    if wanted == 0:
-                        continue
-                num_tokens = self._make_room(seq, wanted, scheduled, out)
-                if num_tokens == 0:
-                    continue
-                chunk = self._allocate(seq, num_tokens)
-                (out.decodes if want_decode else out.prefills).append(chunk)
-                scheduled.add(seq.seq_id)
-                budget -= num_tokens
-                if capped:
-                    background_left -= num_tokens
-        self._admit_waiting(budget, out, background_left, max_running)
+        cap = self.max_prefill_tokens_with_decodes
+        state = _StepState(budget, background_left)
+        self._run_running(out, state, scheduled, decodes=True)
+        if out.decodes and cap is not None:
+            state.budget = min(state.budget, cap)
+        if self.slo is None:
+            self._run_running(out, state, scheduled, decodes=False)
+            self._admit_waiting(state, out, max_running)
+            return out
+        # Late requests' prefill yields to every request that can still make its deadline.
+        self._run_running(out, state, scheduled, decodes=False, late=False)
+        self._admit_waiting(state, out, max_running, late=False)
+        self._run_running(out, state, scheduled, decodes=False, late=True)
+        self._admit_waiting(state, out, max_running)
         return out
+
+    def _run_running(self, out: SchedulerOutput, state: _StepState, scheduled: set[int], decodes: bool,
+                     late: bool | None = None) -> None:
+        """Schedule running sequences' decodes (or prefill chunks; only late or only on-time ones
+        when `late` says so) within the step's budget."""
+        for seq in list(self.running):
+            if state.budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.seq_id in scheduled:
+                continue
+            if (seq.num_uncomputed_tokens == 1) != decodes or (late is not None and seq.late != late):
+                continue
+            wanted = min(seq.num_uncomputed_tokens, state.budget)
+            capped = state.background_left is not None and self.is_background(seq)
+            if capped:
+                wanted = min(wanted, state.background_left)
+                if wanted == 0:
+                    continue
+            num_tokens = self._make_room(seq, wanted, scheduled, out)
+            if num_tokens == 0:
+                continue
+            chunk = self._allocate(seq, num_tokens)
+            (out.decodes if decodes else out.prefills).append(chunk)
+            scheduled.add(seq.seq_id)
+            state.budget -= num_tokens
+            if capped:
+                state.background_left -= num_tokens
 
     def _prefill_need(self, seq: Sequence) -> int:
         """Tokens a waiting sequence must compute before its first token (less its cached prefix)."""
@@ -237,22 +259,24 @@ class Scheduler:
         self.counters.num_preemptions += 1
         out.preempted.append(seq)
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput, background_left: int | None = None,
-                       max_running: int | None = None) -> int:
-        spent = 0
+    def _admit_waiting(self, state: _StepState, out: SchedulerOutput, max_running: int,
+                       late: bool | None = None) -> None:
+        """Admit waiting sequences in queue order (stopping at the first late one when `late` is
+        False) with a first chunk each, within the step's budget."""
         bm = self.block_manager
-        max_running = self.max_num_seqs if max_running is None else max_running
-        while self.waiting and spent < budget and len(self.running) < max_running:
+        while self.waiting and state.budget > 0 and len(self.running) < max_running:
             seq = self.waiting[0]
+            if late is False and seq.late:
+                break
             uses_cache = bm.enable_prefix_caching and not seq.needs_prompt_logits
             cached = bm.find_cached_prefix(seq) if uses_cache else []
             num_cached_tokens = len(cached) * bm.block_size
             free_after_prefix = bm.num_free_blocks - bm.num_free_needed_for_prefix(cached)
             room = (len(cached) + free_after_prefix) * bm.block_size - num_cached_tokens
-            num_tokens = min(len(seq) - num_cached_tokens, budget - spent, room)
-            capped = background_left is not None and self.is_background(seq)
+            num_tokens = min(len(seq) - num_cached_tokens, state.budget, room)
+            capped = state.background_left is not None and self.is_background(seq)
             if capped:
-                num_tokens = min(num_tokens, background_left)
+                num_tokens = min(num_tokens, state.background_left)
             if num_tokens < 1:
                 break  # strict order: nobody overtakes the head of the queue
             self.waiting.pop(0)
@@ -269,7 +293,6 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._key)
             out.prefills.append(self._allocate(seq, num_tokens))
-            spent += num_tokens
+            state.budget -= num_tokens
             if capped:
-                background_left -= num_tokens
-        return spent
+                state.background_left -= num_tokens
