@@ -155,3 +155,14 @@ def test_no_vllm_is_a_400_saying_how_to_get_one(api, tiny_llama_dir, settings, m
     made.unlink()
     response = client.post("/api/v1/deployments/", {**body, "name": "k8s", "driver": "kubernetes"}, format="json")
     assert response.status_code == 201, response.content
+
+
+def test_scheduling_policy_and_slo_targets_are_engine_args_of_a_builtin_deployment():
+    args = {"scheduling_policy": "slo", "slo_reject_late": True, "slo_ttft_ms": 1500, "slo_tpot_ms": 150}
+    assert engine_args.validate("builtin", args) == args
+    assert engine_args.to_argv(args) == ["--scheduling-policy", "slo", "--slo-reject-late",
+                                         "--slo-ttft-ms", "1500", "--slo-tpot-ms", "150"]
+    with pytest.raises(engine_args.EngineArgsError) as refused:
+        engine_args.validate("builtin", {"scheduling_policy": "edf", "slo_ttft_ms": 0})
+    assert set(refused.value.errors) == {"scheduling_policy", "slo_ttft_ms"}
+    assert "fcfs" in refused.value.errors["scheduling_policy"]
