@@ -395,6 +395,7 @@ class LLMEngine:
         self._generation_tokens_total += 1
         if seq.index == 0 and request.pending_siblings:
             for sibling in request.pending_siblings:
+                sibling.ttft_deadline = None  # the request has its first token
                 self.scheduler.add(sibling)
             self._num_pending_siblings -= len(request.pending_siblings)
             request.pending_siblings = []

@@ -201,12 +201,20 @@ class SloPlanner:
 
     def order_waiting(self, scheduler: Scheduler, plan: SloPlan, now: float,
                       need: Callable[[Sequence], int]) -> list[Sequence]:
-        """The waiting queue in the order to admit: by priority class, then streams resuming after
-        a preemption, then requests that can still make their TTFT (least slack first), then late
-        ones (first come first served). Requests found late are marked (for good) and, with
-        reject_late, returned in `self.rejected` instead."""
+        """The waiting queue in the order to admit: by priority class, then streams resuming (after
+        a preemption, or siblings of a request already answering), then requests that can still
+        make their TTFT (least slack first), then late ones (first come first served). Requests
+        found late are marked (for good) and, with reject_late, returned in `self.rejected`
+        instead."""
         self.rejected: list[Sequence] = []
         rate = plan.prefill_rate
+        needs: dict[int, int] = {}
+
+        def need_of(seq: Sequence) -> int:  # a prefix cache lookup each: once per plan
+            if seq.seq_id not in needs:
+                needs[seq.seq_id] = need(seq)
+            return needs[seq.seq_id]
+
         classes: dict[int, list[Sequence]] = {}
         for seq in scheduler.waiting:
             classes.setdefault(seq.priority, []).append(seq)
@@ -218,24 +226,26 @@ class SloPlanner:
                           if s.priority == priority and s.first_token_time is None)
             resuming, hopeful, late = [], [], []
             for seq in classes[priority]:
-                if seq.first_token_time is not None:
+                # Streams already under way (preempted, or a sibling of an answered request) have
+                # no TTFT left to meet: they resume first.
+                if seq.first_token_time is not None or seq.ttft_deadline is None:
                     resuming.append(seq)
-                elif seq.late or seq.ttft_deadline is None:
+                elif seq.late:
                     late.append(seq)
                 else:
-                    seq.slack = seq.ttft_deadline - now - need(seq) / rate
+                    seq.slack = seq.ttft_deadline - now - need_of(seq) / rate
                     hopeful.append(seq)
             hopeful.sort(key=lambda s: (s.slack, s.arrival, s.seq_id))
             on_time: list[Sequence] = []
             for seq in hopeful:
-                if now + (queued + need(seq)) / rate > seq.ttft_deadline:
+                if now + (queued + need_of(seq)) / rate > seq.ttft_deadline:
                     self._mark_late(seq, late)
                 else:
-                    queued += need(seq)
+                    queued += need_of(seq)
                     on_time.append(seq)
             late.sort(key=lambda s: (s.arrival, s.seq_id))
-            ordered += resuming + self._shortest_where_harmless(on_time, now, rate, need) + late
-            queued += sum(need(s) for s in resuming)
+            ordered += resuming + self._shortest_where_harmless(on_time, now, rate, need_of) + late
+            queued += sum(need_of(s) for s in resuming)
         return ordered
 
     def _mark_late(self, seq: Sequence, late: list[Sequence]) -> None:

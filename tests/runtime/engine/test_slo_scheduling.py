@@ -245,3 +245,19 @@ def test_step_cost_model_learns_the_machine():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="fcfs, priority, slo"):
         Scheduler(BlockManager(8, 4, True), max_num_seqs=1, max_num_batched_tokens=8, policy="edf")
+
+
+def test_streams_already_answering_are_never_refused():
+    """A preempted stream, or a sibling choice (n > 1) released after its request's first token,
+    has no TTFT left to meet: it resumes, even long past the request's deadline."""
+    sim = Simulation("slo", reject_late=True)
+    scheduler = sim.scheduler
+    sibling = Sequence("r", list(range(100, 140)), index=1, arrival_time=0.0, ttft_deadline=None, tpot_target=0.2)
+    preempted = Sequence("p", list(range(200, 240)), arrival_time=0.0, ttft_deadline=2.0, tpot_target=0.2)
+    preempted.append_token(7, 0.5)
+    sim.now = 100.0
+    scheduler.add(sibling)
+    scheduler.add(preempted)
+    out = scheduler.schedule()
+    assert not out.rejected
+    assert {c.seq.request_id for c in out.prefills} == {"r", "p"}
