@@ -81,37 +81,30 @@ class SloTargets:
 
 class StepCostModel:
     """Seconds of one engine step ~ fixed + per_token x tokens, fitted by exponentially weighted
-    least squares on the engine's recent steps. A prior (two pseudo-steps, never forgotten, with
-    little weight) keeps the fit defined before steps of different sizes have been seen."""
+    least squares on the engine's recent steps. While the steps seen are all of about one size the
+    line is unknown: the fixed part is taken as the constructor's guess (at most half the mean
+    step) and the rest as per-token time; before any step the guess is all there is."""
 
-    def __init__(self, fixed_s: float = 0.02, per_token_s: float = 0.002, decay: float = 0.97,
-                 prior_weight: float = 0.5) -> None:
+    def __init__(self, fixed_s: float = 0.02, per_token_s: float = 0.002, decay: float = 0.97) -> None:
         self.decay = decay
         self._sums = [0.0] * 5  # weight, x, y, xx, xy of the observed steps (decayed)
-        self._prior = [0.0] * 5
-        for tokens in (1, 256):
-            self._add(self._prior, tokens, fixed_s + per_token_s * tokens, prior_weight)
         self.fixed_s, self.per_token_s = fixed_s, per_token_s
-
-    @staticmethod
-    def _add(sums: list[float], x: float, y: float, weight: float) -> None:
-        sums[0] += weight
-        sums[1] += weight * x
-        sums[2] += weight * y
-        sums[3] += weight * x * x
-        sums[4] += weight * x * y
+        self.default_fixed_s = fixed_s
 
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < 1 or not seconds > 0:
             return
-        self._sums = [s * self.decay for s in self._sums]
-        self._add(self._sums, tokens, seconds, 1.0)
-        w, x, y, xx, xy = (a + b for a, b in zip(self._sums, self._prior, strict=True))
+        w, x, y, xx, xy = (s * self.decay for s in self._sums)
+        self._sums = [w + 1, x + tokens, y + seconds, xx + tokens * tokens, xy + tokens * seconds]
+        w, x, y, xx, xy = self._sums
         mean_x, mean_y = x / w, y / w
         var = xx / w - mean_x * mean_x
-        if var > 1e-9:
-            self.per_token_s = max((xy / w - mean_x * mean_y) / var, 1e-6)
-        self.fixed_s = max(mean_y - self.per_token_s * mean_x, 0.0)
+        if w >= 3 and var > (0.2 * mean_x) ** 2:
+            self.per_token_s = max((xy / w - mean_x * mean_y) / var, 1e-7)
+            self.fixed_s = max(mean_y - self.per_token_s * mean_x, 0.0)
+        else:  # steps of one size: the fixed part guessed (at most half a step), the rest per token
+            self.fixed_s = min(self.default_fixed_s, 0.5 * mean_y)
+            self.per_token_s = (mean_y - self.fixed_s) / mean_x
 
     def seconds(self, tokens: int) -> float:
         return self.fixed_s + self.per_token_s * max(tokens, 0)
@@ -172,7 +165,8 @@ class SloPlanner:
                 continue
             # After this step the stream has produced num_output_tokens + 1 tokens; its mean
             # gap over them may be at most the target.
-            credit = target * seq.num_output_tokens - (now - seq.first_token_time)
+            # A tenth of a target stays in reserve, for the model's error.
+            credit = target * seq.num_output_tokens - (now - seq.first_token_time) - (1 - TPOT_MARGIN) * target
             allowed = min(allowed, min(max(credit, TPOT_MARGIN * target), MAX_CREDIT_STEP * target))
         return allowed
 

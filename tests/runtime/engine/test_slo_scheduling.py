@@ -180,8 +180,11 @@ def test_the_step_budget_follows_the_tightest_credit():
     plan = scheduler.slo.plan(scheduler, sim.now)
     cost = scheduler.slo.cost
     assert plan.budget == cost.tokens_within(0.9 * 0.1)
-    sim.now = 0.0  # a stream ahead of its target may take a longer step, up to 2.5x its target
-    assert scheduler.slo.plan(scheduler, sim.now).budget == min(cost.tokens_within(0.1), 2048)
+    for _ in range(4):  # five tokens by t=0.1: well ahead, it may take a longer step, up to 2.5x its target
+        a.append_token(7, sim.now)
+    assert scheduler.slo.plan(scheduler, sim.now).budget == min(cost.tokens_within(0.25), 2048)
+    sim.now = 0.45  # five tokens by 0.45 s: its credit (0.5 s, less 0.45 and a 0.01 s reserve) is 0.04 s
+    assert scheduler.slo.plan(scheduler, sim.now).budget == cost.tokens_within(0.9 * 0.1)
 
 
 def test_higher_priority_class_goes_first_even_with_more_slack():
