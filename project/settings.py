@@ -292,6 +292,13 @@ INFEROPS_SLO_MINUTE_RETENTION_DAYS = env_int("INFEROPS_SLO_MINUTE_RETENTION_DAYS
 CELERY_BEAT_SCHEDULE["prune-slo-minutes"] = {
     "task": "slo.prune_minutes", "schedule": 3600.0, "options": {"expires": 3500},
 }
+# Latency targets to built-in replicas and gateways (slo/engine_targets.py): right after an SLO write,
+# and every tick, so a new replica has its deployment's targets within one.
+INFEROPS_SLO_TARGETS_INTERVAL_S = env_float("INFEROPS_SLO_TARGETS_INTERVAL_S", 15)
+CELERY_BEAT_SCHEDULE["sync-engine-targets"] = {
+    "task": "slo.sync_engine_targets", "schedule": INFEROPS_SLO_TARGETS_INTERVAL_S,
+    "options": {"expires": INFEROPS_SLO_TARGETS_INTERVAL_S * 0.9},
+}
 # Quality SLOs: each tick starts the eval runs that are due (slo/quality.py).
 CELERY_BEAT_SCHEDULE["start-quality-runs"] = {
     "task": "slo.start_quality_runs", "schedule": 60.0, "options": {"expires": 55},

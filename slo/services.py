@@ -25,8 +25,12 @@ SLI_DEFINITION_FIELDS = frozenset({
 
 
 def _evaluate_soon(slo_id: int) -> None:
-    """Back-fill and evaluate right after the commit instead of waiting for the next cycle."""
+    """Back-fill and evaluate right after the commit instead of waiting for the next cycle; the
+    engines' latency targets follow at once too."""
+    from slo.engine_targets import sync_after_commit
     from slo.tasks import evaluate_slo_task
+
+    sync_after_commit()
 
     def enqueue():
         try:
@@ -73,6 +77,7 @@ def slo_delete(*, slo: Slo, actor) -> None:
 
     from alerts.choices import OPEN_STATUSES
     from alerts.services import alert_resolve
+    from slo.engine_targets import sync_after_commit
 
     with transaction.atomic():
         # Waits for a running evaluation cycle (it holds this key) so the cycle never writes a
@@ -85,3 +90,4 @@ def slo_delete(*, slo: Slo, actor) -> None:
             alert_resolve(alert=alert, now=timezone.now())
         audit_record(actor=actor, action="slo.delete", obj=slo, before=snapshot(slo))
         slo.delete()
+        sync_after_commit()

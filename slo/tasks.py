@@ -58,3 +58,12 @@ def prune_minutes_task() -> int:
     from slo.evaluation import prune_minutes
 
     return prune_minutes()
+
+
+@shared_task(name="slo.sync_engine_targets", ignore_result=True)
+def sync_engine_targets_task() -> dict:
+    """Beat (every INFEROPS_SLO_TARGETS_INTERVAL_S), and right after an SLO write: latency targets to
+    the built-in replicas and the gateways (slo/engine_targets.py)."""
+    from slo.engine_targets import sync_engine_targets
+
+    return sync_engine_targets()

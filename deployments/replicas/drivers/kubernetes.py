@@ -68,6 +68,7 @@ from deployments.engine_args import to_argv
 from deployments.models import Replica
 from deployments.replicas.drivers.base import DriverError, ReplicaSpec, Started
 from inferops.models import installation_id
+from inferops.replica_admin import ADMIN_TOKEN_ENV, replica_admin_token
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,8 @@ class ManifestRenderer:
         }
         if command:
             container["command"] = command
+        if spec.backend == "builtin":  # its admin API, for the SLO targets the control plane sets
+            container["env"] = [{"name": ADMIN_TOKEN_ENV, "value": replica_admin_token()}]
         if resources.requirements:
             container["resources"] = resources.requirements
         volumes = [self._models_volume()]

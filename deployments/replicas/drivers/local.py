@@ -34,6 +34,7 @@ from django.conf import settings
 from deployments import engine_args as engine_args_mod
 from deployments.replicas.drivers.base import DriverError, NoCapacity, ReplicaSpec, Started
 from inferops.models import installation_id
+from inferops.replica_admin import ADMIN_TOKEN_ENV, replica_admin_token
 from runtime.replica_supervisor import describe_exit
 from runtime.vllm_preload import vllm_cpu_preload
 
@@ -243,6 +244,8 @@ def passed_env(environ: dict[str, str]) -> dict[str, str]:
 
 def replica_env(spec: ReplicaSpec, marker: str, gpus: list[str] | None = None) -> dict[str, str]:
     env = {**passed_env(dict(os.environ)), REPLICA_ENV: marker, "PYTHONUNBUFFERED": "1"}
+    if spec.backend == "builtin":  # its admin API, for the SLO targets the control plane sets
+        env[ADMIN_TOKEN_ENV] = replica_admin_token()
     if gpus is not None:  # only its own devices: replicas on one node never share one
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     preload = getattr(settings, "INFEROPS_VLLM_LD_PRELOAD", "auto")

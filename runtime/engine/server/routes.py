@@ -241,8 +241,10 @@ class ReplicaServer:
         self._authorize_admin(request)
         targets = self.settings.slo_targets
         if request.method == "POST":
+            before = targets.as_json()
             targets.update(await read_json_body(request, self.settings.max_body_bytes))
-            logger.info("SLO targets set: %s", targets.as_json())
+            if targets.as_json() != before:  # the control plane re-sends them every tick
+                logger.info("SLO targets set: %s", targets.as_json())
         return JSONResponse(targets.as_json())
 
     def _request_targets(self, request: Request) -> SloTargets:
