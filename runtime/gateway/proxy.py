@@ -1,7 +1,8 @@
 """Talking to replicas: one shared connection pool, attempts that may fail over, SSE observed in passing.
 
 An attempt counts as failed (and may be retried on another replica) on a connection error, a
-timeout, or a 5xx, but only until the first body byte has been read: for streams the gateway
+timeout, or a 5xx (except a built-in replica's refusal of a late request, answered as it is), but
+only until the first body byte has been read: for streams the gateway
 waits for the upstream's first chunk before it sends the client any header, so a replica that
 dies before its first token costs the client nothing but time. Once bytes went out there is no
 retry: the client's stream ends with an error event (and no [DONE]).
@@ -14,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.gateway.contract import UPSTREAM_CONNECT, UPSTREAM_ERROR, UPSTREAM_TIMEOUT
+from runtime.gateway.contract import SLO_LATE, UPSTREAM_CONNECT, UPSTREAM_ERROR, UPSTREAM_TIMEOUT
 from runtime.gateway.http1 import Http1Pool, Response, UpstreamBroken, UpstreamConnectError, UpstreamTimeout
 
 CONNECT, TIMEOUT, ERROR = UPSTREAM_CONNECT, UPSTREAM_TIMEOUT, UPSTREAM_ERROR
@@ -39,6 +40,9 @@ class Opened:
     response: Response
     first: bytes
     streaming: bool
+    # A built-in replica refused it as late (503, code slo_late): another replica would only be
+    # as late, so it is answered as it is.
+    refused_late: bool = False
 
     @property
     def status(self) -> int:
@@ -91,8 +95,12 @@ class Upstream:
         try:
             content_type = response.headers.get(b"content-type", b"application/json").decode("latin-1")
             if response.status >= 500:
-                raise UpstreamFailure(ERROR, f"replica answered {response.status}", response.status,
-                                      await response.read(), content_type)
+                body = await response.read()
+                if response.status == 503 and _refused_late(body):
+                    response.close()  # a deliberate answer, not a failure: no retry, no ejection
+                    return Opened(response, body, False, refused_late=True)
+                raise UpstreamFailure(ERROR, f"replica answered {response.status}", response.status, body,
+                                      content_type)
             if not stream or response.status != 200:
                 body = await response.read()
                 response.close()
@@ -112,6 +120,14 @@ def _failure(exc: Exception) -> UpstreamFailure:
     if isinstance(exc, UpstreamTimeout):
         return UpstreamFailure(TIMEOUT, str(exc))
     return UpstreamFailure(ERROR, f"the replica broke the connection: {exc}")
+
+
+def _refused_late(body: bytes) -> bool:
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == SLO_LATE
 
 
 def _has_usage(event: bytes) -> bool:

@@ -36,7 +36,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from runtime.gateway import heartbeat, jsonlog
-from runtime.gateway.contract import DEGRADED, INTERNAL, PREVIEW_SUFFIX, SHED, hash_api_key
+from runtime.gateway.contract import (
+    DEGRADED,
+    INTERNAL,
+    LATE,
+    PREVIEW_SUFFIX,
+    SHED,
+    hash_api_key,
+    slo_targets_field,
+)
 from runtime.gateway.limits import Admission, RateLimiter, Refusal, estimate_prompt_tokens
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.proxy import CONNECT, TIMEOUT, Opened, StreamObserver, Upstream, UpstreamFailure, read_usage
@@ -113,6 +121,8 @@ class RequestRecord:
     request_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex}")
     client_request_id: str | None = None  # the client's X-Request-Id, when usable
     trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent/tracestate to pass on
+    # The tenant's SLO targets for a built-in replica (the only client headers passed on are the two above).
+    slo_headers: dict[str, str] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)  # epoch, the event's "time"
     started: float = field(default_factory=time.perf_counter)
     key: ApiKey | None = None
@@ -504,6 +514,9 @@ class Gateway:
                 changed = strip_usage = True
         if changed:
             body = json.dumps(payload).encode()
+        if upstream_priority is not None:  # a generation on a built-in replica: its tenant's targets
+            targets = self.state.snapshot.slo_targets.get(slo_targets_field(route.deployment, key.tenant))
+            record.slo_headers = {name.decode(): value.decode() for name, value in targets.headers()} if targets else {}
         deadlines = self.state.snapshot.ttft_deadlines.get(route.deployment) if record.stream else None
         if deadlines:
             record.ttft_watch = self.verdicts.watch(route.deployment, deadlines, record.started)
@@ -613,7 +626,8 @@ class Gateway:
                 record.sent_upstream = True
                 try:
                     opened = await self.upstream.open(choice.replica.url + path, body, record.stream,
-                                                      {"X-Request-Id": record.public_id, **record.trace_headers})
+                                                      {"X-Request-Id": record.public_id, **record.trace_headers,
+                                                       **record.slo_headers})
                 except UpstreamFailure as failure:
                     # Unreachable or refused: no work done. Timed out: the replica may have done it.
                     record.sent_upstream = failure.kind == TIMEOUT
@@ -641,6 +655,13 @@ class Gateway:
             if opened.status == 200:
                 record.usage, record.finish_reason = read_usage(opened.first)
                 record.server_timing = server_timing(opened.response.headers.get(b"server-timing"))
+            elif opened.refused_late:
+                # The engine could no longer meet the request's TTFT (--slo-reject-late): its 503 and
+                # Retry-After go to the client as they are, booked as shed by the engine.
+                record.error_kind = LATE
+                self.metrics.shed.labels(record.deployment, LATE).inc()
+                retry_after = opened.response.headers.get(b"retry-after")
+                extra = [*extra, *([(b"retry-after", retry_after)] if retry_after else [])]
             else:
                 record.error_kind = "not_found" if opened.status == 404 else "bad_request"
             await self._respond(send, record, opened.status, opened.first, opened.content_type, extra)

@@ -38,6 +38,11 @@ from runtime.gateway.contract import (
     ROUTING_CHANNEL,
     ROUTING_GENERATION_KEY,
     ROUTING_KEY,
+    SLO_TARGETS_CHANNEL,
+    SLO_TARGETS_GENERATION_KEY,
+    SLO_TARGETS_KEY,
+    SLO_TPOT_HEADER,
+    SLO_TTFT_HEADER,
 )
 
 logger = logging.getLogger(__name__)
@@ -208,6 +213,26 @@ def _decode_hash(raw: dict[bytes, bytes], parse: Any) -> dict[str, Any]:
     return parsed
 
 
+@dataclass(frozen=True)
+class SloTargets:
+    """A tenant's tightest TTFT and TPOT targets on a deployment (ms), sent to built-in replicas
+    as headers so the engine schedules the tenant's requests for them."""
+
+    ttft_ms: float | None
+    tpot_ms: float | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SloTargets:
+        def positive(value: Any) -> float | None:
+            return float(value) if value is not None and float(value) > 0 else None
+        return cls(positive(data.get("ttft_ms")), positive(data.get("tpot_ms")))
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [(name.encode(), f"{value:g}".encode())
+                for name, value in ((SLO_TTFT_HEADER, self.ttft_ms), (SLO_TPOT_HEADER, self.tpot_ms))
+                if value is not None]
+
+
 @dataclass
 class Snapshot:
     """What requests read; replaced as a whole (never mutated) so readers need no lock."""
@@ -215,6 +240,7 @@ class Snapshot:
     routes: dict[str, Route] = field(default_factory=dict)
     keys: dict[str, ApiKey] = field(default_factory=dict)
     ttft_deadlines: dict[str, tuple[float, ...]] = field(default_factory=dict)  # deployment -> deadlines (ms)
+    slo_targets: dict[str, SloTargets] = field(default_factory=dict)  # by slo_targets_field(deployment, tenant)
 
 
 class RedisHealth:
@@ -251,7 +277,7 @@ class RedisHealth:
 class StateSync:
     """Keeps `snapshot` in step with Redis: pub/sub for speed, a 1 s generation poll for safety."""
 
-    GENERATIONS = (ROUTING_GENERATION_KEY, KEYS_GENERATION_KEY, DEGRADATION_GENERATION_KEY)
+    GENERATIONS = (ROUTING_GENERATION_KEY, KEYS_GENERATION_KEY, DEGRADATION_GENERATION_KEY, SLO_TARGETS_GENERATION_KEY)
 
     def __init__(self, client: aioredis.Redis, health: RedisHealth, poll_interval_s: float = 1.0) -> None:
         self.client = client
@@ -328,7 +354,8 @@ class StateSync:
                     pipe.hgetall(ROUTING_KEY)
                     pipe.hgetall(KEYS_KEY)
                     pipe.hgetall(DEGRADATION_KEY)
-                    routes_raw, keys_raw, degradation_raw = await pipe.execute()
+                    pipe.hgetall(SLO_TARGETS_KEY)
+                    routes_raw, keys_raw, degradation_raw, targets_raw = await pipe.execute()
                 if flushed and not routes_raw and not keys_raw and self._generations:
                     # Flushed Redis: keep the last copy until the control plane republishes.
                     self.health.mark_up()
@@ -337,7 +364,8 @@ class StateSync:
                 self.snapshot = Snapshot(
                     with_degradation(_decode_hash(routes_raw, Route.from_json), entries),
                     _decode_hash(keys_raw, ApiKey.from_json),
-                    {name: entry.ttft_deadlines_ms for name, entry in entries.items() if entry.ttft_deadlines_ms})
+                    {name: entry.ttft_deadlines_ms for name, entry in entries.items() if entry.ttft_deadlines_ms},
+                    _decode_hash(targets_raw, SloTargets.from_json))
                 self._found, self._missing = {}, {}
                 self._generations = generations
         except (RedisError, OSError) as exc:
@@ -358,7 +386,7 @@ class StateSync:
         while True:
             pubsub = self.client.pubsub()
             try:
-                await pubsub.subscribe(ROUTING_CHANNEL, KEYS_CHANNEL, DEGRADATION_CHANNEL)
+                await pubsub.subscribe(ROUTING_CHANNEL, KEYS_CHANNEL, DEGRADATION_CHANNEL, SLO_TARGETS_CHANNEL)
                 async for message in pubsub.listen():
                     if message["type"] == "message":
                         self._wake.set()

@@ -34,6 +34,10 @@ from runtime.gateway.contract import (
     ROUTING_CHANNEL,
     ROUTING_GENERATION_KEY,
     ROUTING_KEY,
+    SLO_LATE,
+    SLO_TARGETS_CHANNEL,
+    SLO_TARGETS_GENERATION_KEY,
+    SLO_TARGETS_KEY,
     TTFT_VERDICTS_PREFIX,
     USAGE_STREAM,
     hash_api_key,
@@ -81,6 +85,7 @@ class Behaviour:
     chunk_delay_s: float = 0.0
     chunks: list[str] = field(default_factory=lambda: ["Hel", "lo", " wor", "ld"])
     fail_status: int | None = None  # answer this status (with an OpenAI error body) instead
+    refuse_late: bool = False  # answer as a built-in replica under --slo-reject-late does: 503 slo_late
     break_after_chunks: int | None = None  # drop the connection mid-stream
     prompt_tokens: int = 7
 
@@ -97,6 +102,7 @@ class FakeReplica:
         self.id = replica_id
         self.behaviour = Behaviour()
         self.bodies: list[dict] = []
+        self.headers: list[dict[str, str]] = []  # of each generation request, as received
         self.in_flight = 0
         self.max_in_flight = 0
         self.cancelled = 0
@@ -116,7 +122,11 @@ class FakeReplica:
     async def generate(self, request: Request) -> Any:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append(dict(request.headers))
         b = self.behaviour
+        if b.refuse_late:
+            return JSONResponse({"error": {"message": "late", "type": "ServiceUnavailableError", "param": None,
+                                           "code": SLO_LATE}}, status_code=503, headers={"Retry-After": "3"})
         chat = request.url.path.endswith("chat/completions")
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -180,7 +190,7 @@ class Control:
         self.redis = redis.Redis.from_url(url)
 
     def clean(self) -> None:
-        self.redis.delete(ROUTING_KEY, KEYS_KEY, USAGE_STREAM, DEGRADATION_KEY)
+        self.redis.delete(ROUTING_KEY, KEYS_KEY, USAGE_STREAM, DEGRADATION_KEY, SLO_TARGETS_KEY)
         for pattern in ("inferops:rl:*", f"{TTFT_VERDICTS_PREFIX}:*"):
             for name in self.redis.scan_iter(pattern):
                 self.redis.delete(name)
@@ -203,6 +213,14 @@ class Control:
         self.redis.hset(DEGRADATION_KEY, deployment, json.dumps(entry))
         self.redis.incr(DEGRADATION_GENERATION_KEY)
         self.redis.publish(DEGRADATION_CHANNEL, deployment)
+
+    def publish_slo_targets(self, table: dict[str, dict]) -> None:
+        """As slo/engine_targets.py does: the whole tenant targets table, replaced."""
+        self.redis.delete(SLO_TARGETS_KEY)
+        if table:
+            self.redis.hset(SLO_TARGETS_KEY, mapping={name: json.dumps(value) for name, value in table.items()})
+        self.redis.incr(SLO_TARGETS_GENERATION_KEY)
+        self.redis.publish(SLO_TARGETS_CHANNEL, "slo-targets")
 
     def ttft_verdicts(self, deployment: str) -> dict[str, int]:
         """`<deadline>:<good|bad>` -> count, over the last few minutes' counters."""
