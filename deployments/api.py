@@ -27,6 +27,9 @@ from registry.models import RegisteredModel
 SERIES_UNITS = {
     "requests_per_s": "requests/s", "output_tokens_per_s": "tokens/s", "ttft_p50": "ms", "ttft_p95": "ms",
     "ttft_p99": "ms", "itl_p95": "ms", "kv_cache_usage": "fraction", "queue_depth": "requests",
+    # The built-in engine's SLO scheduling (docs/serving.md); null points where no replica exports them.
+    **{f"slo_{key}_per_s": "requests/s" for key in ("judged", "missed_ttft", "missed_tpot", "rejected_late",
+                                                   "served_late")},
 }
 SERIES = list(SERIES_UNITS)
 # Series read from the usage ledger rather than the replicas' scraped metrics.

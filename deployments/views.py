@@ -14,6 +14,7 @@ from deployments.choices import ACTIVE_ROLLOUT, ReplicaState
 from deployments.forms import DeploymentEditForm, DeploymentForm, change_rows, changes_token, edit_initial
 from deployments.panels import render_panels
 from deployments.replicas.drivers import driver_for
+from deployments.replicas.metrics_query import slo_scheduling_summary
 from deployments.rollouts.forms import RolloutForm, undo_offer
 from inferops.roles import require_operator
 
@@ -21,6 +22,7 @@ CHARTS = [
     ("requests_per_s", "Requests/s"), ("output_tokens_per_s", "Output tokens/s"),
     ("ttft", "TTFT p50 / p95 / p99 (ms)"), ("itl_p95", "ITL p95 (ms)"),
     ("kv_cache_usage", "KV-cache usage"), ("queue_depth", "Queue depth"),
+    ("slo_scheduling", "SLO scheduling: requests judged, deadlines missed, refused or served late (/s)"),
 ]
 
 
@@ -99,4 +101,5 @@ def render_detail(request, deployment, *, rollout_form=None, status=200):
         "rollouts": history, "active_rollout": active, "undo": undo_offer(deployment, active),
         "rollout_form": rollout_form or RolloutForm(deployment, prefix="rollout"),
         "panels": render_panels(request, deployment),
+        "slo_scheduling": slo_scheduling_summary(deployment),
     }, status=status)

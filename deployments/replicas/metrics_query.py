@@ -32,8 +32,10 @@ from django.db import connection
 from django.utils import timezone
 
 from alerts.models import Alert
+from deployments.choices import ReplicaState
 from deployments.models import ReplicaMetricsHour, ReplicaMetricsMinute, Rollout
 from deployments.replicas.retention import minute_retention
+from deployments.replicas.scraping import targets_from_json
 from deployments.rollouts.gate import gate
 from deployments.rollouts.series import rollout_series
 from inferops.models import AuditEvent
@@ -89,12 +91,17 @@ class RateSeries:
 
 
 @dataclass(frozen=True)
+class SloSeries:
+    key: str  # a count of the rows' slo_scheduling map; None where no replica exported it
+
+
+@dataclass(frozen=True)
 class GaugeSeries:
     column: str  # a *_avg column
     across_replicas: str  # "sum" or "mean"
 
 
-SERIES: dict[str, PercentileSeries | RateSeries | GaugeSeries] = {
+SERIES: dict[str, PercentileSeries | RateSeries | GaugeSeries | SloSeries] = {
     "requests_per_s": RateSeries("requests"),
     "output_tokens_per_s": RateSeries("generation_tokens"),
     "prompt_tokens_per_s": RateSeries("prompt_tokens"),
@@ -104,6 +111,8 @@ SERIES: dict[str, PercentileSeries | RateSeries | GaugeSeries] = {
     "kv_cache_usage": GaugeSeries("kv_cache_usage_avg", "mean"),
     "queue_depth": GaugeSeries("waiting_avg", "sum"),
     "running": GaugeSeries("running_avg", "sum"),
+    **{f"slo_{key}_per_s": SloSeries(key)
+       for key in ("judged", "missed_ttft", "missed_tpot", "rejected_late", "served_late")},
 }
 
 
@@ -161,6 +170,8 @@ def _columns(spec) -> list[str]:
         return ["start", f"{spec.histogram}_buckets"]
     if isinstance(spec, RateSeries):
         return ["start", "requests_by_reason" if spec.counter == "requests" else spec.counter]
+    if isinstance(spec, SloSeries):
+        return ["start", "slo_scheduling"]
     return ["start", spec.column]
 
 
@@ -172,6 +183,9 @@ def _value(spec, rows: list, step_s: float) -> float | None:
                 summed[le] += count
         seconds = histogram_quantile(spec.quantile, summed)
         return None if seconds is None else seconds * 1000.0
+    if isinstance(spec, SloSeries):
+        counts = [row.slo_scheduling[spec.key] for row in rows if spec.key in row.slo_scheduling]
+        return sum(counts) / step_s if counts else None
     if isinstance(spec, RateSeries):
         if spec.counter == "requests":
             total = sum(sum(row.requests_by_reason.values()) for row in rows)
@@ -332,3 +346,41 @@ def _deploy_text(audit, numbers: dict) -> str:
     if before.get("engine_args") != after.get("engine_args"):
         changes.append("engine arguments changed")
     return ("Changed " + ", ".join(changes)) if changes else ""
+
+
+# ------------------------------------------------------------------- SLO scheduling summary
+
+
+SLO_COUNT_KEYS = ("judged", "missed_ttft", "missed_tpot", "rejected_late", "served_late", "admitted", "admitted_late")
+
+
+def slo_scheduling_summary(deployment, *, minutes: int = 60, now: datetime | None = None) -> dict | None:
+    """What the built-in engine's SLO scheduling did for the deployment over the last `minutes`, and
+    each live replica's policy and targets as last scraped; None when no replica exports them."""
+    now = now or timezone.now()
+    replicas = []
+    for replica in deployment.replica_set.filter(state__in=ReplicaState.live()).order_by("id"):
+        infos = [state.get("slo_info") for state in targets_from_json(replica.scrape_state or {}).values()]
+        info = next((i for i in infos if i), None)
+        if info:
+            replicas.append({"id": replica.pk, "policy": info.get("policy", ""),
+                             "ttft_ms": _ms(info.get("ttft_target_s")), "tpot_ms": _ms(info.get("tpot_target_s"))})
+    totals: dict[str, int] = {}
+    rows = ReplicaMetricsMinute.objects.filter(deployment=deployment, start__gte=now - timedelta(minutes=minutes))
+    for counts in rows.exclude(slo_scheduling={}).values_list("slo_scheduling", flat=True):
+        for key, value in counts.items():
+            totals[key] = totals.get(key, 0) + value
+    if not replicas and not totals:
+        return None
+    counts = {key: totals.get(key, 0) for key in SLO_COUNT_KEYS}
+    judged, admitted = counts["judged"], counts["admitted"]
+    return {
+        "replicas": replicas, "minutes": minutes, "counts": counts,
+        "ttft_miss_share": counts["missed_ttft"] / judged if judged else None,
+        "tpot_miss_share": counts["missed_tpot"] / judged if judged else None,
+        "late_admission_share": counts["admitted_late"] / admitted if admitted else None,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)

@@ -74,6 +74,10 @@ class MetricsBucket(models.Model):
     prompt_tokens = models.BigIntegerField(default=0)
     generation_tokens = models.BigIntegerField(default=0)
     requests_by_reason = models.JSONField(default=dict, blank=True)  # {"stop": n, "length": n, ...}
+    # The built-in engine's SLO scheduling (scraping.SLO_COUNTERS): {"judged": n, "missed_ttft": n,
+    # "missed_tpot": n, "rejected_late": n, "served_late": n, "admitted": n, "admitted_late": n};
+    # empty for a replica that does not export them.
+    slo_scheduling = models.JSONField(default=dict, blank=True)
     preemptions = models.BigIntegerField(default=0)
     prefix_cache_queries = models.BigIntegerField(default=0)
     prefix_cache_hits = models.BigIntegerField(default=0)

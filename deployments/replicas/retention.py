@@ -51,9 +51,10 @@ def combine_buckets(rows: Iterable[MetricsBucket], into: MetricsBucket) -> Metri
         setattr(into, f"{key}_max", max(getattr(row, f"{key}_max") for row in rows))
     for key in COUNTERS:
         setattr(into, key, sum(getattr(row, key) for row in rows))
-    into.requests_by_reason = {}
+    into.requests_by_reason, into.slo_scheduling = {}, {}
     for row in rows:
         into.requests_by_reason = add_counts(into.requests_by_reason, row.requests_by_reason)
+        into.slo_scheduling = add_counts(into.slo_scheduling, row.slo_scheduling)
     for key in HISTOGRAMS:
         buckets: dict = {}
         for row in rows:

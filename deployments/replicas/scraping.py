@@ -67,9 +67,22 @@ HISTOGRAMS = {
 }
 # vLLM exposes it; a changed value proves a restart even when counters grew past the old ones.
 PROCESS_START_FAMILY = "process_start_time_seconds"
+# The built-in engine's SLO scheduling (docs/serving.md): counters into the row's `slo_scheduling`
+# map, which stays empty for a replica without them (vLLM), so "no data" never reads as "no misses".
+SLO_COUNTERS = {
+    "judged": "inferops:slo_requests_judged",
+    "rejected_late": "inferops:slo_rejected_late",
+    "served_late": "inferops:slo_served_late",
+}
+SLO_MISSES_FAMILY = "inferops:slo_deadline_misses"  # by phase: missed_ttft, missed_tpot
+SLO_SLACK_FAMILY = "inferops:slo_admission_slack_seconds"  # +Inf bucket: admitted; le=0: admitted late
+SLO_POLICY_FAMILY = "inferops:scheduling_policy_info"
+SLO_TARGET_FAMILIES = {"ttft_target_s": "inferops:slo_target_ttft_seconds",
+                       "tpot_target_s": "inferops:slo_target_tpot_seconds"}
 
 _WANTED_FAMILIES = (*GAUGES.values(), *COUNTERS.values(), REQUESTS_FAMILY, *HISTOGRAMS.values(),
-                    PROCESS_START_FAMILY)
+                    PROCESS_START_FAMILY, *SLO_COUNTERS.values(), SLO_MISSES_FAMILY, SLO_SLACK_FAMILY,
+                    SLO_POLICY_FAMILY, *SLO_TARGET_FAMILIES.values())
 # A vLLM /metrics page is ~650 lines of which ~120 matter; parsing only those is ~8x faster,
 # which is what lets one worker scrape hundreds of replicas well inside the interval.
 _WANTED_LINE = re.compile(
@@ -115,6 +128,8 @@ class MetricsSample:
     requests_by_reason: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, HistogramValues] = field(default_factory=dict)
     process_start: float | None = None
+    slo: dict[str, float] = field(default_factory=dict)  # SLO scheduling counters (built-in engine)
+    slo_info: dict = field(default_factory=dict)  # its policy and replica-wide targets, as last seen
 
 
 def parse_metrics(text: str) -> MetricsSample:
@@ -147,7 +162,28 @@ def parse_metrics(text: str) -> MetricsSample:
             parsed.histograms[key] = _histogram(by_name, name)
     starts = [s.value for s in by_name.get(PROCESS_START_FAMILY, [])]
     parsed.process_start = min(starts) if starts else None
+    _parse_slo_scheduling(by_name, parsed)
     return parsed
+
+
+def _parse_slo_scheduling(by_name: dict[str, list], parsed: MetricsSample) -> None:
+    for key, name in SLO_COUNTERS.items():
+        if f"{name}_total" in by_name:
+            parsed.slo[key] = sum(s.value for s in by_name[f"{name}_total"])
+    for s in by_name.get(f"{SLO_MISSES_FAMILY}_total", []):
+        key = f"missed_{s.labels.get('phase', '')}"
+        parsed.slo[key] = parsed.slo.get(key, 0.0) + s.value
+    for s in by_name.get(f"{SLO_SLACK_FAMILY}_bucket", []):
+        key = {"+Inf": "admitted", "0": "admitted_late", "0.0": "admitted_late"}.get(s.labels.get("le", ""))
+        if key:
+            parsed.slo[key] = parsed.slo.get(key, 0.0) + s.value
+    policies = sorted({s.labels.get("policy", "") for s in by_name.get(SLO_POLICY_FAMILY, [])})
+    if policies:
+        parsed.slo_info["policy"] = ",".join(policies)
+    for key, name in SLO_TARGET_FAMILIES.items():
+        values = [s.value for s in by_name.get(name, [])]
+        if values:
+            parsed.slo_info[key] = max(values)
 
 
 def _histogram(by_name: dict[str, list], name: str) -> HistogramValues:
@@ -193,6 +229,7 @@ class SampleDeltas:
     counters: dict[str, float]
     requests_by_reason: dict[str, float]
     histograms: dict[str, HistogramValues]
+    slo: dict[str, float] = field(default_factory=dict)
 
 
 def sample_deltas(previous: MetricsSample | None, current: MetricsSample) -> SampleDeltas:
@@ -207,6 +244,7 @@ def sample_deltas(previous: MetricsSample | None, current: MetricsSample) -> Sam
                             for reason, value in current.requests_by_reason.items()},
         histograms={key: histogram_delta(old.histograms.get(key), value)
                     for key, value in current.histograms.items()},
+        slo={key: counter_delta(old.slo.get(key), value) for key, value in current.slo.items()},
     )
 
 
@@ -225,6 +263,7 @@ def state_to_json(sample: MetricsSample, scraped_at: datetime) -> dict:
         "requests_by_reason": sample.requests_by_reason,
         "histograms": {key: value.as_json() for key, value in sample.histograms.items()},
         "process_start": sample.process_start,
+        **({"slo": sample.slo, "slo_info": sample.slo_info} if sample.slo or sample.slo_info else {}),
     }
 
 
@@ -237,6 +276,8 @@ def state_from_json(state: dict) -> tuple[MetricsSample | None, datetime | None]
         histograms={key: HistogramValues.from_json(value)
                     for key, value in state.get("histograms", {}).items()},
         process_start=state.get("process_start"),
+        slo=dict(state.get("slo", {})),
+        slo_info=dict(state.get("slo_info", {})),
     )
     return sample, datetime.fromisoformat(state["scraped_at"])
 
@@ -384,6 +425,8 @@ class MinuteAccumulator:
         for key, value in deltas.counters.items():
             setattr(row, key, getattr(row, key) + round(value))
         row.requests_by_reason = add_counts(row.requests_by_reason, deltas.requests_by_reason)
+        if deltas.slo:
+            row.slo_scheduling = add_counts(row.slo_scheduling, {k: round(v) for k, v in deltas.slo.items()})
         for key, hist in deltas.histograms.items():
             setattr(row, f"{key}_buckets", add_counts(getattr(row, f"{key}_buckets"), hist.buckets))
             setattr(row, f"{key}_sum", getattr(row, f"{key}_sum") + hist.sum)
