@@ -25,7 +25,7 @@ from django.db.models import Q
 
 from deployments.choices import Backend, ReplicaState
 from deployments.models import Deployment, Replica
-from inferops.redis_client import redis_client
+from inferops.redis_client import replace_table
 from inferops.replica_admin import admin_headers
 from runtime.gateway.contract import (
     SLO_TARGETS_CHANNEL,
@@ -78,13 +78,7 @@ def tenant_table() -> dict[str, str]:
 def publish_tenant_targets() -> int:
     """Replace the published table with the database's; returns how many entries it holds."""
     table = tenant_table()
-    with redis_client().pipeline(transaction=True) as pipe:
-        pipe.delete(SLO_TARGETS_KEY)
-        if table:
-            pipe.hset(SLO_TARGETS_KEY, mapping=table)
-        pipe.incr(SLO_TARGETS_GENERATION_KEY)
-        pipe.publish(SLO_TARGETS_CHANNEL, "slo-targets")
-        pipe.execute()
+    replace_table(SLO_TARGETS_KEY, SLO_TARGETS_GENERATION_KEY, SLO_TARGETS_CHANNEL, table, "slo-targets")
     return len(table)
 
 

@@ -20,7 +20,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from inferops.locks import LockId, advisory_xact_lock
-from inferops.redis_client import redis_client
+from inferops.redis_client import replace_table
 from runtime.gateway.contract import KEYS_CHANNEL, KEYS_GENERATION_KEY, KEYS_KEY
 from tenants.models import ApiKey
 
@@ -51,13 +51,7 @@ def publish_keys() -> int:
     with transaction.atomic():
         advisory_xact_lock(LockId.KEYS_PUBLISH)
         table = snapshot()
-        with redis_client().pipeline(transaction=True) as pipe:
-            pipe.delete(KEYS_KEY)
-            if table:
-                pipe.hset(KEYS_KEY, mapping=table)
-            pipe.incr(KEYS_GENERATION_KEY)
-            pipe.publish(KEYS_CHANNEL, "keys")
-            pipe.execute()
+        replace_table(KEYS_KEY, KEYS_GENERATION_KEY, KEYS_CHANNEL, table, "keys")
     return len(table)
 
 

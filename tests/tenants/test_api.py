@@ -13,6 +13,7 @@ from django.db import connection
 from django.utils import timezone
 
 from inferops.models import AuditEvent
+from inferops.redis_client import redis_client
 from runtime.gateway.contract import KEYS_CHANNEL, KEYS_GENERATION_KEY
 from tenants import publish
 from tenants.models import ApiKey, Tenant
@@ -37,7 +38,7 @@ def create_key(client, tenant="acme", **body):
 
 
 def published() -> dict[str, dict]:
-    raw = publish.redis_client().hgetall(publish.KEYS_KEY)
+    raw = redis_client().hgetall(publish.KEYS_KEY)
     return {field.decode(): json.loads(value) for field, value in raw.items()}
 
 
