@@ -21,6 +21,7 @@ the first seed alone, to keep the run short.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
@@ -211,17 +212,22 @@ def main(argv: list[str] | None = None) -> int:
     specs = server_specs(model_dir, args)
     saturation = measure_saturation(specs, model_dir, args)
     results: dict = {name: {} for name in args.servers.split(",")}
+
+    def report() -> dict:
+        ran = {name: by_seed for name, by_seed in results.items() if by_seed and "skipped" not in by_seed}
+        return {**shared.workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
+                "saturation": saturation, "summary": summarise(ran, saturation["rate"], args.multiples),
+                "servers": results}
+
     for index, name, multiples in plan(args):
         if name == "vllm" and not VLLM_PYTHON.is_file():
             results[name] = {"skipped": f"{VLLM_PYTHON} missing; run bench/engine/peers.sh"}
             continue
         results[name][str(args.seeds[index])] = run_server(name, specs[name], model_dir, args, index,
                                                            saturation["rate"], multiples)
-    ran = {name: by_seed for name, by_seed in results.items() if "skipped" not in by_seed}
-    report = {**shared.workload_report(args, model_dir), "vllm_ld_preload": vllm_ld_preload(args.vllm_preload),
-              "saturation": saturation, "summary": summarise(ran, saturation["rate"], args.multiples),
-              "servers": results}
-    shared.emit_report(report, args.result_json)
+        if args.result_json:  # what ran so far survives a run cut short
+            args.result_json.write_text(json.dumps(report(), indent=2) + "\n")
+    shared.emit_report(report(), args.result_json)
     return 0
 
 
