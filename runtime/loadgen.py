@@ -8,7 +8,10 @@ from the built-in engine, vLLM and the gateway compare directly:
 - ITL: the gaps between successive chunks that carry output text.
 - E2EL: from sending the request to the end of its stream.
 - TPOT: (E2EL - TTFT) / (output tokens - 1), for requests with more than one output token.
-- goodput: requests per second that met every given SLO (ttft, tpot, e2el) at once.
+- goodput: requests per second that met every given SLO (ttft, tpot, e2el) at once; a one-token
+  answer has no TPOT and counts as meeting a TPOT SLO.
+- rejected: requests the built-in engine refused as unable to meet their latency targets (HTTP 503
+  with error code `slo_late`, `--slo-reject-late`), counted apart from failures and never good.
 
 Output tokens come from the stream's `usage` (requested with `stream_options.include_usage`),
 falling back to the number of text chunks when a server sends no usage; input tokens likewise
@@ -50,6 +53,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 from tqdm import tqdm
+
+from runtime.gateway.contract import SLO_LATE
 
 PERCENTILES = (50, 90, 95, 99)
 MAX_SSE_LINE_BYTES = 4 << 20  # aiohttp refuses longer lines; a chunk that long is not a token
@@ -385,6 +390,7 @@ class StreamingClient:
                         break
                     event = json.loads(data)
                     if "error" in event:
+                        result.error_code = error_code(data.decode())
                         return self.failed(result, "stream_error", error_text(data.decode()))
                     now = time.perf_counter()
                     if event.get("choices") and first_choice_at is None:
@@ -462,6 +468,11 @@ def percentile_summary(name: str, values_s: list[float]) -> dict[str, float]:
     return summary
 
 
+def rejected_late(result: RequestResult) -> bool:
+    """Refused by the engine as too late for its targets: a shed request, not a server failure."""
+    return not result.success and result.error_code == SLO_LATE
+
+
 def meets_every_slo(result: RequestResult, slos_ms: dict[str, float]) -> bool:
     if not result.success:
         return False
@@ -479,9 +490,11 @@ def summarize(results: list[RequestResult], duration_s: float, slos_ms: dict[str
     input_tokens = sum(result.prompt_len for result in succeeded)
     output_tokens = sum(result.output_tokens for result in succeeded)
     good = sum(1 for result in succeeded if meets_every_slo(result, slos_ms))
+    rejected = sum(1 for result in results if rejected_late(result))
     metrics: dict = {
         "completed": len(succeeded),
-        "failed": len(results) - len(succeeded),
+        "failed": len(results) - len(succeeded) - rejected,
+        "rejected": rejected,
         "duration": duration_s,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -490,7 +503,8 @@ def summarize(results: list[RequestResult], duration_s: float, slos_ms: dict[str
         "good_requests": good if slos_ms else None,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
-        "errors": dict(sorted(Counter(r.error_kind for r in results if not r.success).items())),
+        "errors": dict(sorted(Counter(r.error_kind for r in results
+                                      if not r.success and not rejected_late(r)).items())),
     }
     samples = {
         "ttft": [result.ttft_s for result in succeeded],
@@ -603,6 +617,7 @@ def format_report(metrics: dict) -> str:
     rows: list[tuple[str, str]] = [
         ("Successful requests:", f"{metrics['completed']}"),
         ("Failed requests:", f"{metrics['failed']}"),
+        *([("Rejected as late (503 slo_late):", f"{metrics['rejected']}")] if metrics.get("rejected") else []),
         ("Benchmark duration (s):", f"{metrics['duration']:.2f}"),
         ("Total input tokens:", f"{metrics['total_input_tokens']}"),
         ("Total generated tokens:", f"{metrics['total_output_tokens']}"),

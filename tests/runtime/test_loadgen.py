@@ -26,6 +26,7 @@ from runtime.loadgen import (
     RequestClass,
     RequestResult,
     arrival_gaps,
+    format_report,
     run_benchmark,
     summarize,
 )
@@ -43,10 +44,12 @@ class Responder:
     def __init__(self):
         self.reset()
 
-    def reset(self, *, fail_every: int = 0, send_usage: bool = True, refuse_key: str | None = None):
+    def reset(self, *, fail_every: int = 0, send_usage: bool = True, refuse_key: str | None = None,
+              refuse_code: str = "degraded"):
         self.fail_every = fail_every
         self.send_usage = send_usage
-        self.refuse_key = refuse_key  # requests with this bearer key get a 503 with code "degraded"
+        self.refuse_key = refuse_key  # requests with this bearer key get a 503 with code refuse_code
+        self.refuse_code = refuse_code
         self.payloads: list[dict] = []
         self.keys: list[str] = []
         self.arrivals: list[float] = []
@@ -59,8 +62,8 @@ class Responder:
         self.arrivals.append(time.perf_counter())
         self.keys.append(request.headers["authorization"].removeprefix("Bearer "))
         if self.keys[-1] == self.refuse_key:
-            body = {"error": {"message": "shed", "type": "ServiceUnavailableError", "code": "degraded"}}
-            return JSONResponse(body, status_code=503)
+            body = {"error": {"message": "shed", "type": "ServiceUnavailableError", "code": self.refuse_code}}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
         if self.fail_every and len(self.payloads) % self.fail_every == 0:
             body = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
             return JSONResponse(body, status_code=500)
@@ -252,6 +255,37 @@ def test_request_classes_send_their_keys_in_exact_shares_and_are_summarized_apar
     assert "classes" not in run_benchmark(make_config(num_prompts=2))
 
 
+def test_late_refusals_are_counted_apart_from_failures_and_are_never_good(responder, make_config):
+    classes = [RequestClass("on-time", "key-ok", 0.4), RequestClass("late", "key-late", 0.6)]
+    responder.reset(refuse_key="key-late", refuse_code="slo_late", fail_every=5)
+    metrics = run_benchmark(make_config(num_prompts=10, request_rate=200.0, request_classes=classes,
+                                        goodput_slos_ms={"ttft": 5000}))
+    # Every fifth request (by arrival) answers 500 unless its key is refused first.
+    failed_500 = sum(1 for index, key in enumerate(responder.keys, 1) if key == "key-ok" and index % 5 == 0)
+    assert metrics["rejected"] == 6
+    assert metrics["failed"] == failed_500 and metrics["errors"] == ({"http_500": failed_500} if failed_500 else {})
+    assert metrics["completed"] == 4 - failed_500 == metrics["good_requests"]
+    assert metrics["completed"] + metrics["failed"] + metrics["rejected"] == 10
+    late = metrics["classes"]["late"]
+    assert (late["completed"], late["failed"], late["rejected"], late["request_goodput"]) == (0, 0, 6, 0.0)
+    assert "Rejected as late (503 slo_late):" in format_report(metrics)
+    # Any other 503 (a gateway's shed, say) stays a failure.
+    responder.reset(refuse_key="key-late", refuse_code="degraded")
+    other = run_benchmark(make_config(num_prompts=10, request_classes=classes))
+    assert (other["rejected"], other["failed"], other["errors"]) == (0, 6, {"http_503": 6})
+    assert "Rejected as late" not in format_report(other)
+
+
+def test_a_late_refusal_inside_an_open_stream_is_a_rejection_too():
+    results = [RequestResult(True, output_tokens=3, ttft_s=0.1, e2el_s=0.3),
+               RequestResult(False, error_kind="stream_error", error_code="slo_late"),
+               RequestResult(False, error_kind="http_503", error_code="slo_late"),
+               RequestResult(False, error_kind="stream_error", error_code="500")]
+    metrics = summarize(results, duration_s=1.0, slos_ms={"ttft": 1000})
+    assert (metrics["completed"], metrics["failed"], metrics["rejected"]) == (1, 1, 2)
+    assert metrics["errors"] == {"stream_error": 1} and metrics["good_requests"] == 1
+
+
 @pytest.mark.parametrize("shares, counts", [((1, 1, 1), (4, 3, 3)), ((0.2, 0.8), (2, 8)), ((5,), (10,))])
 def test_request_class_counts_are_exact_shares_and_leave_the_prompts_alone(make_config, shares, counts):
     classes = [RequestClass(f"c{index}", f"k{index}", share) for index, share in enumerate(shares)]
@@ -303,7 +337,7 @@ def test_percentiles_tpot_and_goodput_match_hand_computed_values():
     # One output token: no TPOT sample, cannot miss a TPOT SLO.
     results.append(RequestResult(True, prompt_len=4, output_tokens=1, ttft_s=0.05, e2el_s=0.05))
     metrics = summarize(results, duration_s=2.0, slos_ms={"ttft": 250, "tpot": 100})
-    assert metrics["completed"] == 6 and metrics["failed"] == 1
+    assert metrics["completed"] == 6 and metrics["failed"] == 1 and metrics["rejected"] == 0
     assert metrics["errors"] == {"http_500": 1}
     assert metrics["total_input_tokens"] == 54 and metrics["total_output_tokens"] == 56
     assert metrics["request_throughput"] == 3.0
