@@ -8,7 +8,8 @@ ViewSet may name differently, and the components' names: every $ref is resolved 
 only the shape behind a name counts. Issue 38 regenerated it once, on purpose: it added the eval sets and runs,
 the version comparison and an SLO's eval runs, and the `quality`, `fallbacks` and `warnings` fields, and
 `quality` among the SLI kinds; every change to what was there before is such an addition (checked path by
-path). Issue 39 added the five `slo_*_per_s` series to the deployment metrics' `series` enum, and nothing else. Do not regenerate the fixture to make this pass; a deliberate API change updates it in the same commit
+path). Issue 39 added the five `slo_*_per_s` series to the deployment metrics' `series` enum, and nothing
+else. Do not regenerate the fixture to make this pass; a deliberate API change updates it in the same commit
 that makes the change, and says so.
 """
 import json

@@ -68,7 +68,7 @@ def replica_targets(url: str) -> dict:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_an_slo_change_reaches_a_running_replica_without_a_restart(serving, settings, django_capture_on_commit_callbacks):
+def test_an_slo_change_reaches_a_running_replica_without_a_restart(serving):
     chat = make_deployment("chat")
     Replica.objects.create(deployment=chat, version=chat.version, node="test", url=serving.base_url,
                            state=ReplicaState.READY)
