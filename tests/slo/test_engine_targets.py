@@ -12,6 +12,7 @@ import pytest
 from deployments.choices import Backend, ReplicaState
 from deployments.models import Replica
 from deployments.replicas.drivers.base import ReplicaSpec
+from deployments.replicas.drivers.kubernetes import KubernetesSettings, ManifestRenderer
 from deployments.replicas.drivers.local import replica_env
 from inferops.redis_client import redis_client
 from inferops.replica_admin import replica_admin_token
@@ -139,3 +140,18 @@ def test_built_in_replicas_get_the_admin_token_in_their_environment_and_vllm_one
                                                                  backend=Backend.VLLM), "marker")
     monkeypatch.setenv("INFEROPS_ADMIN_TOKEN", "operators-own")
     assert replica_admin_token() == "operators-own"
+
+
+def test_kubernetes_built_in_replicas_get_the_token_in_their_env_never_their_command_line(monkeypatch):
+    monkeypatch.delenv("INFEROPS_ADMIN_TOKEN", raising=False)
+    renderer = ManifestRenderer(KubernetesSettings())
+
+    def container(backend):
+        spec = ReplicaSpec(deployment="chat", version=1, model_path="/models/m", backend=backend)
+        [only] = renderer.deployment(spec, 1)["spec"]["template"]["spec"]["containers"]
+        return only
+
+    builtin = container(Backend.BUILTIN)
+    assert builtin["env"] == [{"name": "INFEROPS_ADMIN_TOKEN", "value": replica_admin_token()}]
+    assert not any(replica_admin_token() in part for part in builtin.get("command", []) + builtin.get("args", []))
+    assert "INFEROPS_ADMIN_TOKEN" not in json.dumps(container(Backend.VLLM))
