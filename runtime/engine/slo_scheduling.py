@@ -54,6 +54,9 @@ TPOT_MARGIN = 0.9
 # How far a stream's earned credit may stretch one step, as a multiple of its target: a credit
 # spent in one long step shows as one long inter-token gap.
 MAX_CREDIT_STEP = 2.5
+# While requests wait for their first token, a step takes at most this share of their tightest TTFT
+# target, so one arriving during a step still has most of its target left.
+RESPONSIVE_STEP_SHARE = 0.25
 # While requests wait for their prefill, at least this share of a step's budget is theirs.
 MIN_PREFILL_SHARE = 0.25
 MIN_PREFILL_TOKENS = 16
@@ -170,11 +173,19 @@ class SloPlanner:
             allowed = min(allowed, min(max(credit, TPOT_MARGIN * target), MAX_CREDIT_STEP * target))
         return allowed
 
+    @staticmethod
+    def _responsive_step(scheduler: Scheduler) -> float:
+        """A step cannot be interrupted: requests that arrive during it lose its whole length. While
+        requests with a TTFT target wait, a step takes at most a share of the tightest such target."""
+        targets = [seq.ttft_deadline - seq.arrival_time for seq in scheduler.waiting
+                   if seq.ttft_deadline is not None and not seq.late and seq.first_token_time is None]
+        return RESPONSIVE_STEP_SHARE * min(targets) if targets else math.inf
+
     def plan(self, scheduler: Scheduler, now: float) -> SloPlan:
         max_budget = scheduler.max_num_batched_tokens
         running = scheduler.running
         num_decodes = sum(1 for s in running if s.num_uncomputed_tokens == 1)
-        allowed = self.step_allowance(running, now)
+        allowed = min(self.step_allowance(running, now), self._responsive_step(scheduler))
         budget = max_budget if allowed == math.inf else self.cost.tokens_within(allowed)
         prefill_floor = max(MIN_PREFILL_TOKENS, int(MIN_PREFILL_SHARE * budget))
         if scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in running):
@@ -232,7 +243,12 @@ class SloPlanner:
             hopeful.sort(key=lambda s: (s.slack, s.arrival, s.seq_id))
             on_time: list[Sequence] = []
             for seq in hopeful:
-                if now + (queued + need_of(seq)) / rate > seq.ttft_deadline:
+                # With nothing ahead of it, now is its best chance: unless its deadline has passed it is
+                # served whatever the estimate says (which also keeps the step-time model learning when
+                # it misjudges the machine, instead of refusing everything from then on).
+                alone = queued == 0 and not scheduler.running
+                predicted = now if alone else now + (queued + need_of(seq)) / rate
+                if predicted > seq.ttft_deadline:
                     self._mark_late(seq, late)
                 else:
                     queued += need_of(seq)

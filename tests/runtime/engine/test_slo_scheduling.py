@@ -264,3 +264,39 @@ def test_streams_already_answering_are_never_refused():
     out = scheduler.schedule()
     assert not out.rejected
     assert {c.seq.request_id for c in out.prefills} == {"r", "p"}
+
+
+def test_a_step_model_that_misjudges_the_machine_still_serves_and_learns():
+    """A model that thinks the machine 20x slower than it is would refuse every request forever
+    (nothing runs, so nothing corrects it): a request with nothing ahead of it is always served."""
+    sim = Simulation("slo", reject_late=True)
+    sim.scheduler.slo.cost = StepCostModel(fixed_s=0.4, per_token_s=0.03)
+    arrivals = [Arrival(0.5 * i, 200, 20, first_token=1000 + 600 * i) for i in range(40)]
+    outcomes = sim.run(arrivals)
+    assert not outcomes[0].rejected
+    assert sum(o.good for o in outcomes) >= 35, [(o.rejected, o.ttft) for o in outcomes]
+    assert sim.scheduler.slo.cost.per_token_s == pytest.approx(PER_TOKEN_S, rel=0.1)
+
+
+def test_a_request_alone_is_refused_only_once_its_deadline_has_passed():
+    sim = Simulation("slo", reject_late=True)
+    scheduler = sim.scheduler
+    scheduler.slo.cost = StepCostModel(fixed_s=5.0, per_token_s=1.0)  # says nothing can make it
+    hopeful = Sequence("hopeful", list(range(100, 400)), arrival_time=0.0, ttft_deadline=2.0, tpot_target=0.2)
+    scheduler.add(hopeful)
+    assert not scheduler.schedule().rejected
+    scheduler.finish(hopeful, "abort")
+    sim.now = 3.0
+    scheduler.add(Sequence("past", list(range(500, 520)), arrival_time=0.0, ttft_deadline=2.0, tpot_target=0.2))
+    assert [s.request_id for s in scheduler.schedule().rejected] == ["past"]
+
+
+def test_a_burst_keeps_steps_short_enough_for_later_arrivals():
+    """100 requests arriving over 50 ms: without a cap the first would be prefilled in one long step
+    and later arrivals would have lost much of their TTFT by then. The machine prefills ~650 tokens a
+    second, so about five of these 270-token prompts can have their first token within 2 s."""
+    arrivals = [Arrival(0.0005 * i, 270, 60, first_token=1000 + 600 * i) for i in range(100)]
+    sim = Simulation("slo", reject_late=True)
+    outcomes = sim.run(arrivals)
+    served = [o for o in outcomes if not o.rejected]
+    assert len(served) >= 4 and all(o.good for o in served), [(o.ttft, o.tpot) for o in served]
