@@ -96,7 +96,7 @@ class Scheduler:
             raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, not {policy!r}")
         self.policy = policy
         self.clock = clock
-        self.slo = SloPlanner(reject_late, clock) if policy == "slo" else None
+        self.slo = SloPlanner(reject_late) if policy == "slo" else None
         self._plan = None
         self.block_manager = block_manager
         self.background_priority = background_priority

@@ -18,7 +18,10 @@ step the planner here decides, from a step-time model fitted on the engine's own
   that can no longer make its deadline is *late*: served after every request that still can
   (default), or refused at once with a 503 and Retry-After (`--slo-reject-late`, SCORPIO's early
   rejection), so its work does not make the requests behind it late too. A short request moves
-  ahead only where the requests it overtakes keep their deadlines.
+  ahead only where the requests it overtakes keep their deadlines. A request with nothing ahead of
+  it is served unless its deadline has passed, whatever the estimate says, and while requests wait
+  for a first token a step takes at most a quarter of their tightest TTFT target (a step cannot be
+  interrupted for a request that arrives during it).
 - **How many may run** (SCORPIO's virtual batch size): a request is admitted only while the
   running streams plus a minimum prefill share fit in the step the TPOT guard allows, so admitting
   one more never makes every stream's TPOT miss.
@@ -148,12 +151,11 @@ class SloPlan:
 
 
 class SloPlanner:
-    def __init__(self, reject_late: bool, clock: Callable[[], float],
-                 cost: StepCostModel | None = None) -> None:
+    def __init__(self, reject_late: bool, cost: StepCostModel | None = None) -> None:
         self.reject_late = reject_late
-        self.clock = clock
         self.cost = cost or StepCostModel()
         self.slack = SlackHistogram()
+        self.rejected: list[Sequence] = []  # refused by the last order_waiting (reject_late)
         self.rejected_late = 0
         self.demoted_late = 0
 
@@ -211,7 +213,7 @@ class SloPlanner:
         make their TTFT (least slack first), then late ones (first come first served). Requests
         found late are marked (for good) and, with reject_late, returned in `self.rejected`
         instead."""
-        self.rejected: list[Sequence] = []
+        self.rejected = []
         rate = plan.prefill_rate
         needs: dict[int, int] = {}
 
