@@ -43,7 +43,17 @@ METHODS = ("get", "head", "options", "post", "put", "patch", "delete")
 ROLES = (None, "viewer", "operator", "admin")
 WORDING = ("name", "description")
 # "url-name METHOD role" -> (before, after, why): an answer that changed on purpose.
-CHANGED: dict[str, tuple[object, object, str]] = {}
+_OLD_SERIES = ("requests_per_s, output_tokens_per_s, ttft_p50, ttft_p95, ttft_p99, itl_p95, kv_cache_usage, "
+               "queue_depth")
+_SLO_SERIES = ("slo_judged_per_s, slo_missed_ttft_per_s, slo_missed_tpot_per_s, slo_rejected_late_per_s, "
+               "slo_served_late_per_s")
+CHANGED: dict[str, tuple[object, object, str]] = {
+    f"api-deployment-metrics GET {role}": (
+        {"body": {"series": [f"One of: {_OLD_SERIES}, error_rate."]}, "status": 400},
+        {"body": {"series": [f"One of: {_OLD_SERIES}, {_SLO_SERIES}, error_rate."]}, "status": 400},
+        "issue 39: the engine's SLO scheduling series, named among the choices")
+    for role in ("viewer", "operator", "admin")
+}
 # Fields added to existing answers on purpose (field -> why); a client that ignores unknown fields sees no change.
 ADDED_FIELDS = {
     "quality": "issue 38: a rollout's quality steps and their eval runs; an SLO's floor and latest eval run",
