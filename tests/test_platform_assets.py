@@ -226,9 +226,11 @@ def test_driver_generated_manifests_are_valid_for_the_pinned_kubernetes(case, ho
 
     renderer = ManifestRenderer(KubernetesSettings(models_host_path=host_path))
     spec = driver_specs()[case]
-    for body in (renderer.deployment(spec, replicas=3), renderer.service(spec.deployment, spec.version)):
+    installation = "0b6e2b0c-4f5e-4d8a-9a43-3c1f6c1b2d7e"
+    for body in (renderer.deployment(spec, replicas=3, installation=installation),
+                 renderer.service(spec.deployment, spec.version), renderer.admin_secret(installation)):
         # The driver adds the installation label before applying; validate what it sends.
-        body["metadata"]["labels"][INSTALLATION_LABEL] = "0b6e2b0c-4f5e-4d8a-9a43-3c1f6c1b2d7e"
+        body["metadata"]["labels"][INSTALLATION_LABEL] = installation
         assert validation_errors(body) == []
 
 

@@ -32,6 +32,7 @@ from deployments.models import Deployment, Replica
 from deployments.replicas.drivers.base import DriverError, ReplicaSpec
 from deployments.replicas.drivers.kubernetes import (
     APPLY_CONTENT_TYPE,
+    INSTALLATION_LABEL,
     ClusterObjects,
     KubernetesDriver,
     KubernetesSettings,
@@ -40,6 +41,7 @@ from deployments.replicas.drivers.kubernetes import (
     object_name,
 )
 from deployments.replicas.reconcile import Reconciler
+from inferops.replica_admin import replica_admin_token
 from registry import services
 from registry.models import ModelVersion
 from runtime.engine.server import add_arguments as builtin_server_arguments
@@ -652,6 +654,10 @@ def test_replica_count_follows_live_rows_through_start_stop_and_kill(fake_api, c
                                 "version": version.number}
     applied = fake_api.objects[deployment_path]
     assert applied["spec"]["replicas"] == 2   # both live rows, the pending one included
+    secret_name = only_container(applied)["env"][0]["valueFrom"]["secretKeyRef"]["name"]
+    secret = fake_api.objects[f"/api/v1/namespaces/inferops/secrets/{secret_name}"]
+    assert secret["stringData"]["token"] == replica_admin_token()   # the Secret the pods read
+    assert secret["metadata"]["labels"][INSTALLATION_LABEL] == driver.installation
     args = only_container(applied)["args"]
     assert args[args.index("--model") + 1] == f"/models/{tiny_llama_dir.name}"
     assert fake_api.objects[service_path]["spec"]["selector"] == applied["spec"]["selector"][

@@ -142,16 +142,29 @@ def test_built_in_replicas_get_the_admin_token_in_their_environment_and_vllm_one
     assert replica_admin_token() == "operators-own"
 
 
-def test_kubernetes_built_in_replicas_get_the_token_in_their_env_never_their_command_line(monkeypatch):
+def test_kubernetes_built_in_replicas_read_the_token_from_a_secret_never_from_their_deployment(monkeypatch):
     monkeypatch.delenv("INFEROPS_ADMIN_TOKEN", raising=False)
     renderer = ManifestRenderer(KubernetesSettings())
+    installation = "0b6e2b0c-4f5e-4d8a-9a43-3c1f6c1b2d7e"
+
+    def deployment(backend):
+        spec = ReplicaSpec(deployment="chat", version=1, model_path="/models/m", backend=backend)
+        return renderer.deployment(spec, 1, installation=installation)
 
     def container(backend):
-        spec = ReplicaSpec(deployment="chat", version=1, model_path="/models/m", backend=backend)
-        [only] = renderer.deployment(spec, 1)["spec"]["template"]["spec"]["containers"]
+        [only] = deployment(backend)["spec"]["template"]["spec"]["containers"]
         return only
 
-    builtin = container(Backend.BUILTIN)
-    assert builtin["env"] == [{"name": "INFEROPS_ADMIN_TOKEN", "value": replica_admin_token()}]
-    assert not any(replica_admin_token() in part for part in builtin.get("command", []) + builtin.get("args", []))
+    secret = renderer.admin_secret(installation)
+    assert secret["kind"] == "Secret" and secret["stringData"] == {"token": replica_admin_token()}
+    assert secret["metadata"]["name"] == f"inferops-replica-admin-{installation}"
+    assert container(Backend.BUILTIN)["env"] == [{"name": "INFEROPS_ADMIN_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}}}]
+    # Whoever may read Deployments (or `ps` in the pod) does not learn the token.
+    assert replica_admin_token() not in json.dumps(deployment(Backend.BUILTIN))
     assert "INFEROPS_ADMIN_TOKEN" not in json.dumps(container(Backend.VLLM))
+    # A new token changes the pod template, so the pods restart and read it.
+    before = deployment(Backend.BUILTIN)["spec"]["template"]["metadata"]["annotations"]
+    monkeypatch.setenv("INFEROPS_ADMIN_TOKEN", "rotated")
+    after = deployment(Backend.BUILTIN)["spec"]["template"]["metadata"]["annotations"]
+    assert before != after and "rotated" not in json.dumps(after)

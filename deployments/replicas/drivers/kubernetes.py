@@ -17,6 +17,10 @@ pointed at one namespace would otherwise share `inferops-chat-v1`. The driver ne
 scales or deletes an object another installation labelled, and says to give each installation
 its own namespace.
 
+Built-in replicas read their admin API token (inferops/replica_admin.py) from a Secret of the
+installation, applied with their first start and left in place: the Deployment names the Secret and
+carries a digest of the token, so reading it reveals nothing and a new token rolls the pods.
+
 Objects are written with server-side apply (field manager "inferops", forced): a re-apply with
 an unchanged pod template changes only `spec.replicas` and never triggers a rollout.
 
@@ -91,6 +95,10 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # it to existing objects rolls no pod.
 INSTALLATION_LABEL = "inferops.dev/installation"
 IMAGE_UID = 10001  # the `inferops` user of platform/Dockerfile
+ADMIN_SECRET_KEY = "token"
+# A digest of the admin token on the pod template: a new token (SECRET_KEY rotated) rolls the pods,
+# which read it from the Secret only when they start.
+ADMIN_TOKEN_DIGEST_ANNOTATION = "inferops.dev/admin-token-sha256"
 
 
 @dataclass(frozen=True)
@@ -148,6 +156,11 @@ def object_name(deployment: str, version: int) -> str:
     digest = hashlib.sha256(deployment.encode()).hexdigest()[:8]
     room = MAX_NAME_LENGTH - len("inferops-") - len(f"-{digest}{suffix}")
     return f"inferops-{deployment[:room].rstrip('-')}-{digest}{suffix}"
+
+
+def admin_secret_name(installation: str) -> str:
+    """The Secret holding the built-in replicas' admin token; one per installation and namespace."""
+    return "inferops-replica-admin" + (f"-{installation}" if installation else "")
 
 
 def version_labels(deployment: str, version: int) -> dict[str, str]:
@@ -277,7 +290,7 @@ class ManifestRenderer:
                 f"backend {spec.backend!r} cannot run on Kubernetes; use builtin or vllm")
         return self.config.image, ["inferops", "serve"], served + extra
 
-    def deployment(self, spec: ReplicaSpec, replicas: int) -> dict:
+    def deployment(self, spec: ReplicaSpec, replicas: int, installation: str = "") -> dict:
         name = object_name(spec.deployment, spec.version)
         labels = version_labels(spec.deployment, spec.version)
         image, command, args = self.container_command(spec)
@@ -303,8 +316,14 @@ class ManifestRenderer:
         }
         if command:
             container["command"] = command
-        if spec.backend == "builtin":  # its admin API, for the SLO targets the control plane sets
-            container["env"] = [{"name": ADMIN_TOKEN_ENV, "value": replica_admin_token()}]
+        template_meta = {"labels": labels}
+        if spec.backend == "builtin":
+            # Its admin API, for the SLO targets the control plane sets. The token comes from a
+            # Secret (admin_secret), so reading the Deployment does not reveal it.
+            container["env"] = [{"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+                "name": admin_secret_name(installation), "key": ADMIN_SECRET_KEY}}}]
+            template_meta["annotations"] = {ADMIN_TOKEN_DIGEST_ANNOTATION: hashlib.sha256(
+                replica_admin_token().encode()).hexdigest()}
         if resources.requirements:
             container["resources"] = resources.requirements
         volumes = [self._models_volume()]
@@ -343,8 +362,23 @@ class ManifestRenderer:
                 "replicas": replicas,
                 "revisionHistoryLimit": 2,
                 "selector": {"matchLabels": labels},
-                "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+                "template": {"metadata": template_meta, "spec": pod_spec},
             },
+        }
+
+    def admin_secret(self, installation: str) -> dict:
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": admin_secret_name(installation),
+                "namespace": self.config.namespace,
+                "labels": {"app.kubernetes.io/name": "inferops",
+                           "app.kubernetes.io/managed-by": FIELD_MANAGER,
+                           INSTALLATION_LABEL: installation},
+            },
+            "type": "Opaque",
+            "stringData": {ADMIN_SECRET_KEY: replica_admin_token()},
         }
 
     def service(self, deployment: str, version: int) -> dict:
@@ -421,6 +455,15 @@ class ClusterObjects:
         meta = body["metadata"]
         with api_errors(f"apply Service {meta['namespace']}/{meta['name']}"):
             self.core.patch_namespaced_service(
+                meta["name"], meta["namespace"], body, field_manager=FIELD_MANAGER, force=True,
+                _content_type=APPLY_CONTENT_TYPE, _request_timeout=REQUEST_TIMEOUT_S,
+            )
+
+    def apply_secret(self, body: dict) -> None:
+        meta = body["metadata"]
+        # The message names the Secret, never its data.
+        with api_errors(f"apply Secret {meta['namespace']}/{meta['name']}"):
+            self.core.patch_namespaced_secret(
                 meta["name"], meta["namespace"], body, field_manager=FIELD_MANAGER, force=True,
                 _content_type=APPLY_CONTENT_TYPE, _request_timeout=REQUEST_TIMEOUT_S,
             )
@@ -578,10 +621,13 @@ class KubernetesDriver:
         theirs = self.owner(self.cluster.read_deployment(objects.namespace, objects.name))
         if theirs:
             raise DriverError(self.refusal(objects, theirs))
-        deployment = self.renderer.deployment(spec, replicas=self.live_replicas(replica) + 1)
+        deployment = self.renderer.deployment(spec, replicas=self.live_replicas(replica) + 1,
+                                              installation=self.installation)
         service = self.renderer.service(spec.deployment, spec.version)
         for body in (deployment, service):
             body["metadata"]["labels"][INSTALLATION_LABEL] = self.installation
+        if spec.backend == "builtin":
+            self.cluster.apply_secret(self.renderer.admin_secret(self.installation))
         self.cluster.apply_service(service)
         self.cluster.apply_deployment(deployment)
         return Started(url=self._url(objects), port=PORT, identity=objects.identity())
