@@ -452,29 +452,21 @@ class ClusterObjects:
         self.core = k8s.CoreV1Api(api_client)
 
     def apply_service(self, body: dict) -> None:
-        meta = body["metadata"]
-        with api_errors(f"apply Service {meta['namespace']}/{meta['name']}"):
-            self.core.patch_namespaced_service(
-                meta["name"], meta["namespace"], body, field_manager=FIELD_MANAGER, force=True,
-                _content_type=APPLY_CONTENT_TYPE, _request_timeout=REQUEST_TIMEOUT_S,
-            )
+        self._apply(self.core.patch_namespaced_service, body)
 
     def apply_secret(self, body: dict) -> None:
-        meta = body["metadata"]
-        # The message names the Secret, never its data.
-        with api_errors(f"apply Secret {meta['namespace']}/{meta['name']}"):
-            self.core.patch_namespaced_secret(
-                meta["name"], meta["namespace"], body, field_manager=FIELD_MANAGER, force=True,
-                _content_type=APPLY_CONTENT_TYPE, _request_timeout=REQUEST_TIMEOUT_S,
-            )
+        self._apply(self.core.patch_namespaced_secret, body)
 
     def apply_deployment(self, body: dict) -> None:
+        self._apply(self.apps.patch_namespaced_deployment, body)
+
+    @staticmethod
+    def _apply(patch, body: dict) -> None:
+        """Server-side apply, forced; an error names the object, never its data (a Secret's)."""
         meta = body["metadata"]
-        with api_errors(f"apply Deployment {meta['namespace']}/{meta['name']}"):
-            self.apps.patch_namespaced_deployment(
-                meta["name"], meta["namespace"], body, field_manager=FIELD_MANAGER, force=True,
-                _content_type=APPLY_CONTENT_TYPE, _request_timeout=REQUEST_TIMEOUT_S,
-            )
+        with api_errors(f"apply {body['kind']} {meta['namespace']}/{meta['name']}"):
+            patch(meta["name"], meta["namespace"], body, field_manager=FIELD_MANAGER, force=True,
+                  _content_type=APPLY_CONTENT_TYPE, _request_timeout=REQUEST_TIMEOUT_S)
 
     def scale_deployment(self, namespace: str, name: str, replicas: int) -> bool:
         """Set spec.replicas through the scale subresource, as `kubectl scale` does; False if gone.
