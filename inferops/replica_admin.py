@@ -25,5 +25,12 @@ def replica_admin_token() -> str:
     return hmac.new(settings.SECRET_KEY.encode(), b"inferops replica admin API", hashlib.sha256).hexdigest()
 
 
+def replica_admin_token_digest() -> str:
+    """Changes whenever the token does, and reveals nothing of it: keyed with SECRET_KEY, so even
+    an operator's short token cannot be guessed from it offline."""
+    return hmac.new(settings.SECRET_KEY.encode(), b"digest " + replica_admin_token().encode(),
+                    hashlib.sha256).hexdigest()
+
+
 def admin_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {replica_admin_token()}"}

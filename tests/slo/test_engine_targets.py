@@ -4,6 +4,7 @@ published for the gateways in Redis."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import httpx
@@ -168,3 +169,5 @@ def test_kubernetes_built_in_replicas_read_the_token_from_a_secret_never_from_th
     monkeypatch.setenv("INFEROPS_ADMIN_TOKEN", "rotated")
     after = deployment(Backend.BUILTIN)["spec"]["template"]["metadata"]["annotations"]
     assert before != after and "rotated" not in json.dumps(after)
+    # Keyed with SECRET_KEY: a short token cannot be guessed from the digest offline.
+    assert hashlib.sha256(b"rotated").hexdigest() not in json.dumps(after)

@@ -19,7 +19,7 @@ its own namespace.
 
 Built-in replicas read their admin API token (inferops/replica_admin.py) from a Secret of the
 installation, applied with their first start and left in place: the Deployment names the Secret and
-carries a digest of the token, so reading it reveals nothing and a new token rolls the pods.
+carries a keyed digest of the token, so reading it reveals nothing and a new token rolls the pods.
 
 Objects are written with server-side apply (field manager "inferops", forced): a re-apply with
 an unchanged pod template changes only `spec.replicas` and never triggers a rollout.
@@ -72,7 +72,7 @@ from deployments.engine_args import to_argv
 from deployments.models import Replica
 from deployments.replicas.drivers.base import DriverError, ReplicaSpec, Started
 from inferops.models import installation_id
-from inferops.replica_admin import ADMIN_TOKEN_ENV, replica_admin_token
+from inferops.replica_admin import ADMIN_TOKEN_ENV, replica_admin_token, replica_admin_token_digest
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,9 @@ GPU_RESOURCE = "nvidia.com/gpu"
 INSTALLATION_LABEL = "inferops.dev/installation"
 IMAGE_UID = 10001  # the `inferops` user of platform/Dockerfile
 ADMIN_SECRET_KEY = "token"
-# A digest of the admin token on the pod template: a new token (SECRET_KEY rotated) rolls the pods,
+# A keyed digest of the admin token on the pod template: a new token (SECRET_KEY rotated) rolls the pods,
 # which read it from the Secret only when they start.
-ADMIN_TOKEN_DIGEST_ANNOTATION = "inferops.dev/admin-token-sha256"
+ADMIN_TOKEN_DIGEST_ANNOTATION = "inferops.dev/admin-token-digest"
 
 
 @dataclass(frozen=True)
@@ -322,8 +322,7 @@ class ManifestRenderer:
             # Secret (admin_secret), so reading the Deployment does not reveal it.
             container["env"] = [{"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
                 "name": admin_secret_name(installation), "key": ADMIN_SECRET_KEY}}}]
-            template_meta["annotations"] = {ADMIN_TOKEN_DIGEST_ANNOTATION: hashlib.sha256(
-                replica_admin_token().encode()).hexdigest()}
+            template_meta["annotations"] = {ADMIN_TOKEN_DIGEST_ANNOTATION: replica_admin_token_digest()}
         if resources.requirements:
             container["resources"] = resources.requirements
         volumes = [self._models_volume()]
