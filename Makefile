@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
 TORCH_SOURCE := $(if $(wildcard $(TORCH_WHEELS)/torch-2.13.0*),--find-links $(TORCH_WHEELS),)
 
-.PHONY: install run test test-deps lint clean vllm
+.PHONY: install run test test-deps lint clean vllm fuzz chaos
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -47,6 +47,17 @@ test: test-deps install
 	$(BIN)/python manage.py check --fail-level WARNING
 	$(BIN)/python manage.py makemigrations --check --dry-run
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The reliability suites' long passes (tests/reliability/, bench/reliability/README.md): the same
+# tests as in `make test`, with thousands of cases or minutes of load per scenario; each writes
+# its figures to bench/reliability/results/.
+RELIABILITY := INFEROPS_RELIABILITY_LONG=1 INFEROPS_RELIABILITY_RESULTS=$(CURDIR)/bench/reliability/results
+
+fuzz: test-deps install
+	$(RELIABILITY) $(BIN)/pytest tests/reliability -m fuzz $(PYTEST_ARGS)
+
+chaos: test-deps install
+	$(RELIABILITY) $(BIN)/pytest tests/reliability -m chaos -s $(PYTEST_ARGS)
 
 # vLLM in its own environment: its pins (torch, transformers, fastapi...) conflict with the
 # project's, so it never goes into $(VENV). The local driver finds $(VLLM_VENV) by itself.
