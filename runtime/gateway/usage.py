@@ -3,7 +3,8 @@
 Requests only append to an in-memory queue; one writer task sends what has gathered in one
 pipelined XADD batch, so a busy gateway pays one round trip per batch rather than per request.
 When Redis fails, the batch goes to a local spool file (one JSON per line) and so does every
-later event until the spool has been replayed in order, after which the file is truncated.
+later event until the spool has been replayed in order, after which the file is truncated. When
+the spool's disk is full too, events wait in memory (bounded) until either takes them.
 A crash between the replay and the truncation replays some events twice; ingestion is
 idempotent by request_id, so that costs nothing.
 """
@@ -14,6 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 STREAM_MAXLEN = 1_000_000
 BATCH_SIZE = 500
+# Events kept in memory while neither Redis nor the spool (a full disk) takes them: about 0.5 KB each.
+HELD_MAX = 200_000
 
 
 class BackgroundWriter:
@@ -69,6 +73,7 @@ class UsageSink(BackgroundWriter):
         self.health = health
         self._on_spool_depth = on_spool_depth or (lambda depth: None)
         self._queue: list[str] = []
+        self.held_since_error = False
         spool_path.parent.mkdir(parents=True, exist_ok=True)
         self.spool_depth = self._count_spooled()
         self._on_spool_depth(self.spool_depth)
@@ -104,10 +109,41 @@ class UsageSink(BackgroundWriter):
         return True
 
     def _spool(self, lines: list[str]) -> None:
-        with self.spool_path.open("a", encoding="utf-8") as spool:
-            spool.write("".join(line + "\n" for line in lines))
+        """Append `lines` to the spool. When it cannot be written (a full disk), they wait in memory
+        ahead of newer events, up to HELD_MAX, and the file is cut back to its last whole line."""
+        data = "".join(line + "\n" for line in lines).encode()
+        try:
+            descriptor = os.open(self.spool_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                whole = os.fstat(descriptor).st_size
+                try:
+                    written = 0
+                    while written < len(data):
+                        written += os.write(descriptor, data[written:])
+                except OSError:
+                    os.ftruncate(descriptor, whole)
+                    raise
+            finally:
+                os.close(descriptor)
+        except OSError as exc:
+            self._hold(lines, exc)
+            return
+        if self.held_since_error:
+            logger.warning("usage spool writable again after holding events in memory")
+            self.held_since_error = False
         self.spool_depth += len(lines)
         self._on_spool_depth(self.spool_depth)
+
+    def _hold(self, lines: list[str], exc: OSError) -> None:
+        room = max(0, HELD_MAX - len(self._queue))
+        self._queue[:0] = lines[:room]
+        if len(lines) > room:
+            logger.error("usage spool unwritable and %d events already held in memory: %d events dropped",
+                         HELD_MAX, len(lines) - room)
+        if not self.held_since_error:
+            logger.error("usage spool %s cannot be written (%s): events wait in memory until it or Redis can "
+                         "take them", self.spool_path, exc)
+            self.held_since_error = True
 
     async def _replay(self) -> None:
         lines = [line for line in self.spool_path.read_text(encoding="utf-8").splitlines() if _is_event(line)]

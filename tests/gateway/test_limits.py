@@ -104,3 +104,30 @@ def test_spooled_events_replay_in_order_and_a_torn_line_is_skipped(control, tmp_
     ids = [e["request_id"] for e in control.events()]
     assert ids == ["gw-old-1", "gw-old-2", "gw-new"]
     assert control.redis.xlen(USAGE_STREAM) == 3
+
+
+def test_a_full_spool_disk_keeps_events_in_memory_in_order_until_redis_takes_them(control, tmp_path):
+    """Chaos suite, spool_disk_full: the writer task died on the first ENOSPC and every later event was lost.
+    /dev/full answers every write with ENOSPC, as a full disk does."""
+    from runtime.gateway.state import RedisHealth
+    from runtime.gateway.usage import UsageSink
+
+    spool = tmp_path / "gw.jsonl"
+
+    async def scenario(client):
+        health = RedisHealth(retry_s=0)
+        sink = UsageSink(client, spool, health)
+        spool.symlink_to("/dev/full")
+        await sink.start()
+        health.mark_down(ConnectionError("redis stopped"))
+        health.worth_trying = lambda: health.up  # Redis stays "down" until the test says so
+        for index in range(3):
+            sink.emit({"request_id": f"held-{index}"})
+            await sink.flush()
+        assert sink.held_since_error and sink.spool_depth == 0
+        health.mark_up()
+        sink.emit({"request_id": "after"})
+        await sink.stop()
+
+    _run(scenario)
+    assert [e["request_id"] for e in control.events()] == ["held-0", "held-1", "held-2", "after"]
