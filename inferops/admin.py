@@ -12,7 +12,11 @@ from django.core.exceptions import ValidationError
 from django.http import HttpResponseRedirect
 
 from inferops.api import Conflict
+from inferops.login_limits import AdminLoginForm
 from inferops.models import AuditEvent
+
+# The admin's sign-in counts failures with the console's.
+admin.site.login_form = AdminLoginForm
 
 
 class ServiceAdmin(admin.ModelAdmin):

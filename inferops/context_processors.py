@@ -8,3 +8,8 @@ def roles(request):
         "can_operate": has_role(user, OPERATOR),
         "is_admin_role": has_role(user, ADMIN),
     }
+
+
+def csp_nonce(request):
+    """The nonce inline scripts carry under the Content-Security-Policy (inferops.middleware)."""
+    return {"csp_nonce": getattr(request, "csp_nonce", "")}

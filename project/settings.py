@@ -45,9 +45,18 @@ def database_from_url(url: str) -> dict:
     }
 
 
+# INFEROPS_PRODUCTION=1: the documented production environment (docs/operations.md, "Production
+# settings"): SECRET_KEY required, and what `manage.py check --deploy` asks for on by default.
+PRODUCTION = env_bool("INFEROPS_PRODUCTION", False)
+
+
 def secret_key() -> str:
-    """SECRET_KEY from the environment, else one generated once and kept in the data dir."""
+    """SECRET_KEY from the environment, else (not in production) one generated once and kept in the data dir."""
     key = env_str("SECRET_KEY")
+    if PRODUCTION and (not key or len(key) < 50 or len(set(key)) < 5):
+        raise ImproperlyConfiguredEnv(
+            "INFEROPS_PRODUCTION=1 needs SECRET_KEY: at least 50 random characters, the same in every "
+            "process of the installation (python -c 'import secrets; print(secrets.token_urlsafe(50))')")
     if key:
         return key
     path = embedded.data_dir() / "secret_key"
@@ -61,6 +70,24 @@ DEBUG = env_bool("DEBUG", False)
 SECRET_KEY = secret_key()
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+# HTTPS: cookies only over it, HSTS, plain HTTP redirected (but health probes and Prometheus, which
+# speak plain HTTP inside a cluster). Behind a proxy that terminates TLS and sets X-Forwarded-Proto
+# (and drops a client's own), INFEROPS_BEHIND_TLS_PROXY=1 makes Django believe that header.
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", PRODUCTION)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", PRODUCTION)
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", PRODUCTION)
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 86400 if PRODUCTION else 0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", PRODUCTION)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if env_bool("INFEROPS_BEHIND_TLS_PROXY", False) else None
+# Proxies in front of the web app that append to X-Forwarded-For: the client address of login rate
+# limiting is the one the outermost saw (inferops/login_limits.py).
+INFEROPS_TRUSTED_PROXIES = env_int("INFEROPS_TRUSTED_PROXIES", 0)
+# Failed sign-ins allowed per account and per client address within the lockout window.
+INFEROPS_LOGIN_MAX_FAILURES_PER_ACCOUNT = env_int("INFEROPS_LOGIN_MAX_FAILURES_PER_ACCOUNT", 5)
+INFEROPS_LOGIN_MAX_FAILURES_PER_ADDRESS = env_int("INFEROPS_LOGIN_MAX_FAILURES_PER_ADDRESS", 20)
+INFEROPS_LOGIN_LOCKOUT_S = env_int("INFEROPS_LOGIN_LOCKOUT_S", 900)
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -90,6 +117,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "inferops.middleware.ContentSecurityPolicyMiddleware",
     "inferops.middleware.BodySizeLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -116,6 +144,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "inferops.context_processors.roles",
+                "inferops.context_processors.csp_nonce",
             ],
         },
     },

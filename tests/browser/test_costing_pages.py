@@ -51,7 +51,7 @@ def test_operator_reads_the_month_drills_into_a_tenant_and_edits_the_price_book(
     assert total.startswith("$") and float(total[1:].replace(",", "")) > 0
     assert float(page.locator("#idle-usd").inner_text()[1:].replace(",", "")) > 0  # hours without traffic
     for chart in ("chart-daily", "chart-tenants", "chart-mtok", "chart-idle"):
-        page.wait_for_function(f"document.getElementById('{chart}').dataset.points > 0")
+        page.wait_for_function(f"() => document.getElementById('{chart}').dataset.points > 0")
         assert page.locator(f"#{chart} .main-svg").count() > 0
     rows = page.locator("#by-tenant tbody tr")
     assert rows.count() == 3  # acme, beta, idle
@@ -103,7 +103,7 @@ def test_a_single_day_reads_as_dates_with_thousands_separators_and_its_pdf_as_fi
     page.goto(f"{live_server.url}/costs/?start={hour}&end={end}")
     day = expensive_hour.strftime("%Y-%m-%d")
     for chart in CHARTS_ON_DAYS:
-        page.wait_for_function(f"document.getElementById('{chart}').dataset.points > 0")
+        page.wait_for_function(f"() => document.getElementById('{chart}').dataset.points > 0")
         labels = page.eval_on_selector_all(f"#{chart} .xtick text", "nodes => nodes.map(n => n.textContent)")
         assert labels == [day], (chart, labels)  # not 23:59:59.9996
         assert page.evaluate(f"document.getElementById('{chart}')._fullLayout.xaxis.type") == "date"

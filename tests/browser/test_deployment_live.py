@@ -50,7 +50,7 @@ def test_page_follows_replicas_without_reload(live_server, page, scaling_deploym
     # The second replica turns ready and the reconciler writes the status.
     Replica.objects.filter(pk=starting.pk).update(state=ReplicaState.READY, started_at=timezone.now())
     Deployment.objects.filter(pk=deployment.pk).update(status="ready", status_message="")
-    page.wait_for_function("document.querySelector('#ready').textContent === '2 / 2 · up to date'"
+    page.wait_for_function("() => document.querySelector('#ready').textContent === '2 / 2 · up to date'"
                            " && document.querySelector('#status').textContent === 'ready'", timeout=15000)
     assert page.locator("#status-message").is_hidden()
     row = page.locator(f"#replicas tr[data-id='{starting.pk}']").inner_text()
@@ -61,7 +61,7 @@ def test_page_follows_replicas_without_reload(live_server, page, scaling_deploym
                                                last_error="exited with code 137 (out of memory)")
     Deployment.objects.filter(pk=deployment.pk).update(status="progressing",
                                                        status_message="1/2 replicas of v1 ready")
-    page.wait_for_function(f"(document.querySelector(\"#replicas tr[data-id='{ready.pk}']\") || {{}}).textContent"
+    page.wait_for_function(f"() => (document.querySelector(\"#replicas tr[data-id='{ready.pk}']\") || {{}}).textContent"
                            "?.includes('exited with code 137')", timeout=15000)
     assert page.locator("#ready").inner_text() == "1 / 2"
     assert page.locator("#status-message").inner_text() == "1/2 replicas of v1 ready"
@@ -91,7 +91,7 @@ def test_error_rate_chart_counts_shed_requests_and_marks_events(live_server, pag
 
     log_in(page, live_server.url, "look", "pw-look-123456")
     page.goto(f"{live_server.url}/deployments/chat/")
-    page.wait_for_function("document.querySelector('#chart-error_rate').dataset.points > 0"
+    page.wait_for_function("() => document.querySelector('#chart-error_rate').dataset.points > 0"
                            " && document.querySelector('#chart-kv_cache_usage').dataset.points > 0", timeout=20000)
     chart = page.locator("#chart-error_rate")
     assert chart.get_attribute("data-events") == "2"

@@ -68,7 +68,7 @@ def test_operator_creates_watches_and_scales_a_deployment(live_server, page, ope
     log_tail = page.locator("#replicas pre").first.inner_text()
     assert f"127.0.0.1:{replica.port}" in log_tail or "GET /health" in log_tail  # the replica's own log
     page.wait_for_function(
-        "document.querySelector('#chart-requests_per_s').dataset.points > 0"
+        "() => document.querySelector('#chart-requests_per_s').dataset.points > 0"
         " && document.querySelector('#chart-ttft').dataset.points > 0", timeout=20000)
     assert page.locator("#chart-ttft .legend").text_content().count("ttft_p") == 3
     page.screenshot(path=str(tmp_path / "deployment.png"), full_page=True)
@@ -76,7 +76,7 @@ def test_operator_creates_watches_and_scales_a_deployment(live_server, page, ope
     page.goto(f"{live_server.url}/deployments/")
     row = page.locator("#deployments tr[data-name=chat]")
     assert "ready" in row.inner_text() and "1 / 1" in row.inner_text()
-    page.wait_for_function("document.querySelector('td[data-series=requests_per_s]').textContent !== '…'")
+    page.wait_for_function("() => document.querySelector('td[data-series=requests_per_s]').textContent !== '…'")
 
     page.goto(f"{live_server.url}/deployments/chat/edit/")
     page.fill("#id_replicas", "2")

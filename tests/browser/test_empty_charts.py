@@ -29,7 +29,7 @@ def operator(settings):
 def chart_notes(page, chart_ids: list[str]) -> dict[str, list[str]]:
     """Each chart's annotations once it has been drawn (plotly's own SVG text)."""
     for chart in chart_ids:
-        page.wait_for_function(f"document.getElementById('{chart}').dataset.empty !== undefined && "
+        page.wait_for_function(f"() => document.getElementById('{chart}').dataset.empty !== undefined && "
                                f"document.querySelector('#{chart} .main-svg') !== null")
     return {chart: page.locator(f"#{chart} .annotation-text").all_text_contents() for chart in chart_ids}
 

@@ -81,7 +81,7 @@ def test_operator_reads_a_rollout_and_aborts_it(live_server, page, page_errors, 
 
     charts = ["chart-ttft", "chart-tpot", "chart-errors", "chart-requests"]
     page.wait_for_function(
-        f"{charts}.every(id => document.querySelector('#' + id + ' svg.main-svg') && "
+        f"() => {charts}.every(id => document.querySelector('#' + id + ' svg.main-svg') && "
         "document.getElementById(id).dataset.points > 0)", timeout=20000)
     assert sorted(page.locator("#chart-ttft .legendtext").all_text_contents()) == ["candidate", "stable"]
     assert "weight" in page.locator("#chart-ttft").inner_text()  # the timeline's marker

@@ -20,7 +20,8 @@ from tests.slo.conftest import event, insert_events, make_deployment
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHARTS_DRAWN = "['chart-budget', 'chart-burn', 'chart-sli'].every(id => document.getElementById(id).dataset.points > 0)"
+CHARTS_DRAWN = ("() => ['chart-budget', 'chart-burn', 'chart-sli']"
+                ".every(id => document.getElementById(id).dataset.points > 0)")
 
 
 def chart(page, element_id: str) -> dict:

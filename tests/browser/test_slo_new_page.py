@@ -19,8 +19,9 @@ from tests.slo.conftest import event, insert_events, make_deployment
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
-CHARTS_DRAWN = "['chart-budget', 'chart-burn', 'chart-sli'].every(id => document.getElementById(id).dataset.points > 0)"
-CHARTS_EMPTY = "['chart-budget', 'chart-sli'].every(id => document.getElementById(id).dataset.points === '0')"
+CHARTS_DRAWN = ("() => ['chart-budget', 'chart-burn', 'chart-sli']"
+                ".every(id => document.getElementById(id).dataset.points > 0)")
+CHARTS_EMPTY = "() => ['chart-budget', 'chart-sli'].every(id => document.getElementById(id).dataset.points === '0')"
 
 
 def traffic(minutes_ago: range, *, per_minute: int, slow: int) -> None:
@@ -81,7 +82,7 @@ def test_a_new_slo_page_shows_its_first_evaluation_and_the_next_without_errors(l
     first = SloStatus.objects.get(slo=slo)
     assert first.evaluated_at is not None and first.state == "ok"
     page.wait_for_function(CHARTS_DRAWN, timeout=30000)
-    page.wait_for_function("document.getElementById('state').dataset.state === 'ok'", timeout=30000)
+    page.wait_for_function("() => document.getElementById('state').dataset.state === 'ok'", timeout=30000)
     now_shown = shown(page)
     assert now_shown["badge"] == "ok" and now_shown["figure"] == f"{first.budget_remaining * 100:.1f}%"
     assert f"{float(now_shown['last']):.1f}%" == now_shown["figure"]  # the chart ends on the card's figure
