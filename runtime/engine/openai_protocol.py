@@ -11,6 +11,7 @@ Shapes follow the recorded vLLM responses in tests/fixtures/vllm-0.32-cpu/.
 from __future__ import annotations
 
 import base64
+import math
 import secrets
 import struct
 import time
@@ -199,7 +200,12 @@ class _Fields:
 
     def number(self, name: str, default: float, minimum: float | None = None,
                maximum: float | None = None) -> float:
-        value = float(self.get(name, (int, float), default, "a number"))
+        try:
+            value = float(self.get(name, (int, float), default, "a number"))
+        except OverflowError:  # an integer beyond any float
+            raise bad_request(f"`{name}` is out of range.", name) from None
+        if not math.isfinite(value):  # 1e400 reads as infinity
+            raise bad_request(f"`{name}` must be a finite number, got {value}.", name)
         _check_range(name, value, minimum, maximum)
         return value
 
@@ -274,7 +280,11 @@ def _sampling_fields(fields: _Fields, defaults: GenerationDefaults,
         if unknown:
             raise bad_request(f"Unrecognized stream option `{sorted(unknown)[0]}`.",
                               "stream_options")
-        include_usage = stream_options.get("include_usage") is True
+        include_usage = stream_options.get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise bad_request(f"`stream_options.include_usage` must be a boolean, got {_json_type(include_usage)}.",
+                              "stream_options")
+        include_usage = include_usage is True
     top_k = fields.integer("top_k", defaults.top_k, minimum=-1)
     max_tokens = fields.integer(max_tokens_name, max_tokens_default, minimum=max_tokens_minimum)
     min_tokens = fields.integer("min_tokens", 0, minimum=0, maximum=max_tokens)
@@ -313,8 +323,9 @@ def _logit_bias(raw: dict[str, Any] | None) -> dict[int, float] | None:
         return None
     bias = {}
     for key, value in raw.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):  # not "²"
-            raise bad_request(f"`logit_bias` keys must be token ids, got {key!r}.", "logit_bias")
+        # Not "²"; and an id of 19 digits is out of every vocabulary (and of int()'s digit limit).
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 19):
+            raise bad_request(f"`logit_bias` keys must be token ids, got {key[:40]!r}.", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise bad_request(f"`logit_bias` values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
@@ -395,6 +406,8 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
         if message.get("tool_calls"):
             raise bad_request("Tool calls are not supported by this server.",
                               f"{param}.tool_calls")
+        if not isinstance(message.get("name"), (str, type(None))):
+            raise bad_request(f"`{param}.name` must be a string.", f"{param}.name")
         unknown = set(message) - {"role", "content", "name", "tool_calls"}
         if unknown:
             name = sorted(unknown)[0]

@@ -58,7 +58,7 @@ class SamplingParams:
         self.stop = [s for s in self.stop if s]
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too: it reached the sampler and stopped the engine loop
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

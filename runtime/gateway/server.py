@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from runtime.gateway import heartbeat, jsonlog
+from runtime.gateway import heartbeat, jsonbody, jsonlog
 from runtime.gateway.contract import (
     DEGRADED,
     INTERNAL,
@@ -45,6 +45,7 @@ from runtime.gateway.contract import (
     hash_api_key,
     slo_targets_field,
 )
+from runtime.gateway.http_protocol import DEFAULT_READ_TIMEOUT_S, protocol_class
 from runtime.gateway.limits import Admission, RateLimiter, Refusal, estimate_prompt_tokens
 from runtime.gateway.metrics import GatewayMetrics
 from runtime.gateway.proxy import CONNECT, TIMEOUT, Opened, StreamObserver, Upstream, UpstreamFailure, read_usage
@@ -242,7 +243,11 @@ def _header(scope: dict, name: bytes) -> bytes | None:
     return None
 
 
-async def _read_body(receive: Any, limit: int) -> bytes:
+async def _read_body(scope: dict, receive: Any, limit: int) -> bytes:
+    too_large = GatewayError(413, f"Request body larger than {limit} bytes.", "BadRequestError", "bad_request")
+    declared = _header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large  # refused before a byte of it is read
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -251,7 +256,7 @@ async def _read_body(receive: Any, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise GatewayError(413, f"Request body larger than {limit} bytes.", "BadRequestError", "bad_request")
+            raise too_large
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks)
@@ -398,7 +403,7 @@ class Gateway:
         task = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
         try:
-            body = await _read_body(receive, self.settings.max_body_bytes)
+            body = await _read_body(scope, receive, self.settings.max_body_bytes)
             watcher = asyncio.create_task(self._watch_disconnect(receive, record, task))
             await self._serve(scope, body, send, record)
         except GatewayError as error:
@@ -472,8 +477,8 @@ class Gateway:
         snapshot = self.state.snapshot
         record.key = key = await self._authenticate(scope)
         try:
-            payload = json.loads(body)
-        except ValueError as exc:
+            payload = jsonbody.loads(body)
+        except jsonbody.MalformedBody as exc:
             raise _bad_request(f"Malformed JSON body: {exc}", "body") from None
         if not isinstance(payload, dict):
             raise _bad_request("The request body must be a JSON object.", "body")
@@ -508,9 +513,11 @@ class Gateway:
         strip_usage = False
         if record.stream:
             options = payload.get("stream_options")
-            if not (isinstance(options, dict) and options.get("include_usage") is True):
+            # Asked for unless the client did; a stream_options of the wrong shape goes on as it came,
+            # for the replica to refuse.
+            if options is None or isinstance(options, dict) and options.get("include_usage") in (None, False):
                 # The gateway needs the token counts; the client gets the stream it asked for.
-                payload["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+                payload["stream_options"] = {**(options or {}), "include_usage": True}
                 changed = strip_usage = True
         if changed:
             body = json.dumps(payload).encode()
@@ -771,6 +778,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency-lease", type=float, default=defaults.concurrency_lease_s,
                         help="seconds a concurrency slot lives unless renewed (frees slots of a crashed "
                              "gateway) (default: %(default)s)")
+    parser.add_argument("--request-read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                        help="seconds a client has to send a whole request, headers and body, from connecting or "
+                             "from the request's first byte; later it gets a 408 and the connection is closed "
+                             "(slow clients and slow-loris attacks) (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="log level (default: %(default)s)")
 
@@ -805,7 +816,8 @@ def main(args: argparse.Namespace) -> int:
 
     json_lines = jsonlog.configure(args.log_level)
     settings = settings_from_args(args)
-    config = uvicorn.Config(Gateway(settings), host=args.host, port=args.port, loop="uvloop", http="httptools",
+    config = uvicorn.Config(Gateway(settings), host=args.host, port=args.port, loop="uvloop",
+                            http=protocol_class(args.request_read_timeout),
                             lifespan="on", log_level=args.log_level, access_log=False, timeout_keep_alive=30,
                             backlog=4096, timeout_graceful_shutdown=5,
                             log_config=None if json_lines else uvicorn.config.LOGGING_CONFIG)

@@ -28,6 +28,7 @@ from runtime.engine.server.settings import (
 )
 from runtime.engine.slo_scheduling import POLICIES, SloTargets
 from runtime.gateway import jsonlog
+from runtime.gateway.http_protocol import DEFAULT_READ_TIMEOUT_S, protocol_class
 
 if TYPE_CHECKING:  # both import torch, which loads in the model thread
     from runtime.engine.encoder import EmbeddingModel
@@ -212,6 +213,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--max-body-bytes", type=_size_in_bytes, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (larger ones get 413)")
+    server.add_argument("--request-read-timeout", type=_non_negative, default=DEFAULT_READ_TIMEOUT_S,
+                        help="seconds a client has to send a whole request, headers and body, from "
+                             "connecting or from the request's first byte; later it gets a 408 and the "
+                             "connection is closed (slow clients and slow-loris attacks)")
     server.add_argument("--drain-timeout", type=_non_negative, default=30.0,
                         help="seconds SIGTERM waits for in-flight requests")
     server.add_argument("--admin-token", default=None,
@@ -277,6 +282,7 @@ def main(args: argparse.Namespace) -> int:
                        ", ".join(defaults.ignored))
     replica = ReplicaServer(build_backend(args), settings)
     config = uvicorn.Config(replica.build_app(), host=args.host, port=args.port,
+                            http=protocol_class(args.request_read_timeout),
                             log_level=args.log_level, lifespan="on",
                             log_config=None if json_lines else uvicorn.config.LOGGING_CONFIG,
                             # Our own drain waited already; what is left after it is cut.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,7 +20,7 @@ from typing import Any, TypeVar
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -59,7 +58,7 @@ from runtime.engine.server.generation import (
 from runtime.engine.server.responses import SSE_HEADERS, error_response, unavailable_error
 from runtime.engine.server.settings import ServerSettings, target_ms
 from runtime.engine.slo_scheduling import SloTargets
-from runtime.gateway import jsonlog
+from runtime.gateway import jsonbody, jsonlog
 from runtime.gateway.contract import SLO_TPOT_HEADER, SLO_TTFT_HEADER
 
 logger = logging.getLogger("inferops.serve")
@@ -74,14 +73,17 @@ async def read_json_body(request: Request, limit: int) -> Any:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # a missing or lying Content-Length must not get past the limit
-            raise too_large
-        chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:  # a missing or lying Content-Length must not get past the limit
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by the read deadline: no one to answer, nothing to log
+        raise OpenAIError(499, "The client went away before its request body arrived.") from None
+    try:
+        return jsonbody.loads(b"".join(chunks))
+    except jsonbody.MalformedBody as exc:
         raise bad_request(f"Malformed JSON body: {exc}", "body") from None
 
 
