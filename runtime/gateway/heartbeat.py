@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 
 from redis.exceptions import RedisError
 
+from runtime.gateway import clock
 from runtime.gateway.contract import GATEWAY_HEARTBEAT_S, GATEWAYS_KEY
 
 logger = logging.getLogger(__name__)
@@ -21,12 +21,14 @@ logger = logging.getLogger(__name__)
 
 def gateway_entry(instance: str, address: str) -> str:
     return json.dumps({"instance": instance, "address": address, "metrics_path": "/metrics",
-                       "seen_at": time.time()})
+                       "seen_at": clock.now()})
 
 
 async def beat(redis, instance: str, address: str) -> None:
-    """Refresh this gateway's entry until cancelled; a Redis outage only delays the next beat."""
+    """Refresh this gateway's entry (and its clock's offset) until cancelled; a Redis outage only
+    delays the next beat."""
     while True:
+        await clock.sync(redis)
         try:
             await redis.hset(GATEWAYS_KEY, instance, gateway_entry(instance, address))
         except (RedisError, OSError) as exc:

@@ -35,7 +35,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
-from runtime.gateway import heartbeat, jsonbody, jsonlog
+from runtime.gateway import clock, heartbeat, jsonbody, jsonlog
 from runtime.gateway.contract import (
     DEGRADED,
     INTERNAL,
@@ -124,7 +124,7 @@ class RequestRecord:
     trace_headers: dict[str, str] = field(default_factory=dict)  # traceparent/tracestate to pass on
     # The tenant's SLO targets for a built-in replica (the only client headers passed on are the two above).
     slo_headers: dict[str, str] = field(default_factory=dict)
-    started_at: float = field(default_factory=time.time)  # epoch, the event's "time"
+    started_at: float = field(default_factory=clock.now)  # epoch by Redis's clock, the event's "time"
     started: float = field(default_factory=time.perf_counter)
     key: ApiKey | None = None
     priority: int = 0  # the request's effective priority: its key's, or lower if the client asked
@@ -574,7 +574,7 @@ class Gateway:
         key = await self.state.find_key(hash_api_key(header[7:].strip().decode(errors="replace")))
         if key is None:
             raise GatewayError(401, "Invalid API key.", "AuthenticationError", "auth")
-        if key.expired(time.time()):
+        if key.expired(clock.now()):
             raise GatewayError(401, f"API key {key.prefix} has expired.", "AuthenticationError", "auth")
         return key
 

@@ -18,6 +18,7 @@ from collections import Counter
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from runtime.gateway import clock
 from runtime.gateway.contract import TTFT_VERDICTS_TTL_S, ttft_verdict_field, ttft_verdicts_key
 from runtime.gateway.state import RedisHealth
 from runtime.gateway.usage import BackgroundWriter
@@ -37,7 +38,7 @@ class TtftVerdicts(BackgroundWriter):
         return TtftWatch(self, deployment, deadlines_ms, started)
 
     def count(self, deployment: str, deadline_ms: float, good: bool) -> None:
-        minute, second = divmod(int(time.time()), 60)
+        minute, second = divmod(int(clock.now()), 60)
         self._counts[(ttft_verdicts_key(deployment, minute), ttft_verdict_field(deadline_ms, second, good))] += 1
 
     async def flush(self) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -153,3 +155,25 @@ def test_error_fixture_shape_matches_ours():
     recorded = json.loads((FIXTURES / "error-unknown-model.json").read_text())
     ours = json.loads(GatewayError(404, "x", "NotFoundError", "not_found", "model").body)
     assert set(ours["error"]) == set(recorded["error"]) and ours["error"]["code"] == recorded["error"]["code"]
+
+
+class _RedisMinutesBehind:
+    """A Redis whose clock (TIME) is five minutes behind this host's: a gateway 5 min ahead sees that."""
+
+    async def time(self) -> tuple[int, int]:
+        at = time.time() - 300
+        return int(at), int(at % 1 * 1_000_000)
+
+
+def test_a_gateway_minutes_ahead_dates_its_usage_and_heartbeat_by_redis_clock(monkeypatch):
+    """Chaos suite, clock_skew: usage events carried the gateway host's time, so a host 5 min ahead put
+    usage 5 min in the ledger's future."""
+    from runtime.gateway import clock, heartbeat
+    from runtime.gateway.server import RequestRecord
+
+    monkeypatch.setattr(clock, "offset_s", 0.0)
+    asyncio.run(clock.sync(_RedisMinutesBehind()))
+    assert clock.offset_s == pytest.approx(-300, abs=0.5)
+    assert RequestRecord("chat").started_at == pytest.approx(time.time() - 300, abs=0.5)
+    entry = json.loads(heartbeat.gateway_entry("gw", "10.0.0.1:8080"))
+    assert entry["seen_at"] == pytest.approx(time.time() - 300, abs=0.5)
