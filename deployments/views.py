@@ -38,7 +38,8 @@ def deployment_list(request):
 @login_required
 def deployment_create(request):
     require_operator(request, "Changing deployments")
-    form = DeploymentForm(request.POST or None)
+    # Not `request.POST or None`: an empty POST is still a submission, refused field by field.
+    form = DeploymentForm(request.POST if request.method == "POST" else None)
     if request.method == "POST":
         if created := form.create(request.user):
             messages.success(request, f"Deployment {created.name} created: v{created.version.number} "
@@ -54,7 +55,8 @@ def deployment_edit(request, name: str):
     diff and applied once the person confirms that diff."""
     require_operator(request, "Changing deployments")
     deployment = get_object_or_404(deployment_queryset(), name=name)
-    form = DeploymentEditForm(deployment, request.POST or None, initial=edit_initial(deployment))
+    form = DeploymentEditForm(deployment, request.POST if request.method == "POST" else None,
+                              initial=edit_initial(deployment))
     context = {"form": form, "title": f"Change {name}", "deployment": deployment}
     if request.method != "POST":
         return render(request, "deployments/form.html", context)

@@ -259,3 +259,12 @@ def test_viewer_cannot_start_a_rollout(client, make_user, deployment):
     response = client.post("/deployments/chat/rollouts/new/", {"rollout-version": "2", "rollout-strategy": "canary",
                                                                "rollout-override_reason": "x"})
     assert response.status_code == 403
+
+
+def test_an_empty_submission_is_refused_field_by_field_not_a_server_error(operator, deployment):
+    """Issue 40 (the permissions matrix): an empty POST left the form unbound, and reading it was a 500."""
+    for page in ("/deployments/new/", "/deployments/chat/edit/"):
+        response = operator.post(page, {})
+        assert response.status_code == 400, (page, response.status_code)
+        assert "This field is required." in text_of(response), page
+    assert Deployment.objects.count() == 1 and not AuditEvent.objects.exists()
