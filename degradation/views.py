@@ -59,7 +59,9 @@ class JSONListField(forms.CharField):
             raise ValidationError(f"Not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno}).") from None
 
     def prepare_value(self, value):
-        return value if isinstance(value, str) else json.dumps(readable_levels(value), indent=2)
+        if value is None or isinstance(value, str):  # None: a form posted without the box, shown empty
+            return value
+        return json.dumps(readable_levels(value), indent=2)
 
 
 def readable_levels(levels: list[dict]) -> list[dict]:

@@ -239,3 +239,10 @@ def test_the_chart_spans_the_policys_life_between_a_quarter_hour_and_six_hours(b
     chart = chart_of(browser_as("viewer").get(PAGE))
     assert len(chart["times"]) == minutes + 1
     assert chart["level"]["x"][0] == chart["times"][0]
+
+
+def test_a_policy_posted_without_its_fields_is_refused_not_a_server_error(browser_as, deployment, slo):
+    """Issue 40 (the permissions matrix): the levels box rendered back from no value at all was a 500."""
+    response = browser_as("operator").post(POLICY, {})
+    assert response.status_code in (302, 400), response.status_code
+    assert not DegradationPolicy.objects.exists()
