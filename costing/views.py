@@ -20,6 +20,7 @@ from costing.choices import RESOURCE_UNITS, Tier
 from costing.ledger import resources_held
 from costing.models import Budget, Price
 from costing.report import allocation_method, report_in_cents
+from inferops.console import tell_and_return
 from inferops.forms import apply_service
 from inferops.roles import require_operator
 from registry.models import RegisteredModel
@@ -108,9 +109,9 @@ def price_book(request):
 def price_delete(request, pk: int):
     require_operator(request, "Changing prices")
     price = get_object_or_404(Price, pk=pk)
-    services.price_delete(price=price, actor=request.user)
-    messages.success(request, f"Price removed: {price}.")
-    return redirect("costing:prices")
+    # A price already charged is refused (a Conflict): said on the page, not a server error.
+    return tell_and_return(request, lambda: services.price_delete(price=price, actor=request.user),
+                           f"Price removed: {price}.", "costing:prices")
 
 
 class BudgetForm(forms.Form):

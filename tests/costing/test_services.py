@@ -256,3 +256,13 @@ def test_the_beat_tasks_run_and_a_second_close_finds_nothing_to_do():
     assert tasks.close_months.run() == []
     assert ClosedMonth.objects.get(month=datetime(2026, 3, 1).date()).report["total_usd"] == "0.6000"
     assert tasks.evaluate_budgets.run() == {"firing": 0, "resolved": 0}
+
+
+def test_removing_a_charged_price_in_the_console_says_why_not_a_server_error(client, make_user):
+    """Issue 40 (the permissions matrix): the service's refusal reached the console as a 500."""
+    charged = price("memory", "0.01", at(-24))
+    client.force_login(make_user("operator"))
+    response = client.post(f"/costs/prices/{charged.pk}/delete/", follow=True)
+    assert response.status_code == 200
+    assert "This price has been charged already" in response.content.decode()
+    assert Price.objects.filter(pk=charged.pk).exists()
