@@ -68,13 +68,13 @@ def test_operator_reads_the_budgets_and_manages_slos(live_server, page, burning_
     page.wait_for_url(f"{live_server.url}/slos/{availability.pk}/")
     assert "Back-filled" in page.locator("#backfill").inner_text()
     page.wait_for_function(
-        "['chart-budget', 'chart-burn', 'chart-sli'].every(id => document.getElementById(id).dataset.points > 0)",
+        "() => ['chart-budget', 'chart-burn', 'chart-sli'].every(id => document.getElementById(id).dataset.points > 0)",
         timeout=30000)
     assert page.locator("#chart-burn").get_attribute("data-thresholds") == "4"
     assert "page 14.4×" in page.locator("#chart-burn").inner_text()
     page.evaluate("document.getElementById('chart-burn').dataset.points = 0")
     page.select_option("#burn-range", "3600")
-    page.wait_for_function("document.getElementById('chart-burn').dataset.points > 0")
+    page.wait_for_function("() => document.getElementById('chart-burn').dataset.points > 0")
     # One point per minute of the last hour (the API includes both ends).
     assert 60 <= int(page.locator("#chart-burn").get_attribute("data-points")) <= 62
     history = page.locator("#alerts tbody").inner_text()

@@ -254,7 +254,7 @@ def test_the_slo_page_charts_each_runs_score_against_the_floor_and_links_it(live
     user.save()
     log_in(page, live_server.url, user.username, "pw-viewer-123456")
     page.goto(f"{live_server.url}/slos/{slo.pk}/")
-    page.wait_for_function("document.getElementById('chart-quality').dataset.points == 2", timeout=30000)
+    page.wait_for_function("() => document.getElementById('chart-quality').dataset.points == 2", timeout=30000)
     chart = page.locator("#chart-quality")
     assert chart.get_attribute("data-links") == f"/evals/runs/{good.pk}/ /evals/runs/{bad.pk}/"
     assert page.evaluate("document.getElementById('chart-quality').layout.shapes[0].y0") == 0.8

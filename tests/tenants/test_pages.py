@@ -102,7 +102,7 @@ def test_usage_charts_and_list_counts(live_server, page, redis_conn):
     assert page.locator("#new-tenant").count() == 0  # viewers get no forms
 
     page.goto(f"{live_server.url}/tenants/acme/")
-    page.wait_for_function("document.getElementById('chart-requests').dataset.points > 0")
+    page.wait_for_function("() => document.getElementById('chart-requests').dataset.points > 0")
     assert int(page.locator("#chart-requests").get_attribute("data-points")) >= 2
     assert sorted(page.locator("#chart-requests .legendtext").all_text_contents()) == ["chat", "embed"]
     assert "38 requests" in page.locator("#usage-totals").inner_text()
