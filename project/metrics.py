@@ -173,8 +173,8 @@ def usage_families(now: float | None = None) -> Iterator[Metric]:
     elif length:
         oldest = entry_time_s(client.xrange(USAGE_STREAM, count=1)[0][0])
     now = time.time() if now is None else now
-    stream = gauge("inferops_usage_stream_length", "Usage events held in the Redis stream (ingested ones included "
-                   "until trimmed)")
+    stream = gauge("inferops_usage_stream_length", "Usage events held in the Redis stream: not yet ingested "
+                   "(ingestion deletes what it acknowledges)")
     stream.add_metric([], length)
     pending = gauge("inferops_usage_stream_pending", "Usage events handed to an ingestion worker and not acknowledged")
     pending.add_metric([], pending_count)

@@ -379,7 +379,13 @@ class UsageIngestor:
         inserted = store_events(events)  # commits, or raises and leaves the batch pending
         if rejected:
             self.reject(rejected)
-        self.client.xack(STREAM_KEY, GROUP, *[entry_id for entry_id, _ in entries])
+        ids = [entry_id for entry_id, _ in entries]
+        # Deleted once acknowledged: the ledger has them, nothing else reads the stream, and kept
+        # they would fill Redis's memory up to the gateways' MAXLEN (a million events).
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.xack(STREAM_KEY, GROUP, *ids)
+            pipe.xdel(STREAM_KEY, *ids)
+            pipe.execute()
         self.report.read += len(entries)
         self.report.inserted += inserted
         self.report.rejected += len(rejected)

@@ -225,3 +225,17 @@ def test_idle_consumers_without_pending_entries_are_forgotten(redis_conn):
     assert ingest.forget_idle_consumers(redis_conn, idle_ms=0) == ["gone"]
     names = {c["name"] for c in redis_conn.xinfo_consumers(ingest.STREAM_KEY, ingest.GROUP)}
     assert names in ({"holding"}, {b"holding"})
+
+
+def test_ingested_events_leave_the_redis_stream_and_pending_ones_stay(redis_conn):
+    """Chaos suite, soak: acknowledged events stayed in the stream up to the gateways' MAXLEN (a million), so
+    Redis's memory grew with every request for days."""
+    xadd_events(redis_conn, [usage_event(time=MINUTE + i) for i in range(5)])
+    UsageIngestor().run(budget_s=5)
+    assert redis_conn.xlen(ingest.STREAM_KEY) == 0
+    assert UsageEvent.objects.count() == 5
+    # Handed to a worker that died before acknowledging: kept until it is claimed and stored.
+    xadd_events(redis_conn, [usage_event(time=MINUTE + 10)])
+    redis_conn.xreadgroup(ingest.GROUP, "dead-worker", {ingest.STREAM_KEY: ">"}, count=1)
+    UsageIngestor(claim_idle_ms=60_000).run(budget_s=1)
+    assert redis_conn.xlen(ingest.STREAM_KEY) == 1
