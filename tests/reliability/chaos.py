@@ -87,8 +87,17 @@ class TcpBalancer:
         await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
+        async def shutdown() -> None:
+            self._server.close()
+            pipes = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in pipes:
+                task.cancel()
+            await asyncio.gather(*pipes, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
 
 
 class Installation:
@@ -209,7 +218,8 @@ from registry import services as registry
 from deployments import services as deployments
 from tenants import services as tenants
 model = registry.model_create(name="tiny", task="generate", actor=None)
-registry.version_register(model=model, artifact_uri={str(self.checkpoint)!r}, actor=None)
+for _ in range(2):  # version 2 for the rollout scenario
+    registry.version_register(model=model, artifact_uri={str(self.checkpoint)!r}, actor=None)
 deployments.deployment_create(name="chat", model=model, version=1, replicas={replicas}, actor=None)
 tenant = tenants.tenant_create(name="acme", actor=None)
 print(tenants.key_create(tenant=tenant, name="load", actor=None, deployments=["chat"])[1])
