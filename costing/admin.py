@@ -1,56 +1,46 @@
+"""Read-only admin pages: prices, list prices and budgets change through the API or the console, whose
+services check overlaps and closed months and record each write in the audit log; the ledger's rows are
+written by its tasks alone."""
+
 from django.contrib import admin
 
 from costing.models import Adjustment, Budget, ClosedMonth, CostHour, ListPrice, Price, ReplicaLife
+from inferops.admin import ServiceAdmin
 
 
 @admin.register(Price)
-class PriceAdmin(admin.ModelAdmin):
+class PriceAdmin(ServiceAdmin):
     list_display = ["resource", "tier", "usd_per_hour", "effective_from", "effective_to", "created_by"]
     list_filter = ["tier", "resource"]
 
-    def has_change_permission(self, request, obj=None):
-        return False  # through the API or the console, which check overlaps and closed months
-
 
 @admin.register(ListPrice)
-class ListPriceAdmin(admin.ModelAdmin):
+class ListPriceAdmin(ServiceAdmin):
     list_display = ["deployment", "tenant", "usd_per_mtok_prompt", "usd_per_mtok_completion", "effective_from"]
 
 
 @admin.register(Budget)
-class BudgetAdmin(admin.ModelAdmin):
+class BudgetAdmin(ServiceAdmin):
     list_display = ["tenant", "deployment", "monthly_usd", "thresholds", "updated_at"]
 
 
 @admin.register(ReplicaLife)
-class ReplicaLifeAdmin(admin.ModelAdmin):
+class ReplicaLifeAdmin(ServiceAdmin):
     list_display = ["deployment", "version", "replica_ref", "node", "started_at", "ended_at", "cpus", "gpu_count"]
     list_filter = ["deployment", "driver"]
 
-    def has_change_permission(self, request, obj=None):
-        return False  # written by the ledger task only
-
 
 @admin.register(CostHour)
-class CostHourAdmin(admin.ModelAdmin):
+class CostHourAdmin(ServiceAdmin):
     list_display = ["hour", "deployment", "version", "life", "minutes", "usd"]
     list_filter = ["deployment"]
 
-    def has_change_permission(self, request, obj=None):
-        return False
-
 
 @admin.register(ClosedMonth)
-class ClosedMonthAdmin(admin.ModelAdmin):
+class ClosedMonthAdmin(ServiceAdmin):
     list_display = ["month", "closed_at"]
-
-    def has_change_permission(self, request, obj=None):
-        return False  # frozen
 
 
 @admin.register(Adjustment)
-class AdjustmentAdmin(admin.ModelAdmin):
+class AdjustmentAdmin(ServiceAdmin):
     list_display = ["booked_month", "source_month", "tenant", "deployment", "version", "usd"]
-
-    def has_change_permission(self, request, obj=None):
-        return False

@@ -251,13 +251,13 @@ ADMIN_MODELS: dict[str, tuple[str, ...]] = {
     "alerts.receiver": ("add", "change", "delete"),
     "alerts.notification": (),
     "alerts.delivery": (),
-    "costing.price": ("add", "delete"),
-    "costing.listprice": ("add", "change", "delete"),
-    "costing.budget": ("add", "change", "delete"),
-    "costing.replicalife": ("add", "delete"),
-    "costing.costhour": ("add", "delete"),
-    "costing.closedmonth": ("add", "delete"),
-    "costing.adjustment": ("add", "delete"),
+    "costing.price": (),
+    "costing.listprice": (),
+    "costing.budget": (),
+    "costing.replicalife": (),
+    "costing.costhour": (),
+    "costing.closedmonth": (),
+    "costing.adjustment": (),
 }
 
 
