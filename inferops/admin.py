@@ -8,12 +8,18 @@ delete only where its admin names the service for it; a service's refusal is sho
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.contrib.auth.admin import GroupAdmin, UserAdmin
+from django.contrib.auth.models import Group, User
 from django.core.exceptions import ValidationError
 from django.http import HttpResponseRedirect
+from rest_framework.authtoken.admin import TokenAdmin
+from rest_framework.authtoken.models import TokenProxy
 
 from inferops.api import Conflict
+from inferops.audit import audit_record, snapshot
 from inferops.login_limits import AdminLoginForm
 from inferops.models import AuditEvent
+from inferops.user_views import user_facts
 
 # The admin's sign-in counts failures with the console's.
 admin.site.login_form = AdminLoginForm
@@ -85,3 +91,56 @@ class AuditEventAdmin(admin.ModelAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+
+class AuditedAdmin(admin.ModelAdmin):
+    """Django's own pages (users, groups, API tokens), which have no service: each write they log in the
+    admin's history is recorded in the audit log too, as `<audit_name>.create`, `.update` or `.delete`."""
+
+    audit_name = ""
+
+    def audited(self, obj):
+        """The row the event names and what it keeps of it (never a password or a token)."""
+        return obj, snapshot(obj)
+
+    def audit(self, request, obj, verb: str) -> None:
+        named, facts = self.audited(obj)
+        audit_record(actor=request.user, action=f"{self.audit_name}.{verb}", obj=named,
+                     before=facts if verb == "delete" else None, after=None if verb == "delete" else facts)
+
+    def log_addition(self, request, obj, message):
+        self.audit(request, obj, "create")
+        return super().log_addition(request, obj, message)
+
+    def log_change(self, request, obj, message):  # the password page's change too
+        self.audit(request, obj, "update")
+        return super().log_change(request, obj, message)
+
+    def log_deletions(self, request, queryset):
+        for obj in queryset:
+            self.audit(request, obj, "delete")
+        return super().log_deletions(request, queryset)
+
+
+class AuditedUserAdmin(AuditedAdmin, UserAdmin):
+    audit_name = "user"
+
+    def audited(self, obj):
+        obj.__dict__.pop("_inferops_role", None)  # its groups, the role, may have just changed
+        return obj, user_facts(obj)
+
+
+class AuditedGroupAdmin(AuditedAdmin, GroupAdmin):
+    audit_name = "group"
+
+
+class AuditedTokenAdmin(AuditedAdmin, TokenAdmin):
+    audit_name = "token"
+
+    def audited(self, obj):
+        return obj.user, {"user": obj.user.username}  # a token's string is its key
+
+
+for model, model_admin in ((User, AuditedUserAdmin), (Group, AuditedGroupAdmin), (TokenProxy, AuditedTokenAdmin)):
+    admin.site.unregister(model)
+    admin.site.register(model, model_admin)

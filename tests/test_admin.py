@@ -57,3 +57,31 @@ def test_what_only_the_platform_writes_is_read_only_in_the_admin(admin_client):
     for page in ("/admin/inferops/auditevent/add/", "/admin/tenants/apikey/add/",
                  "/admin/deployments/replica/add/", "/admin/deployments/deployment/add/"):
         assert admin_client.get(page).status_code == 403, page
+
+
+def test_users_groups_and_api_tokens_written_in_the_admin_are_audited(admin_client):
+    """Issue 40 (the permissions table's audit check): Django's own admin pages wrote users, their roles
+    (groups) and API tokens with no audit event."""
+    from django.contrib.auth.models import Group
+    from rest_framework.authtoken.models import Token
+
+    response = admin_client.post("/admin/auth/user/add/", {
+        "username": "ana", "password1": "a-long-pass-phrase-1", "password2": "a-long-pass-phrase-1",
+        "usable_password": "true"})
+    assert response.status_code == 302, response.content.decode()[:2000]
+    ana = User.objects.get(username="ana")
+    response = admin_client.post(f"/admin/auth/user/{ana.pk}/password/", {
+        "password1": "another-pass-phrase-2", "password2": "another-pass-phrase-2", "usable_password": "true"})
+    assert response.status_code == 302
+    response = admin_client.post("/admin/auth/group/add/", {"name": "auditors"})
+    assert response.status_code == 302
+    response = admin_client.post("/admin/authtoken/tokenproxy/add/", {"user": ana.pk})
+    assert response.status_code == 302
+    key = Token.objects.get(user=ana).key
+    response = admin_client.post(f"/admin/auth/group/{Group.objects.get(name='auditors').pk}/delete/", {"post": "yes"})
+    assert response.status_code == 302
+    events = list(AuditEvent.objects.order_by("pk").values_list("action", "actor_name", "object_repr"))
+    assert events == [("user.create", "root", "ana"), ("user.update", "root", "ana"),
+                      ("group.create", "root", "auditors"), ("token.create", "root", "ana"),
+                      ("group.delete", "root", "auditors")]
+    assert key not in json.dumps(list(AuditEvent.objects.values("object_repr", "before", "after")))
