@@ -14,12 +14,14 @@ and adds the 30-minute soak. Figures go to bench/reliability/results/chaos.json.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.reliability.chaos import FAKETIME_LIB, Installation, Load, descendants, ledger_check, process_rss_kib
@@ -288,3 +290,85 @@ def test_soak_at_70_percent_of_saturation(installation):
     print(f"soak: {RESULTS['soak']}")
     assert summary["sent"] == summary["served"], summary
     assert max(growth.values()) <= 5, growth
+
+
+def test_no_secret_in_anything_the_run_wrote(installation):
+    """Last, after every scenario: API keys, API tokens, the integration token, the receiver's routing key,
+    SECRET_KEY and the replicas' admin token appear nowhere the installation wrote them for people or
+    other systems to read: logs, the usage spool and Redis's append-only file, any database row (but the
+    receiver's, which must keep its key to use it, and DRF's token table), error answers, and exports."""
+    made = json.loads(installation.shell("""
+import json
+from django.contrib.auth.models import User
+from rest_framework.authtoken.models import Token
+from alerts.inbound.alertmanager import integration_create
+from alerts.services import receiver_save
+from inferops.replica_admin import replica_admin_token
+admin = User.objects.create_superuser("secrets-admin", "", "pw-secrets-admin-123")
+receiver = receiver_save(instance=None, actor=admin, fields={"name": "pager", "kind": "pagerduty",
+    "url": "http://127.0.0.1:9/v2/enqueue", "routing_key": "R0UTINGKEY" + "x" * 22})
+print(json.dumps({"token": Token.objects.create(user=admin).key,
+                  "integration": integration_create(name="team-am", actor=admin)[1],
+                  "routing_key": receiver.routing_key, "replica_admin": replica_admin_token()}))
+""").splitlines()[-1])
+    secrets_ = {"tenant API key": installation.key, "API token": made["token"],
+                "integration token": made["integration"],
+                "receiver routing key": made["routing_key"], "replica admin token": made["replica_admin"],
+                "SECRET_KEY": installation.env()["SECRET_KEY"]}
+    web = f"http://127.0.0.1:{installation.web_port}"
+    answers: list[str] = []
+
+    def keep(response: httpx.Response) -> httpx.Response:
+        answers.append(f"{response.request.method} {response.request.url} -> {response.status_code} "
+                       f"{dict(response.headers)} {response.text}")
+        return response
+
+    api = httpx.Client(base_url=web, headers={"Authorization": f"Token {made['token']}"}, timeout=30)
+    # The integration's token at work: an alert, routed to the receiver, whose deliveries fail (nothing on :9).
+    alert = {"version": "4", "alerts": [{"status": "firing", "annotations": {}, "startsAt": "2026-01-01T00:00:00Z",
+                                         "labels": {"alertname": "SecretsProbe", "severity": "page"}}]}
+    assert keep(httpx.post(f"{web}/api/v1/alerts/alertmanager/", json=alert, timeout=30,
+                           headers={"Authorization": f"Bearer {made['integration']}"})).status_code < 300
+    # Near misses: each secret with a character more, where each is checked.
+    keep(httpx.get(f"{web}/api/v1/models/", headers={"Authorization": f"Token {made['token']}x"}))
+    keep(httpx.post(f"{web}/api/v1/alerts/alertmanager/", json=alert,
+                    headers={"Authorization": f"Bearer {made['integration']}x"}))
+    for headers in ({"Authorization": f"Bearer {installation.key}x"}, {"Authorization": installation.key},
+                    {"Authorization": f"Bearer {installation.key}"}):
+        keep(httpx.post(f"{installation.gateway_url}/v1/chat/completions", headers=headers, timeout=30,
+                        json={"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}))
+    # What people read and export.
+    for path in ("/api/v1/audit/?limit=1000", "/api/v1/usage/?step=1d", "/api/v1/receivers/", "/api/v1/integrations/",
+                 "/api/v1/keys/", "/api/v1/tenants/"):
+        keep(api.get(path))
+    console = httpx.Client(base_url=web, timeout=30, follow_redirects=True)
+    csrf = console.get("/login/").cookies["csrftoken"]
+    console.post("/login/", data={"username": "secrets-admin", "password": "pw-secrets-admin-123",
+                                  "csrfmiddlewaretoken": csrf})
+    for path in ("/audit/", "/alerts/receivers/", "/costs/export.csv", "/tenants/acme/"):
+        keep(console.get(path))
+    wait_until(lambda: installation.sql("SELECT count(*) FROM alerts_delivery")[0][0] > 0,
+               "a delivery to the receiver", 60, 0.5)
+
+    found: list[str] = []
+
+    def scan(where: str, text: str) -> None:
+        found.extend(f"{name} in {where}" for name, secret in secrets_.items() if secret in text)
+
+    for path in installation.root.rglob("*"):
+        if path.is_file() and "pg" not in path.relative_to(installation.root).parts:
+            scan(str(path.relative_to(installation.root)), path.read_bytes().decode("utf-8", "replace"))
+    tables = [name for (name,) in installation.sql(
+        "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'")]
+    for table in tables:
+        if table in ("alerts_receiver", "authtoken_token"):
+            continue  # the receiver must keep its key to use it; DRF keeps token keys to compare them
+        for (row,) in installation.sql(f'SELECT t::text FROM "{table}" t'):
+            scan(f"table {table}", row)
+    for answer in answers:
+        scan(f"answer {answer[:80]}", answer)
+    assert len(answers) == 16 and len(tables) > 40
+    # The control: what is there is found (the receiver keeps its key, to use it).
+    receivers = installation.sql("SELECT t::text FROM alerts_receiver t")
+    assert made["routing_key"] in " ".join(row for (row,) in receivers)
+    assert found == []
