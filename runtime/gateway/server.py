@@ -246,7 +246,7 @@ def _header(scope: dict, name: bytes) -> bytes | None:
 async def _read_body(scope: dict, receive: Any, limit: int) -> bytes:
     too_large = GatewayError(413, f"Request body larger than {limit} bytes.", "BadRequestError", "bad_request")
     declared = _header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isdigit() and (len(declared) > 15 or int(declared) > limit):
         raise too_large  # refused before a byte of it is read
     chunks, size = [], 0
     while True:
@@ -515,7 +515,8 @@ class Gateway:
             options = payload.get("stream_options")
             # Asked for unless the client did; a stream_options of the wrong shape goes on as it came,
             # for the replica to refuse.
-            if options is None or isinstance(options, dict) and options.get("include_usage") in (None, False):
+            include_usage = options.get("include_usage") if isinstance(options, dict) else True
+            if options is None or include_usage is None or include_usage is False:
                 # The gateway needs the token counts; the client gets the stream it asked for.
                 payload["stream_options"] = {**(options or {}), "include_usage": True}
                 changed = strip_usage = True
