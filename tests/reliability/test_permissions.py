@@ -10,19 +10,33 @@ back after it, so every one sees the same objects (one of each kind, as tests/te
 from __future__ import annotations
 
 import copy
+import json
 import re
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from html.parser import HTMLParser
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import transaction
 from django.urls import URLResolver, get_resolver
+from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from alerts.inbound.alertmanager import integration_create
+from alerts.routing import services as routing_services
+from alerts.routing.models import EscalationPolicy, Route
 from alerts.services import ack_token
+from costing import services as costing_services
+from deployments.choices import RolloutStatus
+from deployments.models import Rollout
+from deployments.rollouts import services as rollouts
 from evals.runs import services as run_services
 from evals.sets import services as set_services
 from inferops.assets import plotly_bundle
+from inferops.models import AuditEvent
 from tenants import services as tenant_services
 from tenants.models import Tenant
 from tests.reliability.permissions_table import (
@@ -229,3 +243,332 @@ def test_every_url_answers_every_caller_as_the_table_says(world):
     assert not wrong, "\n".join(wrong)
 
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The audit check: one successful write per write the table lists, as the least role allowed to make it
+
+
+class FormFields(HTMLParser):
+    """The fields of a page's form, as a browser would submit it untouched (no button pressed)."""
+
+    def __init__(self, action: str | None):
+        super().__init__()
+        self.action, self.inside, self.fields, self.select, self.textarea = action, action is None, {}, None, None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "form":
+            self.inside = self.action is None and attrs.get("method", "").lower() == "post" and not attrs.get(
+                "action") or attrs.get("action") == self.action
+        elif not self.inside or "name" not in attrs and tag != "option":
+            return
+        elif tag == "input" and attrs.get("type") not in ("submit", "button", "file"):
+            if attrs.get("type") not in ("checkbox", "radio") or "checked" in attrs:
+                self.fields.setdefault(attrs["name"], []).append(attrs.get("value", "on" if attrs.get(
+                    "type") in ("checkbox", "radio") else ""))
+        elif tag == "select":
+            self.select = attrs["name"]
+            self.fields.setdefault(self.select, [])
+        elif tag == "option" and self.select and "selected" in attrs:
+            self.fields[self.select].append(attrs.get("value", ""))
+        elif tag == "textarea":
+            self.textarea = attrs["name"]
+            self.fields[self.textarea] = [""]
+
+    def handle_data(self, data):
+        if self.textarea:
+            self.fields[self.textarea][0] += data
+
+    def handle_endtag(self, tag):
+        if tag == "form":
+            self.inside = False
+        elif tag == "select":
+            self.select = None
+        elif tag == "textarea":
+            self.textarea = None
+
+
+def form_of(client, page: str, action: str | None = None, **changes) -> dict:
+    """The form on `page` (the one posting to `action`, else the page's own), filled as shown, with `changes`."""
+    response = client.get(page)
+    assert response.status_code == 200, (page, response.status_code)
+    parser = FormFields(action)
+    parser.feed(response.content.decode())
+    fields = {name: values if len(values) > 1 else values[0]
+              for name, values in parser.fields.items() if values and name != "csrfmiddlewaretoken"}
+    return {**fields, **changes}
+
+
+def in_future(**delta) -> str:
+    return (timezone.now() + timedelta(**delta)).isoformat().replace("+00:00", "Z")
+
+
+def local(**delta) -> str:
+    return (timezone.now() + timedelta(**delta)).strftime("%Y-%m-%dT%H:%M")
+
+
+class Write:
+    """One write about to be made: `send(body)` makes it as the least role allowed, to the entry's URL."""
+
+    def __init__(self, client, path: str, method: str, kind: str, ids: dict, checkpoint):
+        self.client, self.path, self.method, self.kind, self.ids, self.checkpoint = (
+            client, path, method, kind, ids, checkpoint)
+
+    def send(self, body=None, path: str | None = None, **kwargs):
+        path = path or self.path
+        if self.kind == API:
+            return getattr(self.client, self.method)(path, body if body is not None else {}, format="json", **kwargs)
+        return self.client.post(path, body or {}, **kwargs)
+
+    def form(self, page: str | None = None, **changes):
+        """The console's own form for this URL, as the page shows it, with `changes`."""
+        return self.send(form_of(self.client, page or self.path, None if page is None else self.path, **changes))
+
+    def rollout(self):
+        return Rollout.objects.get(pk=self.ids["rollouts", "rollout_id"])
+
+    def aborted(self):
+        rollouts.rollout_abort(rollout=self.rollout(), actor=None)
+        return self
+
+    def paused(self):
+        """At its first pause or analysis step: what promote ends."""
+        rollout = self.rollout()
+        step = next(index for index, step in enumerate(rollout.steps) if "set_weight" not in step)
+        Rollout.objects.filter(pk=rollout.pk).update(status=RolloutStatus.PAUSED, step_index=step)
+        return self
+
+    def unused(self):
+        """The routes and the escalation policy gone: a receiver or schedule they use is not deleted."""
+        for policy in EscalationPolicy.objects.all():
+            routing_services.policy_delete(policy=policy, actor=None)
+        for route in Route.objects.filter(parent__isnull=False).order_by("-pk"):  # all but the default route
+            routing_services.route_delete(route=route, actor=None)
+        return self
+
+    def future_price(self):
+        price = costing_services.price_create(resource="memory", usd_per_hour=Decimal("0.01"),
+                                              effective_from=datetime(2099, 1, 1, tzinfo=UTC), actor=None)
+        return self.send(path=self.path.replace(f"/{self.ids['prices', 'pk']}/", f"/{price.pk}/"))
+
+
+def openslo_copy(w: Write):
+    text = w.client.get(f"/api/v1/slos/{w.ids['slos', 'pk']}/openslo/").content.decode()
+    return w.client.post(w.path, data=text.replace("chat-ttft", "chat-e2e").encode(), content_type="application/yaml")
+
+
+def deployment_edit(w: Write):
+    review = form_of(w.client, w.path, replicas="2")
+    token = re.search(r'name="confirm" value="([^"]+)"', w.send(review).content.decode()).group(1)
+    return w.send({**review, "confirm": token})
+
+
+def alertmanager_alert(w: Write):
+    _, token = integration_create(name="am-audit", actor=None)
+    w.client.credentials(HTTP_AUTHORIZATION=f"Bearer {token}")
+    return w.send({"receiver": "inferops", "status": "firing", "version": "4", "groupLabels": {}, "commonLabels": {},
+                   "commonAnnotations": {}, "externalURL": "http://alertmanager:9093", "alerts": [{
+                       "status": "firing", "labels": {"alertname": "NodeDown", "instance": "node-1"},
+                       "annotations": {}, "startsAt": in_future(), "endsAt": "0001-01-01T00:00:00Z",
+                       "generatorURL": "", "fingerprint": "f00d"}]})
+
+
+LAYER = {"name": "weekly", "rotation": "weekly", "starts_at": "2025-03-03T09:00:00Z", "users": ["viewer-api"]}
+SILENCE = {"matchers": [{"name": "alertname", "value": "DiskFull", "isRegex": False}], "startsAt": in_future(),
+           "endsAt": in_future(hours=2), "createdBy": "ana", "comment": "maintenance"}
+LEVELS = [{"name": "shed-batch", "enter_burn_rate": 5, "exit_burn_rate": 2, "actions": {"shed_below_priority": 5}}]
+DEGRADATION = {"enabled": True, "window": "5m", "hold_s": 60, "slos": [], "levels": LEVELS}
+SLO = {"name": "chat-e2e", "deployment": "chat", "sli": {"kind": "latency", "ttft_ms": 800}, "objective": 0.99,
+       "window": "1d", "budgeting": "occurrences"}
+NDJSON = "application/x-ndjson"
+
+# (url name, method) -> how to make one valid write through it (Write -> response).
+WRITES = {
+    # The REST API.
+    ("api-model-list", "post"): lambda w: w.send({"name": "other", "task": "generate"}),
+    ("api-model-detail", "patch"): lambda w: w.send({"description": "a tiny model"}),
+    ("api-version-list", "post"): lambda w: w.send({"artifact_uri": str(w.checkpoint)}),
+    ("api-alias-detail", "put"): lambda w: w.send({"version": 2}),
+    ("api-alias-detail", "delete"): lambda w: w.send(),
+    ("api-deployment-list", "post"): lambda w: w.send({"name": "chat-2", "model": "tiny", "version": 1,
+                                                       "replicas": 1}),
+    ("api-deployment-detail", "patch"): lambda w: w.send({"replicas": 2}),
+    ("api-deployment-detail", "delete"): lambda w: w.send(),
+    ("api-rollout-list", "post"): lambda w: w.aborted().send({"version": 2}),
+    ("api-rollout-undo", "post"): lambda w: w.send(),
+    ("api-rollout-detail", "patch"): lambda w: w.send({"auto_rollback": not w.rollout().auto_rollback}),
+    ("api-rollout-promote", "post"): lambda w: w.paused().send(),
+    ("api-rollout-abort", "post"): lambda w: w.send(),
+    ("api-rollout-retry", "post"): lambda w: w.aborted().send(),
+    ("api-degradation", "put"): lambda w: w.send({**DEGRADATION, "hold_s": 120}),
+    ("api-degradation-override", "post"): lambda w: w.send({"level": 1, "until": "1h", "reason": "drill"}),
+    ("api-degradation-override", "delete"): lambda w: w.send(),
+    ("api-evalset-list", "post"): lambda w: w.send({"name": "other", "scorer": "exact"}),
+    ("api-evalset-detail", "patch"): lambda w: w.send({"description": "arithmetic"}),
+    ("api-evalset-version-list", "post"): lambda w: w.client.generic("POST", w.path, CASES, content_type=NDJSON),
+    ("api-eval-run-list", "post"): lambda w: w.send({"eval_set": "smoke", "target": {"deployment": "chat"}}),
+    ("api-eval-run-cancel", "post"): lambda w: w.send(),
+    ("api-slo-list", "post"): lambda w: w.send(SLO),
+    ("api-slo-detail", "patch"): lambda w: w.send({"objective": 0.99}),
+    ("api-slo-detail", "delete"): lambda w: w.send(),
+    ("api-slo-import", "post"): openslo_copy,
+    ("api-alertmanager-receiver", "post"): alertmanager_alert,
+    ("api-alert-ack", "post"): lambda w: w.send(),
+    ("api-alert-resolve", "post"): lambda w: w.send(),
+    ("api-alert-snooze", "post"): lambda w: w.send({"minutes": 30}),
+    ("api-alert-comments", "post"): lambda w: w.send({"text": "looking"}),
+    ("api-receiver-list", "post"): lambda w: w.send({"name": "hook-2", "url": "https://hooks.example/b"}),
+    ("api-receiver-detail", "patch"): lambda w: w.send({"url": "https://hooks.example/c"}),
+    ("api-receiver-detail", "delete"): lambda w: w.unused().send(),
+    ("api-integration-list", "post"): lambda w: w.send({"name": "am-2"}),
+    ("api-integration-detail", "delete"): lambda w: w.send(),
+    ("api-silence-list", "post"): lambda w: w.send(SILENCE),
+    ("api-silence-detail", "delete"): lambda w: w.send(),
+    ("api-route-list", "post"): lambda w: w.send({"matchers": [{"name": "severity", "value": "ticket", "op": "="}],
+                                                  "receiver": "hook"}),
+    ("api-route-detail", "patch"): lambda w: w.send({"group_wait_s": 10}),
+    ("api-route-detail", "put"): lambda w: w.send({"matchers": [{"name": "severity", "value": "page", "op": "="}],
+                                                   "receiver": "hook", "group_wait_s": 20}),
+    ("api-route-detail", "delete"): lambda w: w.send(),
+    ("api-policy-list", "post"): lambda w: w.send({"name": "p-2", "steps": [{"after_minutes": 0,
+                                                                             "receivers": ["hook"]}]}),
+    ("api-policy-detail", "put"): lambda w: w.send({"name": "chat-oncall", "steps": [{"after_minutes": 5,
+                                                                                      "receivers": ["hook"]}]}),
+    ("api-policy-detail", "delete"): lambda w: w.send(),
+    ("api-schedule-list", "post"): lambda w: w.send({"name": "secondary", "time_zone": "UTC", "layers": [LAYER]}),
+    ("api-schedule-detail", "put"): lambda w: w.send({"name": "primary", "time_zone": "Europe/Paris",
+                                                      "layers": [LAYER]}),
+    ("api-schedule-detail", "delete"): lambda w: w.unused().send(),
+    ("api-schedule-overrides", "post"): lambda w: w.send({"user": "viewer-api", "starts_at": "2025-03-05T00:00:00Z",
+                                                          "ends_at": "2025-03-05T06:00:00Z"}),
+    ("api-schedule-override-detail", "delete"): lambda w: w.send(),
+    ("api-tenant-list", "post"): lambda w: w.send({"name": "beta"}),
+    ("api-tenant-detail", "patch"): lambda w: w.send({"rpm_limit": 60}),
+    ("api-key-list", "post"): lambda w: w.send({"name": "ci-2"}),
+    ("api-key-detail", "delete"): lambda w: w.send(),
+    ("api-costing-prices", "post"): lambda w: w.send({"resource": "memory", "usd_per_hour": "0.01",
+                                                      "effective_from": "2099-01-01T00:00:00Z"}),
+    ("api-costing-price", "delete"): lambda w: w.future_price(),
+    ("api-costing-list-prices", "post"): lambda w: w.send({
+        "deployment": "chat", "usd_per_mtok_prompt": "2.00", "usd_per_mtok_completion": "5.00",
+        "effective_from": "2099-01-01T00:00:00Z"}),
+    ("api-costing-budgets", "post"): lambda w: w.send({"tenant": "acme", "deployment": "chat", "monthly_usd": "9.00"}),
+    ("api-costing-budget", "patch"): lambda w: w.send({"monthly_usd": "8.00"}),
+    ("api-costing-budget", "delete"): lambda w: w.send(),
+    # The console.
+    ("users", "post"): lambda w: w.send({"username": "dana", "email": "", "role": "operator", "password": ""}),
+    ("user-role", "post"): lambda w: w.send({"role": "operator"}),
+    ("user-deactivate", "post"): lambda w: w.send(),
+    ("registry:version-new", "post"): lambda w: w.send({"artifact_uri": str(w.checkpoint)}),
+    ("registry:alias-move", "post"): lambda w: w.send({"alias": "challenger", "version": "2"}),
+    ("deployments:create", "post"): lambda w: w.send({
+        "name": "chat-2", "version": "tiny:1", "backend": "builtin", "driver": "local", "replicas": "1"}),
+    ("deployments:edit", "post"): deployment_edit,
+    ("deployments:rollout-start", "post"): lambda w: w.aborted().form("/deployments/chat/", **{
+        "rollout-version": "2"}),
+    ("deployments:rollout-undo", "post"): lambda w: w.send(),
+    ("deployments:rollout-promote", "post"): lambda w: w.paused().send(),
+    ("deployments:rollout-promote-full", "post"): lambda w: w.send(),
+    ("deployments:rollout-abort", "post"): lambda w: w.send(),
+    ("deployments:rollout-retry", "post"): lambda w: w.aborted().send(),
+    ("deployments:rollout-auto-rollback-on", "post"): lambda w: (rollouts.rollout_set_auto_rollback(
+        rollout=w.rollout(), actor=None, auto_rollback=False), w.send())[1],
+    ("deployments:rollout-auto-rollback-off", "post"): lambda w: (rollouts.rollout_set_auto_rollback(
+        rollout=w.rollout(), actor=None, auto_rollback=True), w.send())[1],
+    ("degradation:policy", "post"): lambda w: w.send({
+        "policy-enabled": "on", "policy-window": "5m", "policy-hold_s": "90", "policy-levels": json.dumps(LEVELS)}),
+    ("degradation:override", "post"): lambda w: w.send({"override-level": "1", "override-until": "1h",
+                                                        "override-reason": "drill"}),
+    ("degradation:override-clear", "post"): lambda w: w.send({"reason": "over"}),
+    ("tenants:list", "post"): lambda w: w.send({"name": "beta"}),
+    ("tenants:detail", "post"): lambda w: w.send({"name": "ci-2", "priority": "0"}),
+    ("tenants:limits", "post"): lambda w: w.send({"limits-display_name": "", "limits-rpm_limit": "5"}),
+    ("tenants:key-revoke", "post"): lambda w: w.send(),
+    ("slo:create", "post"): lambda w: w.send(form_of(
+        w.client, w.path, name="chat-e2e", scope="deployment", deployment="chat", sli_kind="latency", ttft_ms="800",
+        objective="0.99", window="1d", budgeting="occurrences")),
+    ("slo:edit", "post"): lambda w: w.form(objective="0.99"),
+    ("evals:set-new", "post"): lambda w: w.send({"name": "other", "scorer": "exact"}),
+    ("evals:version-new", "post"): lambda w: w.send({"file": SimpleUploadedFile("cases.jsonl", CASES)}),
+    ("evals:run-cancel", "post"): lambda w: w.send(),
+    ("alerts:ack-link", "post"): lambda w: w.send(),
+    ("alerts:integrations", "post"): lambda w: w.send({"name": "am-2"}),
+    ("alerts:integration-deactivate", "post"): lambda w: w.send(),
+    ("alerts:silence-new", "post"): lambda w: w.send({"matchers": "alertname=DiskFull", "starts": local(),
+                                                      "ends": local(hours=2), "comment": "maintenance"}),
+    ("alerts:silence-edit", "post"): lambda w: w.form(comment="kernel upgrade, again"),
+    ("alerts:silence-expire", "post"): lambda w: w.send(),
+    ("alerts:acknowledge", "post"): lambda w: w.send(),
+    ("alerts:resolve", "post"): lambda w: w.send(),
+    ("alerts:snooze", "post"): lambda w: w.send({"minutes": "60"}),
+    ("alerts:comment", "post"): lambda w: w.send({"text": "looking"}),
+    ("alerts:schedule-new", "post"): lambda w: w.send(form_of(
+        w.client, w.path, **{"name": "secondary", "time_zone": "UTC", "layers-0-name": "weekly",
+                             "layers-0-rotation": "weekly", "layers-0-starts": "2025-03-03T09:00",
+                             "layers-0-users": "viewer-api"})),
+    ("alerts:schedule-edit", "post"): lambda w: w.form(description="the primary rota"),
+    ("alerts:schedule-delete", "post"): lambda w: w.unused().send(),
+    ("alerts:schedule-override-add", "post"): lambda w: w.send({"user": "viewer-api", "starts": "2025-03-05T00:00",
+                                                                "ends": "2025-03-05T06:00", "reason": "swap"}),
+    ("alerts:schedule-override-delete", "post"): lambda w: w.send(),
+    ("alerts:route-new", "post"): lambda w: w.send(form_of(w.client, w.path, matchers="severity=ticket",
+                                                           receiver="hook")),
+    ("alerts:route-edit", "post"): lambda w: w.form(group_wait_s="10"),
+    ("alerts:route-delete", "post"): lambda w: w.send(),
+    ("alerts:policy-new", "post"): lambda w: w.send(form_of(w.client, w.path, **{
+        "name": "p-2", "step-0-after_minutes": "0", "step-0-receivers": "hook"})),
+    ("alerts:policy-edit", "post"): lambda w: w.form(description="chat's on-call"),
+    ("alerts:policy-delete", "post"): lambda w: w.send(),
+    ("alerts:receiver-new", "post"): lambda w: w.send(form_of(w.client, w.path, name="hook-2", kind="webhook",
+                                                              url="https://hooks.example/b")),
+    ("alerts:receiver-edit", "post"): lambda w: w.form(url="https://hooks.example/c"),
+    ("alerts:receiver-delete", "post"): lambda w: w.unused().send(),
+    ("costing:prices", "post"): lambda w: w.send({"resource": "memory", "usd_per_hour": "0.01", "tier": "on-demand",
+                                                  "effective_from": "2099-01-01T00:00", "note": ""}),
+    ("costing:price-delete", "post"): lambda w: w.future_price(),
+    ("costing:budgets", "post"): lambda w: w.send({"tenant": "acme", "deployment": "chat", "monthly_usd": "9",
+                                                   "thresholds": "50, 100"}),
+}
+ACTOR = {VIEWER: "viewer-api", OPERATOR: "operator-api", ADMIN: "admin-api", SUPERUSER: "root"}
+
+
+def outcome(response) -> str | None:
+    """None for a write that went through, else what the answer says."""
+    location = response.get("Location", "")
+    if response.status_code >= 400 or "/login/" in location:
+        text = response.content.decode(errors="replace")
+        errors = re.findall(r'class="(?:errorlist|error|messages?)[^"]*"[^>]*>(.*?)</', text, re.S)
+        return f"{response.status_code} {location} {errors or text[:300]}"
+    return None
+
+
+def test_every_write_leaves_an_audit_event_naming_who_wrote(world, tiny_llama_dir):
+    ids, clients = world
+    routes = url_patterns()
+    table = {name: rule for name, rule in TABLE.items() if rule.write is not None and not rule.quiet}
+    missing = sorted(f"{name} {method}" for name, rule in table.items() for method in rule.methods
+                     if (name, method) not in WRITES)
+    assert not missing, f"writes with no valid request in WRITES (add one, or the table's reason it records none): "\
+                        f"{missing}"
+    wrong = []
+    for name, rule in table.items():
+        for method in rule.methods:
+            client = clients[rule.write] if rule.write in ACTOR else APIClient()
+            client.raise_request_exception = False
+            cookies = copy.copy(client.cookies)
+            write = Write(client, url_of(routes[name], ids), method, rule.kind, ids, tiny_llama_dir)
+            with transaction.atomic():
+                last = AuditEvent.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+                response = WRITES[name, method](write)
+                events = list(AuditEvent.objects.filter(pk__gt=last).values_list("action", "actor_name"))
+                transaction.set_rollback(True)
+            client.cookies = cookies
+            actor = ACTOR.get(rule.write)
+            if problem := outcome(response):
+                wrong.append(f"{name} {method.upper()}: refused, {problem}")
+            elif not events:
+                wrong.append(f"{name} {method.upper()}: no audit event")
+            elif actor and not any(who == actor for _, who in events):
+                wrong.append(f"{name} {method.upper()}: the audit events {events} do not name {actor}")
+    assert not wrong, "\n".join(wrong)
