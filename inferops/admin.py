@@ -55,6 +55,12 @@ class ServiceAdmin(admin.ModelAdmin):
     def save_related(self, request, form, formsets, change) -> None:
         pass  # the services write whole objects; admin pages here have no inlines
 
+    def get_deleted_objects(self, objs, request):
+        # The service decides what goes with the row (a deployment is marked deleted and keeps its rollouts):
+        # the admin pages of the rows Django would cascade to, read-only here, do not forbid it.
+        deleted, counts, _, protected = super().get_deleted_objects(objs, request)
+        return deleted, counts, set(), protected
+
     def delete_model(self, request, obj) -> None:
         self.delete_object(request, obj)
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from django.contrib.auth.models import User
+from django.utils import timezone
 
 from inferops.models import AuditEvent
 from inferops.redis_client import redis_client
@@ -85,3 +86,21 @@ def test_users_groups_and_api_tokens_written_in_the_admin_are_audited(admin_clie
                       ("group.create", "root", "auditors"), ("token.create", "root", "ana"),
                       ("group.delete", "root", "auditors")]
     assert key not in json.dumps(list(AuditEvent.objects.values("object_repr", "before", "after")))
+
+
+def test_a_deployment_with_rollouts_is_deleted_in_the_admin_through_its_service(admin_client):
+    """Issue 40 (the permissions table's audit check): the admin offered delete and then refused it (403)
+    because the rows it would cascade to (rollouts, replicas) have read-only admin pages; the service
+    marks the deployment deleted and keeps them."""
+    from deployments.models import Deployment, Rollout
+
+    model = registry_services.model_create(name="chat", task="generate", actor=None)
+    v1, v2 = make_version(model, 1), make_version(model, 2)
+    deployment = Deployment.objects.create(name="chat", model=model, version=v1, replicas=1)
+    Rollout.objects.create(deployment=deployment, stable_version=v1, candidate_version=v2,
+                           step_started_at=timezone.now())
+    response = admin_client.post(f"/admin/deployments/deployment/{deployment.pk}/delete/", {"post": "yes"})
+    assert response.status_code == 302, response.status_code
+    deployment.refresh_from_db()
+    assert deployment.deleted_at is not None and Rollout.objects.filter(deployment=deployment).exists()
+    assert AuditEvent.objects.filter(action="deployment.delete", actor_name="root").exists()
