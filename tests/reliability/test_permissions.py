@@ -17,7 +17,9 @@ from decimal import Decimal
 from html.parser import HTMLParser
 
 import pytest
-from django.contrib.auth.models import User
+from django.apps import apps
+from django.contrib.auth.models import Group, User
+from django.contrib.messages import get_messages
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import transaction
 from django.urls import URLResolver, get_resolver
@@ -340,17 +342,21 @@ class Write:
         return self
 
     def unused(self):
-        """The routes and the escalation policy gone: a receiver or schedule they use is not deleted."""
-        for policy in EscalationPolicy.objects.all():
-            routing_services.policy_delete(policy=policy, actor=None)
-        for route in Route.objects.filter(parent__isnull=False).order_by("-pk"):  # all but the default route
-            routing_services.route_delete(route=route, actor=None)
+        unused()
         return self
 
     def future_price(self):
         price = costing_services.price_create(resource="memory", usd_per_hour=Decimal("0.01"),
                                               effective_from=datetime(2099, 1, 1, tzinfo=UTC), actor=None)
         return self.send(path=self.path.replace(f"/{self.ids['prices', 'pk']}/", f"/{price.pk}/"))
+
+
+def unused():
+    """The routes and the escalation policy gone: a receiver or schedule they use is not deleted."""
+    for policy in EscalationPolicy.objects.all():
+        routing_services.policy_delete(policy=policy, actor=None)
+    for route in Route.objects.filter(parent__isnull=False).order_by("-pk"):  # all but the default route
+        routing_services.route_delete(route=route, actor=None)
 
 
 def openslo_copy(w: Write):
@@ -571,4 +577,94 @@ def test_every_write_leaves_an_audit_event_naming_who_wrote(world, tiny_llama_di
                 wrong.append(f"{name} {method.upper()}: no audit event")
             elif actor and not any(who == actor for _, who in events):
                 wrong.append(f"{name} {method.upper()}: the audit events {events} do not name {actor}")
+    assert not wrong, "\n".join(wrong)
+
+
+class AdminWrite:
+    """A superuser's add, change or delete of one row in the Django admin, through its own form."""
+
+    def __init__(self, client, label: str):
+        self.client, self.base = client, "/admin/{}/{}/".format(*label.split("."))
+
+    def add(self, **fields):
+        page = f"{self.base}add/"
+        return self.client.post(page, form_of(self.client, page, **fields))
+
+    def change(self, pk, **changes):
+        page = f"{self.base}{pk}/change/"
+        return self.client.post(page, form_of(self.client, page, **changes))
+
+    def delete(self, pk):
+        return self.client.post(f"{self.base}{pk}/delete/", {"post": "yes"})
+
+
+def fresh_user() -> User:
+    return User.objects.create_user("eve", password="pw-12345678")
+
+
+def row(model, **lookup) -> int:
+    return apps.get_model(model).objects.get(**lookup).pk
+
+
+PASSWORDS = {"password1": "a-long-pass-phrase-1", "password2": "a-long-pass-phrase-1", "usable_password": "true"}
+# (model, admin write) -> how to make it (AdminWrite -> response), for each write ADMIN_MODELS lists.
+ADMIN_WRITES = {
+    ("registry.registeredmodel", "add"): lambda a: a.add(name="other", task="generate"),
+    ("registry.registeredmodel", "change"): lambda a: a.change(row("registry.registeredmodel", name="tiny"),
+                                                               description="a tiny model"),
+    ("registry.alias", "add"): lambda a: a.add(model=str(row("registry.registeredmodel", name="tiny")),
+                                               name="challenger",
+                                               version=str(row("registry.modelversion", number=2))),
+    ("registry.alias", "change"): lambda a: a.change(row("registry.alias", name="champion"),
+                                                     version=str(row("registry.modelversion", number=2))),
+    ("registry.alias", "delete"): lambda a: a.delete(row("registry.alias", name="champion")),
+    ("deployments.deployment", "change"): lambda a: a.change(row("deployments.deployment", name="chat"), replicas="2"),
+    ("deployments.deployment", "delete"): lambda a: a.delete(row("deployments.deployment", name="chat")),
+    ("tenants.tenant", "add"): lambda a: a.add(name="beta"),
+    ("tenants.tenant", "change"): lambda a: a.change(row("tenants.tenant", name="acme"), rpm_limit="60"),
+    ("slo.slo", "add"): lambda a: a.add(name="chat-e2e", deployment=str(row("deployments.deployment", name="chat")),
+                                        sli_kind="latency", ttft_ms="800", objective="0.99", window="1d",
+                                        budgeting="occurrences"),
+    ("slo.slo", "change"): lambda a: a.change(row("slo.slo", name="chat-ttft"), objective="0.99"),
+    ("slo.slo", "delete"): lambda a: a.delete(row("slo.slo", name="chat-ttft")),
+    ("evals.evalset", "add"): lambda a: a.add(name="other", scorer="exact"),
+    ("evals.evalset", "change"): lambda a: a.change(row("evals.evalset", name="smoke"), description="arithmetic"),
+    ("alerts.receiver", "add"): lambda a: a.add(name="hook-2", kind="webhook", url="https://hooks.example/b"),
+    ("alerts.receiver", "change"): lambda a: a.change(row("alerts.receiver", name="hook"),
+                                                      url="https://hooks.example/c"),
+    ("alerts.receiver", "delete"): lambda a: (unused(), a.delete(row("alerts.receiver", name="hook")))[1],
+    ("auth.user", "add"): lambda a: a.add(username="eve", **PASSWORDS),
+    ("auth.user", "change"): lambda a: a.change(fresh_user().pk, first_name="Eve"),
+    ("auth.user", "delete"): lambda a: a.delete(fresh_user().pk),
+    ("auth.group", "add"): lambda a: a.add(name="auditors"),
+    ("auth.group", "change"): lambda a: a.change(Group.objects.create(name="auditors").pk, name="reviewers"),
+    ("auth.group", "delete"): lambda a: a.delete(Group.objects.create(name="auditors").pk),
+    ("authtoken.tokenproxy", "add"): lambda a: a.add(user=str(fresh_user().pk)),
+    ("authtoken.tokenproxy", "change"): lambda a: a.change(Token.objects.create(user=fresh_user()).user_id),
+    ("authtoken.tokenproxy", "delete"): lambda a: a.delete(Token.objects.create(user=fresh_user()).user_id),
+}
+
+
+def test_every_write_in_the_django_admin_leaves_an_audit_event(world):
+    _, clients = world
+    writes = [(label, write) for label, allows in ADMIN_MODELS.items() for write in allows]
+    missing = sorted(f"{label} {write}" for label, write in writes if (label, write) not in ADMIN_WRITES)
+    assert not missing, f"admin writes with no valid request in ADMIN_WRITES: {missing}"
+    client = clients[SUPERUSER]
+    wrong = []
+    for label, write in writes:
+        cookies = copy.copy(client.cookies)
+        with transaction.atomic():
+            last = AuditEvent.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+            response = ADMIN_WRITES[label, write](AdminWrite(client, label))
+            events = list(AuditEvent.objects.filter(pk__gt=last).values_list("action", "actor_name"))
+            transaction.set_rollback(True)
+        client.cookies = cookies
+        if problem := outcome(response):
+            wrong.append(f"{label} {write}: refused, {problem}")
+        elif not events:
+            messages = [str(m) for m in get_messages(response.wsgi_request)]
+            wrong.append(f"{label} {write}: no audit event ({response.status_code} {messages})")
+        elif not any(who == "root" for _, who in events):
+            wrong.append(f"{label} {write}: the audit events {events} do not name root")
     assert not wrong, "\n".join(wrong)
