@@ -8,8 +8,11 @@ from collections.abc import Mapping
 from datetime import datetime
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.core.validators import URLValidator
+from django.db import DataError, connection, transaction
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
+from psycopg.errors import NumericValueOutOfRange
 from rest_framework import exceptions, generics, serializers
 from rest_framework.metadata import SimpleMetadata
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -40,6 +43,18 @@ ERRORS = {
 CONFLICT = {409: OpenApiResponse(ErrorSerializer, description="Already exists.")}
 TOO_LARGE = {413: OpenApiResponse(ErrorSerializer, description="Request body too large.")}
 MIN_STEP_S = 15
+BIGINT_MAX = 2**63 - 1
+
+
+@extend_schema_field({"type": "string", "anyOf": [{"format": "uri"}, {"maxLength": 0}]})
+class UrlOrBlankField(serializers.URLField):
+    """A URL the model lets be blank, as an answer shows it: the schema says "a URL or empty", where a
+    URLField's `format: uri` would call "" invalid. Read-only: it validates nothing."""
+
+    def __init__(self, **kwargs):
+        super().__init__(read_only=True, **kwargs)
+        # drf-spectacular reads `format: uri` off the URLValidator too.
+        self.validators = [v for v in self.validators if not isinstance(v, URLValidator)]
 
 
 class RejectUnknownFields:
@@ -96,7 +111,25 @@ def exception_handler(exc, context):
     if isinstance(exc, DjangoValidationError):
         detail = exc.message_dict if hasattr(exc, "error_dict") else {"detail": exc.messages}
         exc = exceptions.ValidationError(detail)
+    # A number past Postgres's bigint (`?limit=10**30` reaches the pagination's LIMIT) is bad input, not a 500.
+    if isinstance(exc, DataError) and isinstance(exc.__cause__, NumericValueOutOfRange):
+        if connection.in_atomic_block:  # Postgres has aborted the transaction: it can only roll back
+            transaction.set_rollback(True)
+        exc = exceptions.ValidationError(_out_of_range(context["request"].query_params))
     return drf_exception_handler(exc, context)
+
+
+def _out_of_range(params) -> dict[str, list[str]]:
+    """The query parameters whose numbers no bigint holds, each with its reason; else a `detail`."""
+    too_large = {}
+    for name, value in params.items():
+        try:
+            number = int(value)
+        except ValueError:
+            continue
+        if abs(number) > BIGINT_MAX:
+            too_large[name] = [f"Ensure this value is less than or equal to {BIGINT_MAX}."]
+    return too_large or {"detail": "A number in the request is out of range."}
 
 
 class AuditEventSerializer(serializers.ModelSerializer):

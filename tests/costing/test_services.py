@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.db import transaction
 from django.utils import timezone
 
 from alerts.models import Alert
@@ -16,6 +17,7 @@ from costing.report import report_for
 from inferops.models import AuditEvent
 from tenants.models import Tenant
 from tests.costing.conftest import at, make_deployment, make_replica, price, usage
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 PRICES = "/api/v1/costing/prices/"
@@ -266,3 +268,20 @@ def test_removing_a_charged_price_in_the_console_says_why_not_a_server_error(cli
     assert response.status_code == 200
     assert "This price has been charged already" in response.content.decode()
     assert Price.objects.filter(pk=charged.pk).exists()
+
+
+def test_a_page_limit_or_offset_past_bigint_is_a_400_not_a_500(api):
+    # Found by the REST fuzzer (issue 40): the pagination's LIMIT reached Postgres as a bigint it cannot hold.
+    price("cpu", "0.05", timezone.now())  # an empty table answers before any LIMIT is sent
+    viewer = api("viewer")
+
+    def get(query: str):
+        with transaction.atomic():  # as a request outside the test's transaction: Postgres refused the query
+            return viewer.get(f"/api/v1/costing/prices/?{query}")
+
+    response = get("limit=998314218990377631744&offset=false")
+    assert response.status_code == 400
+    assert response.json() == {"limit": ["Ensure this value is less than or equal to 9223372036854775807."]}
+    assert_answer_matches_schema(response, "GET", "/api/v1/costing/prices/")
+    assert get(f"offset={10**20}").json()["results"] == []  # past the count: answered before any query
+    assert get("limit=5").status_code == 200
