@@ -14,7 +14,15 @@ from alerts import services
 from alerts.choices import AlertStatus, IncidentPer, ReceiverKind, Severity
 from alerts.models import Alert, AlertEvent, Delivery, Receiver
 from alerts.receivers.kinds import PAGERDUTY_EVENTS_URL
-from inferops.api import CONFLICT, ERRORS, Conflict, ErrorSerializer, PlainMetadata, RejectUnknownFields
+from inferops.api import (
+    CONFLICT,
+    ERRORS,
+    Conflict,
+    ErrorSerializer,
+    PlainMetadata,
+    RejectUnknownFields,
+    UrlOrBlankField,
+)
 from inferops.roles import ADMIN
 from inferops.validators import slug_validator
 
@@ -27,6 +35,7 @@ class AlertSerializer(serializers.ModelSerializer):
                                                help_text="The integration that posted it; null: the platform.")
     acknowledged_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
     resolved_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
+    generator_url = UrlOrBlankField()
 
     class Meta:
         model = Alert
@@ -225,6 +234,10 @@ class ReceiverViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         receiver = services.receiver_save(instance=None, fields=serializer.validated_data, actor=request.user)
         return Response(ReceiverSerializer(receiver).data, status=status.HTTP_201_CREATED)
 
+    @extend_schema(responses={200: ReceiverSerializer(many=True), **ERRORS})
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
     @extend_schema(responses={200: ReceiverSerializer, **ERRORS})
     def retrieve(self, request, *args, **kwargs):
         return super().retrieve(request, *args, **kwargs)
@@ -237,7 +250,8 @@ class ReceiverViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets
         saved = services.receiver_save(instance=receiver, fields=serializer.validated_data, actor=request.user)
         return Response(ReceiverSerializer(saved).data)
 
-    @extend_schema(responses={204: None, **ERRORS})
+    @extend_schema(responses={204: None, **ERRORS, 409: OpenApiResponse(
+        ErrorSerializer, description="A route or escalation policy still sends to it; the message names it.")})
     def destroy(self, request, *args, **kwargs):
         services.receiver_delete(receiver=self.get_object(), actor=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)

@@ -10,6 +10,7 @@ from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import (
     OpenApiParameter,
+    OpenApiResponse,
     extend_schema,
     inline_serializer,
 )
@@ -20,7 +21,7 @@ from rest_framework.response import Response
 from deployments import services
 from deployments.choices import Backend, DriverName, ReplicaState
 from deployments.models import Deployment, Replica
-from inferops.api import CONFLICT, ERRORS, TOO_LARGE, query_step, query_time
+from inferops.api import CONFLICT, ERRORS, TOO_LARGE, ErrorSerializer, query_step, query_time
 from inferops.validators import slug_validator
 from registry.models import RegisteredModel
 
@@ -163,7 +164,10 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
     def retrieve(self, request, *args, **kwargs):
         return super().retrieve(request, *args, **kwargs)
 
-    @extend_schema(request=DeploymentUpdateSerializer, responses={200: DeploymentSerializer, **ERRORS})
+    @extend_schema(request=DeploymentUpdateSerializer, responses={
+        200: DeploymentSerializer, **ERRORS,
+        409: OpenApiResponse(ErrorSerializer, description="A rollout is progressing: the version and engine args "
+                                                          "change through it (promote or abort it first).")})
     def partial_update(self, request, name: str):
         deployment = self.get_object()
         serializer = DeploymentUpdateSerializer(data=request.data)

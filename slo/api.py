@@ -18,7 +18,7 @@ from alerts.api import AlertSerializer
 from alerts.choices import OPEN_STATUSES
 from deployments.models import Deployment
 from evals.models import EvalSet
-from inferops.api import CONFLICT, ERRORS, query_time
+from inferops.api import CONFLICT, ERRORS, UrlOrBlankField, query_time
 from inferops.timeparse import DURATION_HINT, format_duration, parse_duration
 from inferops.validators import slug_validator
 from registry.models import RegisteredModel
@@ -108,6 +108,7 @@ class SloSerializer(serializers.ModelSerializer):
     sli = serializers.SerializerMethodField()
     status = serializers.SerializerMethodField()
     quality = serializers.SerializerMethodField()
+    runbook_url = UrlOrBlankField()
 
     class Meta:
         model = Slo

@@ -40,10 +40,11 @@ def yaml_response(text: str, filename: str) -> HttpResponse:
 
 REFUSED = OpenApiResponse(inline_serializer("OpenSloRefused", {
     "detail": serializers.CharField(),
-    "unsupported": serializers.ListField(child=inline_serializer("OpenSloProblem", {
+    "unsupported": serializers.ListField(required=False, child=inline_serializer("OpenSloProblem", {
         "document": serializers.IntegerField(), "kind": serializers.CharField(), "name": serializers.CharField(),
         "field": serializers.CharField(), "message": serializers.CharField()})),
-}), description="Every field inferops does not support, each with its path in its document.")
+}), description="Every field inferops does not support, each with its path in its document; a body that is not "
+                "OpenSLO at all (not YAML, not UTF-8, empty) has the `detail` alone.")
 
 
 @extend_schema(tags=["slos"])
@@ -55,7 +56,7 @@ class SloImport(APIView):
         request={YAML_TYPE: OpenApiTypes.STR, "application/json": inline_serializer(
             "OpenSloImport", {"yaml": serializers.CharField()})},
         responses={201: inline_serializer("OpenSloImported", {"created": SloSerializer(many=True)}),
-                   400: REFUSED, **CONFLICT, **TOO_LARGE},
+                   **ERRORS, 400: REFUSED, **CONFLICT, **TOO_LARGE},
         description="Creates every SLO of an OpenSLO v1 YAML stream (kinds Service, SLI, SLO, AlertPolicy, "
                     "AlertCondition) in one transaction: all or none. Unsupported fields are listed, each "
                     "with its path, in one 400.",

@@ -10,7 +10,7 @@ the version comparison and an SLO's eval runs, and the `quality`, `fallbacks` an
 `quality` among the SLI kinds; every change to what was there before is such an addition (checked path by
 path). Issue 39 added the five `slo_*_per_s` series to the deployment metrics' `series` enum, and nothing
 else. Do not regenerate the fixture to make this pass; a deliberate API change updates it in the same commit
-that makes the change, and says so.
+that makes the change, and says so, or goes into CHANGED with its reason.
 """
 import json
 from pathlib import Path
@@ -22,6 +22,42 @@ FIXTURE = Path(__file__).parent / "fixtures" / "openapi-before.json"
 # Wording and names a ViewSet may change without changing what a client sends or receives.
 IGNORED_KEYS = {"operationId", "summary", "description", "title"}
 HTTP_METHODS = {"get", "put", "post", "patch", "delete", "head", "options", "trace"}
+# Differences made on purpose since the fixture: (operations, where in each) -> why. `where` is a fragment of
+# the flattened key ("/responses/409/", "/generator_url/"); a difference of one of those operations whose key
+# holds it is allowed. An entry that allows nothing fails the test, so none outlives its change.
+_ALERT_OPS = ("GET /api/v1/alerts/", "GET /api/v1/alerts/{id}/", "POST /api/v1/alerts/{id}/ack/",
+              "POST /api/v1/alerts/{id}/resolve/", "POST /api/v1/alerts/{id}/snooze/", "GET /api/v1/slos/{id}/status/")
+_SLO_OPS = ("GET /api/v1/slos/", "GET /api/v1/slos/{id}/", "PATCH /api/v1/slos/{id}/", "POST /api/v1/slos/",
+            "POST /api/v1/slos/import/")
+_RUN_OPS = ("GET /api/v1/evals/runs/", "GET /api/v1/evals/runs/{run_id}/", "POST /api/v1/evals/runs/",
+            "POST /api/v1/evals/runs/{run_id}/cancel/")
+_SET_VERSION_OPS = ("GET /api/v1/evalsets/{name}/versions/", "GET /api/v1/evalsets/{name}/versions/{number}/",
+                    "POST /api/v1/evalsets/{name}/versions/")
+CHANGED: dict[tuple[tuple[str, ...], str], str] = {
+    (_ALERT_OPS, "/generator_url/"): "issue 40: an alert's generator_url is a URL or empty (\"\" is no URI)",
+    (_SLO_OPS, "/runbook_url/"): "issue 40: an SLO's runbook_url is a URL or empty (\"\" is no URI)",
+    (_RUN_OPS, "/reference/"): "issue 40: a run's reference is null when the scorer is not parity",
+    (_RUN_OPS, "/model_version/"): "issue 40: a run's model_version may be null, as its column may",
+    (_SET_VERSION_OPS, "/created_by/"): "issue 40: a set version uploaded by no user has created_by null",
+    (("GET /api/v1/receivers/", "GET /api/v1/integrations/"), "/responses/4"):
+        "issue 40: the admin-only lists name their 401 and 403 (and the shared 400 and 404)",
+    (("POST /api/v1/slos/import/",), "/responses/4"):
+        "issue 40: the OpenSLO import names its 401, 403 (and 404), and a 400 with `detail` alone",
+    (("POST /api/v1/evalsets/{name}/versions/",), "/responses/400/"):
+        "issue 40: a form without `file` answers DRF's field errors, as the description said, so `errors` is optional",
+    (("DELETE /api/v1/receivers/{id}/",), "/responses/409/"): "issue 40: a receiver a route still sends to is a 409",
+    (("PATCH /api/v1/deployments/{name}/",), "/responses/409/"):
+        "issue 40: a deployment whose rollout is progressing is a 409",
+}
+
+
+def _allowed(name: str, key: str, used: set) -> bool:
+    for entry in CHANGED:
+        operations, where = entry
+        if name in operations and where in key:
+            used.add(entry)
+            return True
+    return False
 
 
 def _resolve(node, components, stack=()):
@@ -96,13 +132,14 @@ def test_openapi_schema_is_unchanged_by_the_viewset_move():
     now = _operations(_live_schema())
 
     assert sorted(now) == sorted(before), "operations added or removed"
-    differences = []
+    differences, used = [], set()
     for name in sorted(before):
         old, new = _flatten(before[name]), _flatten(now[name])
         for key in sorted(old.keys() | new.keys()):
-            if old.get(key, "<absent>") != new.get(key, "<absent>"):
+            if old.get(key, "<absent>") != new.get(key, "<absent>") and not _allowed(name, key, used):
                 differences.append(f"{name} {key}: {old.get(key, '<absent>')!r} -> {new.get(key, '<absent>')!r}")
     assert not differences, f"{len(differences)} differences:\n" + "\n".join(differences[:40])
+    assert set(CHANGED) == used, f"CHANGED entries that allow nothing: {set(CHANGED) - used}"
 
 
 def test_the_comparison_sees_a_changed_field():

@@ -64,6 +64,10 @@ class IntegrationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, views
         integration.token = token
         return Response(IntegrationCreatedSerializer(integration).data, status=status.HTTP_201_CREATED)
 
+    @extend_schema(responses={200: IntegrationSerializer(many=True), **ERRORS})
+    def list(self, request, *args, **kwargs):
+        return super().list(request, *args, **kwargs)
+
     @extend_schema(responses={200: IntegrationSerializer, **ERRORS})
     def retrieve(self, request, *args, **kwargs):
         return super().retrieve(request, *args, **kwargs)

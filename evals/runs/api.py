@@ -67,11 +67,11 @@ class EvalRunSerializer(serializers.ModelSerializer):
     def get_target(self, run) -> dict:
         return run_target(run)
 
-    @extend_schema_field(OpenApiTypes.OBJECT)
+    @extend_schema_field({"type": "object", "additionalProperties": {}, "nullable": True})
     def get_model_version(self, run) -> dict | None:
         return version_ref(run.model_version)
 
-    @extend_schema_field(OpenApiTypes.OBJECT)
+    @extend_schema_field({"type": "object", "additionalProperties": {}, "nullable": True})
     def get_reference(self, run) -> dict | None:
         return version_ref(run.reference_version)
 

@@ -95,7 +95,7 @@ class EvalSetVersionSerializer(serializers.ModelSerializer):
     eval_set = serializers.CharField(source="eval_set.name", read_only=True)
     version = serializers.IntegerField(source="number", read_only=True)
     cases = serializers.IntegerField(source="case_count", read_only=True)
-    created_by = serializers.CharField(source="created_by.username", default=None, read_only=True)
+    created_by = serializers.CharField(source="created_by.username", default=None, allow_null=True, read_only=True)
     download = serializers.SerializerMethodField(help_text="The JSONL exactly as uploaded.")
 
     class Meta:
@@ -127,7 +127,7 @@ class EvalSetLineErrorSerializer(serializers.Serializer):
 
 
 class EvalSetFileErrorsSerializer(serializers.Serializer):
-    errors = EvalSetLineErrorSerializer(many=True)
+    errors = EvalSetLineErrorSerializer(many=True, required=False)  # absent from a form without `file`
 
 
 FILE_REFUSED = {400: OpenApiResponse(EvalSetFileErrorsSerializer, description=(

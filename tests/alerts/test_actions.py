@@ -13,6 +13,7 @@ from alerts import services
 from alerts.models import Alert, AlertEvent, Notification, Receiver, Silence
 from alerts.silences.muting import matcher_holds, muting_reason
 from inferops.models import AuditEvent
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 
@@ -140,3 +141,14 @@ def test_a_silence_mutes_matching_alerts_only_and_they_notify_once_it_ends(recei
     assert services.notify_unmuted() == 1
     assert [status for _, status in sent(muted)] == ["firing"] * 3
 
+
+
+def test_an_alert_without_a_generator_url_matches_the_schema(api):
+    # Found by the REST fuzzer (issue 40): the schema called generator_url a URI, and "" is none.
+    alert = raise_alert()
+    assert alert.generator_url == ""
+    response = api("operator").get(f"/api/v1/alerts/{alert.pk}/")
+    assert response.json()["generator_url"] == ""
+    assert_answer_matches_schema(response, "GET", "/api/v1/alerts/{id}/")
+    assert_answer_matches_schema(api("operator").post(f"/api/v1/alerts/{alert.pk}/ack/"), "POST",
+                                 "/api/v1/alerts/{id}/ack/")

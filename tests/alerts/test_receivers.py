@@ -15,6 +15,7 @@ from alerts.receivers import kinds as receivers
 from alerts.receivers.delivery import notification_deliver
 from inferops.models import AuditEvent
 from tests.conftest import free_port
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 
@@ -356,3 +357,20 @@ def test_a_write_to_a_receivers_delivery_list_is_refused_as_it_always_was(api):
     assert api("operator").post(url, {}, format="json").status_code == 405
     assert api("operator").get(url).status_code == 403
     assert api("admin").get(url).status_code == 200
+
+
+def test_the_admin_only_lists_and_a_receiver_in_use_answer_as_the_schema_says(api):
+    # Found by the REST fuzzer (issue 40): the receiver and integration lists documented no 401 or 403, and
+    # deleting a receiver a route sends to answered a 409 the schema did not name.
+    for url in ("/api/v1/receivers/", "/api/v1/integrations/"):
+        for role, status in ((None, 401), ("operator", 403), ("admin", 200)):
+            response = api(role).get(url)
+            assert response.status_code == status
+            assert_answer_matches_schema(response, "GET", url)
+    admin = api("admin")
+    receiver = admin.post("/api/v1/receivers/", {"name": "hook", "url": "https://hooks.example/am"}, format="json")
+    assert admin.post("/api/v1/routes/", {"matchers": [{"name": "severity", "value": "page", "op": "="}],
+                                          "receiver": "hook"}, format="json").status_code == 201
+    in_use = admin.delete(f"/api/v1/receivers/{receiver.json()['id']}/")
+    assert in_use.status_code == 409
+    assert_answer_matches_schema(in_use, "DELETE", "/api/v1/receivers/{id}/")

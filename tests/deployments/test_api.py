@@ -7,6 +7,9 @@ import pytest
 from deployments.models import Deployment
 from inferops.models import AuditEvent
 from registry import services as registry_services
+from registry.models import RegisteredModel
+from tests.deployments.conftest import make_version
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 
@@ -146,3 +149,16 @@ def test_metrics_query_validation(api, tiny_model, query, field):
     create(api("operator"))
     response = client.get(f"/api/v1/deployments/chat/metrics/?{query}")
     assert response.status_code == 400 and field in response.json()
+
+
+def test_changing_a_deployment_during_a_rollout_is_a_409_the_schema_names(api):
+    # Found by the REST fuzzer (issue 40): the 409 was answered but not in the schema.
+    model = RegisteredModel.objects.create(name="tiny", task="generate")
+    make_version(model, 1)
+    make_version(model, 2)
+    operator = api("operator")
+    assert create(operator, name="chat", model="tiny", version=1).status_code == 201
+    assert operator.post("/api/v1/deployments/chat/rollouts/", {"version": 2}, format="json").status_code == 201
+    response = operator.patch("/api/v1/deployments/chat/", {"version": 2}, format="json")
+    assert response.status_code == 409
+    assert_answer_matches_schema(response, "PATCH", "/api/v1/deployments/{name}/")

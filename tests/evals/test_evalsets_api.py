@@ -16,6 +16,8 @@ from drf_spectacular.generators import SchemaGenerator
 from evals.models import EvalSet, EvalSetVersion
 from inferops.models import AuditEvent
 from registry import services as registry_services
+from tests.evals.runs_world import eval_set_with
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 
@@ -276,3 +278,15 @@ def test_the_schema_documents_uploads_and_their_refusals():
     assert set(detail) == {"get", "parameters"} or set(detail) == {"get"}
     assert set(detail["get"]["responses"]["200"]["content"]) == {"application/json", NDJSON}
     assert "put" not in detail and "delete" not in detail
+
+
+def test_a_version_uploaded_by_no_user_and_a_form_without_a_file_answer_as_the_schema_says(api):
+    # Found by the REST fuzzer (issue 40): created_by is null for a version no user uploaded (the schema said
+    # string), and a form without `file` answers DRF's field errors (the schema required `errors`).
+    eval_set_with([{"id": "a", "prompt": "one two", "expected": "three"}])
+    version = api("viewer").get(f"{URL}smoke/versions/1/")
+    assert version.json()["created_by"] is None
+    assert_answer_matches_schema(version, "GET", "/api/v1/evalsets/{name}/versions/{number}/")
+    no_file = api("operator").post(f"{URL}smoke/versions/", {}, format="multipart")
+    assert no_file.status_code == 400 and "file" in no_file.json()
+    assert_answer_matches_schema(no_file, "POST", "/api/v1/evalsets/{name}/versions/")

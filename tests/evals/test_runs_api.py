@@ -12,8 +12,11 @@ from django.utils import timezone
 from deployments import services as deployment_services
 from evals.choices import RunStatus
 from evals.models import EvalCaseResult, EvalRun
+from registry.models import RegisteredModel
 from tests.conftest import text_of
+from tests.deployments.conftest import make_version
 from tests.evals.runs_world import eval_set_with, register_tiny
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 
@@ -166,3 +169,16 @@ def test_cancel_from_the_page_needs_an_operator(world, api, client, make_user):
     response = client.post(f"/evals/runs/{run['id']}/cancel/", follow=True)
     assert "cancel asked" in text_of(response)
     assert EvalRun.objects.get(pk=run["id"]).status == RunStatus.CANCELLED
+
+
+def test_a_run_without_a_reference_matches_the_schema(api):
+    # Found by the REST fuzzer (issue 40): `reference` is null unless the scorer is parity; the schema said object.
+    model = RegisteredModel.objects.create(name="tiny", task="generate")
+    make_version(model, 1)
+    deployment_services.deployment_create(name="chat", model=model, version=1, actor=None)
+    eval_set_with(CASES)
+    started = api("operator").post(RUNS, {"eval_set": "smoke", "target": {"deployment": "chat"}}, format="json")
+    assert started.status_code == 202 and started.json()["reference"] is None
+    assert_answer_matches_schema(started, "POST", RUNS)
+    detail = api("viewer").get(f"{RUNS}{started.json()['id']}/")
+    assert_answer_matches_schema(detail, "GET", "/api/v1/evals/runs/{run_id}/")

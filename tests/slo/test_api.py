@@ -11,6 +11,7 @@ from inferops.models import AuditEvent
 from slo.budget import MINUTE
 from slo.evaluation import evaluate_slos
 from slo.models import Slo, SloMinute
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 from tests.slo.conftest import NOW, event, insert_events, make_deployment
 
 pytestmark = pytest.mark.django_db
@@ -207,3 +208,12 @@ def test_history_starts_with_the_data_and_ends_at_the_evaluation(api, deployment
     assert all(p["insufficient_traffic"] for p in history["points"])
     hourly = client.get(f"/api/v1/slos/{slo_id}/history/", {"start": start, "end": later, "step": "hour"}).json()
     assert [p["time"] for p in hourly["points"]] == [first, history["evaluated_at"]]
+
+
+def test_an_slo_without_a_runbook_url_matches_the_schema(api, deployment):
+    # Found by the REST fuzzer (issue 40): the schema called runbook_url a URI, and "" is none.
+    created = post(api("operator"))
+    assert_answer_matches_schema(created, "POST", "/api/v1/slos/")
+    response = api("viewer").get(f"/api/v1/slos/{created.json()['id']}/")
+    assert response.json()["runbook_url"] == ""
+    assert_answer_matches_schema(response, "GET", "/api/v1/slos/{id}/")
