@@ -219,6 +219,10 @@ TABLE: dict[str, Rule] = {
     "api-model-compare": api(V),
 }
 
+# Console pages whose GET answers with a redirect, not a page, for whoever may read them.
+REDIRECTS = {"slo:by-name": "links sent before SLO pages were addressed by id: sent on to the page by id",
+             "admin:login": "a signed-in superuser is sent on to the admin's index"}
+
 # The Django admin (superusers only). Its own pages, then each registered model's five pages; a model's row
 # names the writes its ModelAdmin allows (each through one audited service) or says why it allows none.
 ADMIN_PAGES = ("admin:index", "admin:login", "admin:logout", "admin:password_change", "admin:password_change_done",
