@@ -398,7 +398,7 @@ def _parse_messages(messages: Any) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise bad_request(f"`{param}` must be an object.", param)
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # a dict or list is unhashable: a 500
             raise bad_request(
                 f"`{param}.role` must be one of {', '.join(sorted(CHAT_ROLES))}"
                 f"{'; tool messages are not supported' if role == 'tool' else ''}.",

@@ -58,9 +58,9 @@ READ_TIMEOUT_S = 3.0
 CUT_BOUND_S = READ_TIMEOUT_S + 5
 IDLE_CONNECTIONS = scaled(200, 2000)
 EVERY = scaled(5, 20)  # a well-formed request after this many cases
-COUNTS = {name: scaled(3, 300) for name in FAMILIES} | {
-    "prompts": scaled(4, 40), "huge_bodies": scaled(3, 60), "bad_http": scaled(4, 200),
-    "missing_body": scaled(3, 200), "deep_nesting": scaled(3, 200), "trickled": scaled(2, 100)}
+COUNTS = {name: scaled(3, 1000) for name in FAMILIES} | {
+    "prompts": scaled(4, 60), "huge_bodies": scaled(3, 100), "bad_http": scaled(4, 400),
+    "missing_body": scaled(3, 400), "deep_nesting": scaled(3, 400), "trickled": scaled(2, 200)}
 FIGURES: dict = {"seed": SEED, "read_timeout_s": READ_TIMEOUT_S, "cut_off_bound_s": CUT_BOUND_S,
                  "idle_connections": IDLE_CONNECTIONS, "well_formed_every": EVERY, "servers": {}}
 
@@ -246,6 +246,15 @@ def test_a_5000_digit_logit_bias_key_is_a_400_not_a_500(servers, name):
     error = assert_openai_error(post(target, COMPLETIONS, dumps(completion_body(target, logit_bias={"1" * 5000: 1}))),
                                 400)
     assert error["param"] == "logit_bias" and len(error["message"]) < 200
+
+
+@SERVERS
+def test_a_message_role_that_is_an_object_or_array_is_a_400_not_a_500(servers, name):
+    """`role not in CHAT_ROLES` raised TypeError (unhashable) for a dict or list role."""
+    target = servers.targets[name]
+    for role in ({}, {"a": 1}, ["user"]):
+        body = dumps(chat_body(target, messages=[{"role": role, "content": "hi"}]))
+        assert assert_openai_error(post(target, CHAT, body), 400)["param"] == "messages[0].role"
 
 
 @SERVERS

@@ -115,6 +115,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _target_ms(text: str) -> float:
     value = float(text)
     if not 0 < value <= MAX_TARGET_MS:
@@ -213,7 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server")
     server.add_argument("--max-body-bytes", type=_size_in_bytes, default=DEFAULT_MAX_BODY_BYTES,
                         help="largest request body accepted (larger ones get 413)")
-    server.add_argument("--request-read-timeout", type=_non_negative, default=DEFAULT_READ_TIMEOUT_S,
+    server.add_argument("--request-read-timeout", type=_positive, default=DEFAULT_READ_TIMEOUT_S,
                         help="seconds a client has to send a whole request, headers and body, from "
                              "connecting or from the request's first byte; later it gets a 408 and the "
                              "connection is closed (slow clients and slow-loris attacks)")
