@@ -11,6 +11,8 @@ A row: Rule(read, write, methods, kind, quiet)
   kind     API (401 for a caller without an account, 403 below the role), CONSOLE (a redirect to the login page,
            403 below the role) or ADMIN_SITE (Django's admin: superusers only, the rest sent to its login page)
   quiet    why a write records no audit event, where by design it records none
+REDIRECTS names the console pages whose GET is a redirect, not the page; ADMIN_MODELS the writes each model's
+page in the Django admin allows (the rows of the admin's pages are built from it by admin_table()).
 The roles: viewer < operator < admin < superuser (the Django admin). A tenant's API key is for the gateway's /v1
 and is no role here at all: it gets what an anonymous caller gets. INTEGRATION: an alert source's token
 (alerts.inbound), which no user nor API key has.
@@ -224,7 +226,9 @@ REDIRECTS = {"slo:by-name": "links sent before SLO pages were addressed by id: s
              "admin:login": "a signed-in superuser is sent on to the admin's index"}
 
 # The Django admin (superusers only). Its own pages, then each registered model's five pages; a model's row
-# names the writes its ModelAdmin allows (each through one audited service) or says why it allows none.
+# names the writes its ModelAdmin allows, each through one audited service (users, groups and API tokens: Django's
+# own pages, audited by inferops.admin.AuditedAdmin). () is a read-only page: those rows change through the API,
+# the console or the platform's own tasks.
 ADMIN_PAGES = ("admin:index", "admin:login", "admin:logout", "admin:password_change", "admin:password_change_done",
                "admin:jsi18n", "admin:view_on_site", "admin:autocomplete", "admin:app_list")
 ADMIN_MODEL_PAGES = ("changelist", "add", "history", "delete", "change")
