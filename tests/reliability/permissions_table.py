@@ -55,7 +55,7 @@ TABLE: dict[str, Rule] = {
     # Sign-in, health, assets.
     "login": page(PUBLIC, PUBLIC, quiet="signing in changes nothing of the control plane's"),
     "logout": Rule(None, PUBLIC, ("post",), CONSOLE, quiet="signing out changes nothing of the control plane's"),
-    "healthz": Rule(PUBLIC, kind=API),
+    "healthz": api(PUBLIC),
     "favicon": page(PUBLIC),
     "plotly-js": page(PUBLIC),
     "metrics": api(V),
