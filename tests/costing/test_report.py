@@ -17,6 +17,7 @@ from costing.models import Price
 from costing.report import apportion, compute_cells, month_range, rate_text, report_for, report_in_cents
 from slo.models import Slo
 from tests.costing.conftest import T0, at, make_deployment, make_replica, price, usage
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 
@@ -279,3 +280,22 @@ def test_a_period_by_start_and_end_is_whole_hours(chat, api):
 def test_the_report_needs_a_role(api):
     assert api(None).get("/api/v1/costing/report/").status_code == 401
     assert api("viewer").get("/api/v1/costing/report/").status_code == 200
+
+
+def test_the_report_refuses_a_stranger_whatever_the_format_and_answers_errors_in_json(api):
+    # Found by the REST fuzzer (issue 40): DRF negotiated `format` before authenticating (an unknown one was a 404
+    # to anyone), and an error asked for as CSV or PDF was rendered as CSV or PDF, not the schema's JSON.
+    url = "/api/v1/costing/report/"
+    for query in ("format=xml", "format=csv", "format=pdf&month=bad"):
+        stranger = api(None).get(f"{url}?{query}")
+        assert (stranger.status_code, stranger["Content-Type"]) == (401, "application/json")
+        assert_answer_matches_schema(stranger, "GET", url)
+    viewer = api("viewer")
+    unknown = viewer.get(f"{url}?format=xml")
+    assert (unknown.status_code, unknown.json()) == (400, {"format": ["One of: json, csv, pdf."]})
+    assert_answer_matches_schema(unknown, "GET", url)
+    bad_month = viewer.get(f"{url}?format=csv&month=bad")
+    assert (bad_month.status_code, bad_month["Content-Type"]) == (400, "application/json")
+    assert "month" in bad_month.json()
+    assert_answer_matches_schema(bad_month, "GET", url)
+    assert viewer.get(f"{url}?format=csv")["Content-Type"].startswith("text/csv")
