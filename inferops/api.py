@@ -5,7 +5,7 @@ audit log's endpoint."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import UTC, datetime
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.core.validators import URLValidator
@@ -44,6 +44,7 @@ CONFLICT = {409: OpenApiResponse(ErrorSerializer, description="Already exists.")
 TOO_LARGE = {413: OpenApiResponse(ErrorSerializer, description="Request body too large.")}
 MIN_STEP_S = 15
 BIGINT_MAX = 2**63 - 1
+NUL_REFUSED = "Null characters are not allowed."  # what DRF's CharField says
 
 
 @extend_schema_field({"type": "string", "anyOf": [{"format": "uri"}, {"maxLength": 0}]})
@@ -88,9 +89,12 @@ def query_time(value: str | None, field: str, default: datetime) -> datetime:
     if not value:
         return default
     try:
-        return parse_time(value, field)
+        # In UTC: the same instant, and Postgres refuses offsets past 15:59 that Python takes (`-16:02`).
+        return parse_time(value, field).astimezone(UTC)
     except ValueError as exc:
         raise serializers.ValidationError({field: [str(exc).removeprefix(f"{field}: ")]}) from None
+    except OverflowError:
+        raise serializers.ValidationError({field: [f"{value!r} is out of range."]}) from None
 
 
 def query_step(value: str | None, default_s: int = 60) -> int:
@@ -116,7 +120,27 @@ def exception_handler(exc, context):
         if connection.in_atomic_block:  # Postgres has aborted the transaction: it can only roll back
             transaction.set_rollback(True)
         exc = exceptions.ValidationError(_out_of_range(context["request"].query_params))
+    # A NUL in a filter or a name looked up (psycopg refuses it before Postgres sees it): bad input too.
+    if isinstance(exc, DataError) and "NUL (0x00)" in str(exc.__cause__):
+        exc = exceptions.ValidationError(_with_nul(context["request"]))
     return drf_exception_handler(exc, context)
+
+
+def _with_nul(request) -> dict[str, list[str]]:
+    """The query parameters and body fields holding a NUL character, each with DRF's reason; else a `detail`."""
+
+    def holds_nul(value) -> bool:
+        if isinstance(value, str):
+            return "\x00" in value
+        if isinstance(value, Mapping):
+            return any(holds_nul(key) or holds_nul(item) for key, item in value.items())
+        return isinstance(value, list | tuple) and any(holds_nul(item) for item in value)
+
+    fields = [(name, values) for name, values in request.query_params.lists()]
+    if isinstance(data := request.data, Mapping):
+        fields += list(data.items())
+    refused = {str(name): [NUL_REFUSED] for name, value in fields if holds_nul(name) or holds_nul(value)}
+    return refused or {"detail": NUL_REFUSED}
 
 
 def _out_of_range(params) -> dict[str, list[str]]:

@@ -15,6 +15,7 @@ from alerts.receivers.delivery import notification_deliver
 from alerts.routing.dispatch import Tree, default_route, groups_advance, matcher_holds
 from alerts.routing.services import route_save
 from inferops.models import AuditEvent
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 
@@ -323,3 +324,12 @@ def test_the_alert_page_says_where_the_alert_was_routed_and_what_comes_next(clie
     text = client.get(f"/alerts/{alert.pk}/").content.decode()
     assert 'id="alert-routing"' in text and "escalation policy chat-oncall (step 1 of 2)" in text
     assert "unacknowledged: notifies again at" in text and 'deployment="chat"' in text
+
+
+def test_an_escalation_policy_naming_a_receiver_with_a_nul_is_a_400_not_a_500(api):
+    # Found by the REST fuzzer (issue 40): the receiver was looked up by a name psycopg cannot send.
+    response = api("operator").post(POLICIES, {"name": "p", "steps": [{"after_minutes": 0, "receivers": ["a\x00b"]}]},
+                                    format="json")
+    assert response.status_code == 400 and response.json() == {"steps": ["Null characters are not allowed."]}
+    assert not EscalationPolicy.objects.exists()
+    assert_answer_matches_schema(response, "POST", POLICIES)

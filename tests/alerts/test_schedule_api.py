@@ -8,6 +8,7 @@ import pytest
 
 from alerts.models import EscalationPolicy, EscalationStep, Schedule, ScheduleOverride
 from inferops.models import AuditEvent
+from tests.reliability.test_rest_fuzz import assert_answer_matches_schema
 
 pytestmark = pytest.mark.django_db
 
@@ -168,3 +169,14 @@ def test_the_schema_documents_the_schedule_endpoints(api):
     for path in ("/api/v1/schedules/", "/api/v1/schedules/{name}/on-call/", "/api/v1/schedules/{name}/shifts/",
                  "/api/v1/schedules/{name}/overrides/{id}/"):
         assert path in text, path
+
+
+def test_on_call_at_an_offset_postgres_refuses_is_answered_not_a_500(api, people):
+    # Found by the REST fuzzer (issue 40): Python takes a -16:02 offset, Postgres does not; `at` is now read in UTC.
+    api("operator").post(URL, body(), format="json")
+    viewer = api("viewer")
+    far_offset = viewer.get(f"{URL}primary/on-call/", {"at": "1006-06-16T11:04:45.758041-16:02"})
+    assert far_offset.status_code == 200
+    assert_answer_matches_schema(far_offset, "GET", "/api/v1/schedules/{name}/on-call/")
+    before_year_one = viewer.get(f"{URL}primary/on-call/", {"at": "0001-01-01T00:00:00+05:00"})
+    assert before_year_one.status_code == 400 and "at" in before_year_one.json()

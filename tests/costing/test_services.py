@@ -285,3 +285,11 @@ def test_a_page_limit_or_offset_past_bigint_is_a_400_not_a_500(api):
     assert_answer_matches_schema(response, "GET", "/api/v1/costing/prices/")
     assert get(f"offset={10**20}").json()["results"] == []  # past the count: answered before any query
     assert get("limit=5").status_code == 200
+
+
+def test_a_nul_in_a_filter_is_a_400_naming_it_not_a_500(api):
+    # Found by the REST fuzzer (issue 40): psycopg refuses a NUL in a query's text, and the filters passed it on.
+    price("cpu", "0.05", timezone.now())
+    response = api("viewer").get("/api/v1/costing/prices/", {"tier": "on\x00demand", "resource": "cpu"})
+    assert (response.status_code, response.json()) == (400, {"tier": ["Null characters are not allowed."]})
+    assert_answer_matches_schema(response, "GET", "/api/v1/costing/prices/")
