@@ -1,10 +1,13 @@
 import secrets
 
 from django.conf import settings
+from django.core.exceptions import PermissionDenied
 from django.db.utils import InterfaceError, OperationalError
 from django.http import HttpResponse, JsonResponse
 from django.template.loader import render_to_string
 from django.urls import Resolver404, resolve
+
+from inferops.roles import user_role
 
 
 def body_limit(path: str, default: int) -> int:
@@ -84,3 +87,24 @@ class ContentSecurityPolicyMiddleware:
         response = self.get_response(request)
         response.headers.setdefault("Content-Security-Policy", self.POLICY.format(nonce=request.csp_nonce))
         return response
+
+
+class ConsoleRoleMiddleware:
+    """A signed-in account with no role (one made in the Django admin without a group) opens no
+    console page, as the API refuses it (403): every console view needs at least a viewer. Signing
+    in and out, the API, the Django admin (its own staff check) and what probes read stay open."""
+
+    OPEN = ("/api/", "/admin/", "/login/", "/logout/", "/static/", "/assets/", "/healthz", "/metrics", "/favicon.ico")
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_view(self, request, view_func, view_args, view_kwargs):
+        user = getattr(request, "user", None)
+        if user is not None and user.is_authenticated and user_role(user) is None \
+                and not request.path_info.startswith(self.OPEN):
+            raise PermissionDenied("Your account has no role yet, so it may not open console pages.")
+        return None

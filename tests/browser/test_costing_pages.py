@@ -83,7 +83,7 @@ def test_operator_reads_the_month_drills_into_a_tenant_and_edits_the_price_book(
 def expensive_hour(settings):
     """One busy hour of an 8-core replica at $150 a core-hour: $1,200.00, and 12,345 prompt tokens."""
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-    User.objects.create_user("finance", password="pw-fin-123456")
+    User.objects.create_user("finance", password="pw-fin-123456").groups.add(Group.objects.get(name="viewer"))
     start = floor_hour(timezone.now()) - timedelta(hours=2)
     make_replica(make_deployment("chat", resources={"cpu": "8"}), started_at=start)
     price("cpu", "150", start - timedelta(days=1))  # entered now: back-dated
