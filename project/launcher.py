@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from project import embedded
 
@@ -23,11 +23,29 @@ STOP_GRACE_S = 15
 BANNER_EVERY_S = 600
 
 
+# A child that exits by itself is started again, as compose's `restart: unless-stopped` and Kubernetes
+# do (a Celery worker exits when Redis drops under it at the wrong moment); one that keeps exiting
+# stops everything instead of looping.
+RESTARTS_ALLOWED, RESTART_WINDOW_S = 5, 300
+
+
 @dataclass
 class Child:
     name: str
     argv: list[str]
     process: subprocess.Popen | None = None
+    exits: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(self.argv, env=os.environ.copy())
+
+    def restart_after_exit(self, now: float) -> bool:
+        """Start again after an exit of its own, unless it exited RESTARTS_ALLOWED times in RESTART_WINDOW_S."""
+        self.exits = [at for at in self.exits if now - at < RESTART_WINDOW_S] + [now]
+        if len(self.exits) > RESTARTS_ALLOWED:
+            return False
+        self.start()
+        return True
 
 
 def add_arguments(parser) -> None:
@@ -230,7 +248,7 @@ def main(args) -> int:
     signal.signal(signal.SIGUSR1, lambda signum, frame: repeat.ask())
     try:
         for child in children(args):
-            child.process = subprocess.Popen(child.argv, env=os.environ.copy())
+            child.start()
             started.append(child)
         base = f"http://{args.host}:{args.port}"
         gateway = f"http://{args.host}:{args.gateway_port}"
@@ -241,8 +259,13 @@ def main(args) -> int:
                          kwargs={"login": ("", *login)}, daemon=True).start()
         while not stopping:
             for child in started:
-                if child.process.poll() is not None:
-                    print(f"{child.name} exited with code {child.process.returncode}; stopping.", flush=True)
+                if child.process.poll() is not None and not stopping:
+                    code = child.process.returncode
+                    if child.restart_after_exit(time.monotonic()):
+                        print(f"{child.name} exited with code {code}; started it again.", flush=True)
+                        continue
+                    print(f"{child.name} exited with code {code}, {RESTARTS_ALLOWED + 1} times in "
+                          f"{RESTART_WINDOW_S // 60} minutes; stopping.", flush=True)
                     crashed = child
                     stopping = True
                     break

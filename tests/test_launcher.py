@@ -118,3 +118,19 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
         return [pid for pid in children if os.path.exists(f"/proc/{pid}") and
                 open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
     wait_until(lambda: alive() == [], lambda: f"every child to exit (alive: {alive()})\n{''.join(output)}", 10, 0.1)
+
+
+def test_a_child_that_exits_by_itself_is_started_again_until_it_keeps_exiting():
+    """Chaos suite: a Celery worker exits when Redis drops under it at the wrong moment (kombu), and
+    `inferops run` then stopped everything; compose and Kubernetes start it again, and so does it now."""
+    from project.launcher import RESTART_WINDOW_S, RESTARTS_ALLOWED, Child
+
+    child = Child("flaky", [sys.executable, "-c", "pass"])
+    child.start()
+    child.process.wait()
+    for n in range(RESTARTS_ALLOWED):
+        assert child.restart_after_exit(100.0 + n)
+        child.process.wait()
+    assert not child.restart_after_exit(100.0 + RESTARTS_ALLOWED)  # one exit too many in the window
+    assert child.restart_after_exit(101.0 + RESTARTS_ALLOWED + RESTART_WINDOW_S)  # the old exits have aged out
+    child.process.wait()
