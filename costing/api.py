@@ -20,7 +20,7 @@ from costing.choices import Tier
 from costing.ledger import floor_hour, ledger_sync, ledger_through
 from costing.models import Budget, ListPrice, Price
 from costing.report import month_range, prices_in_effect, report_csv, report_for
-from inferops.api import CONFLICT, ERRORS, TOO_LARGE, RejectUnknownFields, query_time
+from inferops.api import CONFLICT, ERRORS, TOO_LARGE, AuthenticateBeforeFormat, RejectUnknownFields, query_time
 from inferops.validators import slug_validator
 from registry.models import ModelVersion, RegisteredModel
 from tenants.models import Tenant
@@ -320,23 +320,8 @@ class ReportSerializer(serializers.Serializer):
 
 
 @extend_schema(tags=["costing"])
-class Report(APIView):
+class Report(AuthenticateBeforeFormat, APIView):
     renderer_classes = [renderers.JSONRenderer, renderers.BrowsableAPIRenderer, CSVRenderer, PDFRenderer]
-    FORMATS = ("json", "csv", "pdf", "api")  # "api": the browsable renderer's
-
-    def initial(self, request, *args, **kwargs):
-        # Who asks is judged before what format they ask for (DRF negotiates first): a stranger is a 401 whatever
-        # `format` says, and an unknown format is a 400 naming the field, not DRF's bare 404.
-        self.perform_authentication(request)
-        self.check_permissions(request)
-        if request.query_params.get("format", "json") not in self.FORMATS:
-            raise serializers.ValidationError({"format": ["One of: json, csv, pdf."]})
-        super().initial(request, *args, **kwargs)
-
-    def handle_exception(self, exc):
-        # An error is JSON, as the schema says, whatever format the report was asked in.
-        self.request.accepted_renderer, self.request.accepted_media_type = renderers.JSONRenderer(), "application/json"
-        return super().handle_exception(exc)
 
     @extend_schema(parameters=[
         OpenApiParameter("month", OpenApiTypes.STR, description="YYYY-MM (default: this month)"),

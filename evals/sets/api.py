@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from evals.choices import Scorer
 from evals.models import EvalSet, EvalSetVersion
 from evals.sets import jsonl, services
-from inferops.api import CONFLICT, ERRORS, TOO_LARGE, RejectUnknownFields
+from inferops.api import CONFLICT, ERRORS, TOO_LARGE, AuthenticateBeforeFormat, RejectUnknownFields
 from inferops.validators import slug_validator
 from registry.models import RegisteredModel
 
@@ -195,7 +195,8 @@ def uploaded_file(request) -> bytes:
 
 
 @extend_schema(tags=["evalsets"])
-class EvalSetVersionViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+class EvalSetVersionViewSet(AuthenticateBeforeFormat, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                            viewsets.GenericViewSet):
     # Versions are immutable: no update or delete is routed (405).
     serializer_class = EvalSetVersionSerializer
     lookup_field = "number"

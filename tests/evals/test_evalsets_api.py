@@ -290,3 +290,17 @@ def test_a_version_uploaded_by_no_user_and_a_form_without_a_file_answer_as_the_s
     no_file = api("operator").post(f"{URL}smoke/versions/", {}, format="multipart")
     assert no_file.status_code == 400 and "file" in no_file.json()
     assert_answer_matches_schema(no_file, "POST", "/api/v1/evalsets/{name}/versions/")
+
+
+def test_a_stranger_asking_a_version_in_an_unknown_format_is_a_401_and_anyone_else_a_400(api):
+    # Found by the REST fuzzer (issue 40): DRF negotiated `?format=` before authenticating, a 404 to anyone.
+    eval_set_with([{"id": "a", "prompt": "one two", "expected": "three"}])
+    url = f"{URL}smoke/versions/1/"
+    stranger = api(None).get(url, {"format": "xml"})
+    assert stranger.status_code == 401
+    assert_answer_matches_schema(stranger, "GET", "/api/v1/evalsets/{name}/versions/{number}/")
+    unknown = api("viewer").get(url, {"format": "xml"})
+    assert (unknown.status_code, unknown.json()) == (400, {"format": ["One of: json, jsonl."]})
+    missing = api("viewer").get(f"{URL}smoke/versions/9/", {"format": "jsonl"})
+    assert (missing.status_code, missing["Content-Type"]) == (404, "application/json")
+    assert api("viewer").get(url, {"format": "jsonl"})["Content-Type"].startswith("application/x-ndjson")
