@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,14 +41,19 @@ RESULTS: dict[str, dict] = {}
 
 
 @pytest.fixture(scope="module")
-def installation(tmp_path_factory, checkpoint_factory):
-    installation = Installation(tmp_path_factory.mktemp("chaos"), checkpoint_factory("tiny-llama", "llama"))
+def installation(checkpoint_factory):
+    # Not under pytest's own temporary folder: every pytest session makes that 0700 again, and Postgres
+    # runs as an unprivileged user (when root) that must reach its data directory for pg_ctl.
+    root = Path(tempfile.mkdtemp(prefix="inferops-chaos-"))
+    root.chmod(0o755)
+    installation = Installation(root, checkpoint_factory("tiny-llama", "llama"))
     try:
         installation.start(replicas=2)
         yield installation
     finally:
         installation.stop()
         record("chaos", {"fault_s": FAULT_S, "scenarios": RESULTS})
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def run(installation: Installation, name: str, fault, *, replicas: int = 2, clients: int = 4,
