@@ -170,6 +170,10 @@ class Installation:
         wait_until(lambda: redis.Redis.from_url(self.redis_url).ping(), "redis", 15, 0.1,
                    ignore=(redis.ConnectionError,))
 
+    def stop_redis(self) -> None:
+        self.processes["redis"].terminate()
+        self.processes["redis"].wait(30)
+
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
                prefix: list[str] | None = None) -> subprocess.Popen:
         self._held.discard(name)

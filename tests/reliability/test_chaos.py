@@ -88,6 +88,21 @@ def run(installation: Installation, name: str, fault, *, replicas: int = 2, clie
     return row
 
 
+def stopped_for_a_while(what: str, stop, start):
+    """A fault: `stop()`, FAULT_S seconds, `start()`."""
+    def fault():
+        stop()
+        time.sleep(FAULT_S)
+        start()
+        return {"fault": f"{what} stopped {FAULT_S} s, restarted"}
+
+    return fault
+
+
+def assert_none_failed(row: dict) -> None:
+    assert row["failed_before_first_byte"] == 0 and row["failed_after_first_byte"] == 0, row
+
+
 def test_replica_sigkill(installation):
     def fault():
         os.kill(installation.ready_replicas()[0], signal.SIGKILL)
@@ -112,30 +127,39 @@ def test_replica_frozen(installation):
     assert row["failed_before_first_byte"] == 0, row
 
 
-def test_worker_killed_mid_reconcile(installation):
+def worker_killed_during(installation: Installation, change: str, under_way: str, what: str):
+    """A fault: `change` (code for `manage.py shell`); once the SQL count `under_way` finds a row, the
+    worker SIGKILLed, and started again 2 s later, as a supervisor would."""
     def fault():
-        installation.shell("from deployments.models import Deployment; from deployments import services; "
-                           "services.deployment_update(deployment=Deployment.objects.get(name='chat'), "
-                           "actor=None, replicas=3)")
-        wait_until(lambda: installation.sql(
-            "SELECT count(*) FROM runtime_replica r JOIN deployments_deployment d ON d.id = r.deployment_id "
-            "WHERE d.name = 'chat' AND r.state = 'starting'")[0][0] > 0, "a third replica starting", 30, 0.05)
+        installation.shell(change)
+        wait_until(lambda: installation.sql(under_way)[0][0] > 0, what, 30, 0.05)
         installation.kill("worker")
-        time.sleep(2)  # a supervisor's restart delay
+        time.sleep(2)
         installation.start_worker()
-        return {"fault": "the worker SIGKILLed while it starts a replica, restarted 2 s later"}
+        return {"fault": f"the worker SIGKILLed while {what}, restarted 2 s later"}
 
-    row = run(installation, "worker_sigkill_mid_reconcile", fault, replicas=3)
-    assert row["failed_before_first_byte"] == 0 and row["failed_after_first_byte"] == 0, row
+    return fault
+
+
+def scale(replicas: int) -> str:
+    """Code for `manage.py shell` that scales chat to `replicas`."""
+    return ("from deployments.models import Deployment; from deployments import services; services.deployment_update("
+            f"deployment=Deployment.objects.get(name='chat'), actor=None, replicas={replicas})")
+
+
+def test_worker_killed_mid_reconcile(installation):
+    fault = worker_killed_during(
+        installation, scale(3),
+        "SELECT count(*) FROM runtime_replica r JOIN deployments_deployment d ON d.id = r.deployment_id "
+        "WHERE d.name = 'chat' AND r.state = 'starting'", "it starts a third replica")
+    assert_none_failed(run(installation, "worker_sigkill_mid_reconcile", fault, replicas=3))
     # Nothing orphaned: every replica process the worker started belongs to a row, and no row lost its process.
     rows = {pid for (pid,) in installation._replica_pids()}
     known = rows | {child for pid in rows for child in descendants(pid)}  # a replica's own children
     running = set(map(int, subprocess.run(["pgrep", "-f", str(installation.checkpoint)], capture_output=True,
                                           text=True).stdout.split()))
     assert running <= known, f"replica processes no row knows: {running - known}"
-    installation.shell("from deployments.models import Deployment; from deployments import services; "
-                       "services.deployment_update(deployment=Deployment.objects.get(name='chat'), "
-                       "actor=None, replicas=2)")
+    installation.shell(scale(2))
     wait_until(lambda: len(installation.ready_replicas()) == 2, "back to two replicas", 60, 0.2)
 
 
@@ -144,56 +168,32 @@ def test_worker_killed_mid_rollout(installation):
         rows = installation.sql("SELECT status FROM deployments_rollout ORDER BY id DESC LIMIT 1")
         return rows[0][0] if rows else ""
 
-    def fault():
-        installation.shell("from deployments.models import Deployment; from deployments.rollouts import services; "
-                           "services.rollout_create(deployment=Deployment.objects.get(name='chat'), actor=None, "
-                           "version=2, steps=[{'set_weight': 50}, {'pause': '4s'}], watch=0)")
-        # Killed while the candidate's replica starts: the rollout's first step is under way.
-        wait_until(lambda: installation.sql(
-            "SELECT count(*) FROM runtime_replica r JOIN registry_modelversion v ON v.id = r.version_id "
-            "WHERE v.number = 2")[0][0] > 0, "the candidate's replica to be made", 30, 0.05)
-        installation.kill("worker")
-        time.sleep(2)
-        installation.start_worker()
-        return {"fault": "the worker SIGKILLed while a canary rollout starts its candidate, restarted 2 s later"}
-
+    # Killed while the candidate's replica starts: the rollout's first step is under way.
+    fault = worker_killed_during(
+        installation,
+        "from deployments.models import Deployment; from deployments.rollouts import services; "
+        "services.rollout_create(deployment=Deployment.objects.get(name='chat'), actor=None, "
+        "version=2, steps=[{'set_weight': 50}, {'pause': '4s'}], watch=0)",
+        "SELECT count(*) FROM runtime_replica r JOIN registry_modelversion v ON v.id = r.version_id WHERE v.number = 2",
+        "a canary rollout starts its candidate")
     row = run(installation, "worker_sigkill_mid_rollout", fault, done=lambda: rollout_status() == "succeeded")
     row["rollout"] = rollout_status()
-    assert row["failed_before_first_byte"] == 0 and row["failed_after_first_byte"] == 0, row
+    assert_none_failed(row)
 
 
 def test_beat_stopped_and_restarted(installation):
-    def fault():
-        installation.kill("beat", signal.SIGTERM)
-        time.sleep(FAULT_S)
-        installation.start_beat()
-        return {"fault": f"beat stopped {FAULT_S} s, restarted"}
-
-    row = run(installation, "beat_restart", fault)
-    assert row["failed_before_first_byte"] == 0 and row["failed_after_first_byte"] == 0, row
+    fault = stopped_for_a_while("beat", lambda: installation.kill("beat", signal.SIGTERM), installation.start_beat)
+    assert_none_failed(run(installation, "beat_restart", fault))
 
 
 def test_redis_down(installation):
-    def fault():
-        installation.processes["redis"].terminate()
-        installation.processes["redis"].wait(30)
-        time.sleep(FAULT_S)
-        installation.start_redis()
-        return {"fault": f"Redis stopped {FAULT_S} s, restarted"}
-
-    row = run(installation, "redis_down", fault)
-    assert row["failed_before_first_byte"] == 0 and row["failed_after_first_byte"] == 0, row
+    fault = stopped_for_a_while("Redis", installation.stop_redis, installation.start_redis)
+    assert_none_failed(run(installation, "redis_down", fault))
 
 
 def test_postgres_down(installation):
-    def fault():
-        installation.stop_postgres()
-        time.sleep(FAULT_S)
-        installation.restart_postgres()
-        return {"fault": f"Postgres stopped {FAULT_S} s, restarted"}
-
-    row = run(installation, "postgres_down", fault)
-    assert row["failed_before_first_byte"] == 0 and row["failed_after_first_byte"] == 0, row
+    fault = stopped_for_a_while("Postgres", installation.stop_postgres, installation.restart_postgres)
+    assert_none_failed(run(installation, "postgres_down", fault))
 
 
 def test_gateway_killed_behind_the_balancer(installation):
@@ -229,8 +229,7 @@ def test_usage_spool_disk_full(installation):
             installation.start_redis()
             return {"fault": f"Redis stopped and the usage spool's disk (16 KiB) full for {FAULT_S} s"}
 
-        row = run(installation, "spool_disk_full", fault)
-        assert row["failed_before_first_byte"] == 0 and row["failed_after_first_byte"] == 0, row
+        assert_none_failed(run(installation, "spool_disk_full", fault))
         wait_until(lambda: all(not any(p.stat().st_size for p in spool.iterdir()) for spool in spools),
                    "the spools to be replayed", 30, 0.2)
     finally:
@@ -255,7 +254,7 @@ def test_gateway_clock_minutes_ahead(installation):
     installation.start_gateway(1, skew="+5m")
     try:
         row = run(installation, "clock_skew", fault)
-        assert row["failed_before_first_byte"] == 0 and row["failed_after_first_byte"] == 0, row
+        assert_none_failed(row)
         # The ledger dates usage by one clock: no minute of it lies in the future.
         ahead_s = installation.sql("SELECT extract(epoch FROM max(time) - now()) FROM tenants_usageevent")[0][0]
         row["latest_event_ahead_of_now_s"] = round(float(ahead_s), 1)
