@@ -346,6 +346,7 @@ class UsageIngestor:
         budget_s = settings.INFEROPS_USAGE_INGEST_BUDGET_S if budget_s is None else budget_s
         deadline = time.monotonic() + budget_s
         ensure_group(self.client)
+        self.claim_from_this_host(deadline)
         self.claim_stale(deadline)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-reader") as reader:
             upcoming = reader.submit(self.read_new)
@@ -362,6 +363,28 @@ class UsageIngestor:
         reply = self.client.xreadgroup(GROUP, self.consumer, {STREAM_KEY: ">"}, count=self.batch_size)
         entries = reply[0][1] if reply else []
         return (entries, *parse_entries(entries))
+
+    def claim_from_this_host(self, deadline: float) -> None:
+        """Redo at once what a consumer of this host read and did not acknowledge: its store failed
+        (the database was down) or its process died. One run per host at a time (the task's lock), so
+        none is at them now; another host's wait for CLAIM_IDLE_MS. A redone event counts once."""
+        host = socket.gethostname()
+        for consumer in self.client.xinfo_consumers(STREAM_KEY, GROUP):
+            name = consumer["name"].decode() if isinstance(consumer["name"], bytes) else consumer["name"]
+            if not consumer["pending"] or name.rsplit("-", 1)[0] != host:
+                continue
+            while time.monotonic() < deadline:
+                pending = self.client.xpending_range(STREAM_KEY, GROUP, min="-", max="+", count=self.batch_size,
+                                                     consumername=name)
+                if not pending:
+                    break
+                claimed = self.client.xclaim(STREAM_KEY, GROUP, self.consumer, 0,
+                                             [entry["message_id"] for entry in pending])
+                entries = [entry for entry in claimed if entry and entry[1] is not None]
+                if not entries:  # deleted meanwhile: XCLAIM drops them from the pending list
+                    break
+                self.report.claimed += len(entries)
+                self.store(entries, *parse_entries(entries))
 
     def claim_stale(self, deadline: float) -> None:
         start = "0-0"

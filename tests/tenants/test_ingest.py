@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from datetime import UTC, datetime
 
@@ -239,3 +240,15 @@ def test_ingested_events_leave_the_redis_stream_and_pending_ones_stay(redis_conn
     redis_conn.xreadgroup(ingest.GROUP, "dead-worker", {ingest.STREAM_KEY: ">"}, count=1)
     UsageIngestor(claim_idle_ms=60_000).run(budget_s=1)
     assert redis_conn.xlen(ingest.STREAM_KEY) == 1
+
+
+def test_what_this_hosts_consumer_read_while_postgres_was_down_is_redone_at_once(redis_conn):
+    """Chaos suite, postgres_down: entries a run read while the database was down stayed pending for
+    CLAIM_IDLE_MS (a minute) after it came back, so the ledger lagged a minute behind the outage's end."""
+    xadd_events(redis_conn, [usage_event(time=MINUTE + i) for i in range(3)])
+    ingest.ensure_group(redis_conn)
+    # A pool process of this host read them, then failed to store them (the database was down).
+    redis_conn.xreadgroup(ingest.GROUP, f"{socket.gethostname()}-999999", {ingest.STREAM_KEY: ">"}, count=10)
+    report = UsageIngestor(claim_idle_ms=60_000).run(budget_s=5)
+    assert report.claimed == 3 and UsageEvent.objects.count() == 3
+    assert redis_conn.xlen(ingest.STREAM_KEY) == 0
