@@ -32,7 +32,10 @@ def documented_production_env() -> dict[str, str]:
 
 
 def check_deploy(extra_env: dict[str, str]) -> subprocess.CompletedProcess:
-    env = {key: value for key, value in os.environ.items() if key != "SECRET_KEY"} | extra_env
+    # Nothing of the test run's own: its SECRET_KEY, and the browser suite's DJANGO_ALLOW_ASYNC_UNSAFE
+    # (tests/browser/conftest.py), which check --deploy rightly refuses.
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("SECRET_KEY", "DJANGO_ALLOW_ASYNC_UNSAFE")} | extra_env
     return subprocess.run([sys.executable, "manage.py", "check", "--deploy", "--fail-level", "WARNING"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
