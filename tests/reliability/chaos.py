@@ -280,6 +280,12 @@ print(tenants.key_create(tenant=tenant, name="load", actor=None, deployments=["c
                 stop_process(process, 15, group=True)
         for (pid,) in self._replica_pids():
             _kill_quietly(pid)
+        # Replicas whose rows could not be read (a test failed with Postgres down): their supervisors
+        # name a file under this folder.
+        for pid in map(int, subprocess.run(["pgrep", "-f", str(self.root)], capture_output=True,
+                                           text=True).stdout.split()):
+            for victim in [*descendants(pid), pid]:
+                _kill_quietly(victim)
         if "redis" in self.processes:
             stop_process(self.processes["redis"])
         if self.pg_server:
