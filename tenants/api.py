@@ -20,7 +20,9 @@ from tenants import services
 from tenants.models import PRIORITY_RANGE, ApiKey, Tenant, UsageMinute
 
 INT4_MAX = 2**31 - 1
-USAGE_COUNTERS = ["requests", "errors", "client_errors", "prompt_tokens", "completion_tokens"]
+# The batch_* counters are the offline batches' share of the others (their own series in the charts).
+USAGE_COUNTERS = ["requests", "errors", "client_errors", "prompt_tokens", "completion_tokens", "batch_requests",
+                  "batch_errors", "batch_prompt_tokens", "batch_completion_tokens"]
 USAGE_GROUPS = ["tenant", "key_prefix", "deployment", "version"]
 MAX_BUCKETS = 5000
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -256,7 +258,8 @@ class Usage(APIView):
             "totals": inline_serializer("UsageTotals", COUNTER_FIELDS),
         }), **ERRORS},
         description="Usage from the per-minute ledger, summed per step. Rows with a null tenant are "
-                    "requests refused before a key was known (401).",
+                    "requests refused before a key was known (401). The batch_* counters are the part of "
+                    "requests, errors and tokens that lines of offline batches (/v1/batches) made.",
     )
     def get(self, request):
         filters = usage_filters(request.query_params)

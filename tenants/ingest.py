@@ -55,7 +55,8 @@ INT2 = (-(2**15), 2**15 - 1)
 # `request_id` is the gateway's own id (the idempotency key); `client_request_id` the client's
 # X-Request-Id when it sent a usable one. `ttft_source` says who measured ttft_ms/tpot_ms:
 # "gateway" (a stream, timed at the proxy), "server" (a whole answer, from the replica's
-# Server-Timing header), absent when nobody did (e.g. a vLLM replica's whole answer).
+# Server-Timing header), absent when nobody did (e.g. a vLLM replica's whole answer). `batch_id`
+# marks a line of an offline batch (the contract's USAGE_STREAM says what that changes).
 EVENT_FIELDS: dict[str, tuple[str, bool, object]] = {
     "request_id": ("text", True, 64),
     "client_request_id": ("text", False, 128),
@@ -79,6 +80,7 @@ EVENT_FIELDS: dict[str, tuple[str, bool, object]] = {
     "finish_reason": ("text", False, 32),
     "error_kind": ("text", False, 32),
     "retries": ("int", False, INT2),
+    "batch_id": ("text", False, 64),
 }
 COLUMNS = tuple(EVENT_FIELDS)
 _FIELD_SPECS = tuple((name, *spec) for name, spec in EVENT_FIELDS.items())
@@ -165,16 +167,30 @@ class MinuteTotals:
     ttft_buckets: dict = field(default_factory=dict)
     tpot_buckets: dict = field(default_factory=dict)
     e2e_buckets: dict = field(default_factory=dict)
+    # Lines of offline batches: also in the counters above (they are usage), and only there.
+    batch_requests: int = 0
+    batch_errors: int = 0
+    batch_prompt_tokens: int = 0
+    batch_completion_tokens: int = 0
 
     def add(self, event: dict) -> None:
         status = event["status"]
         self.requests += 1
-        if is_server_failure(status, event["error_kind"]):
+        failed = is_server_failure(status, event["error_kind"])
+        if failed:
             self.errors += 1
         elif status >= 400:
             self.client_errors += 1
-        self.prompt_tokens += event["prompt_tokens"]
-        self.completion_tokens += event["completion_tokens"]
+        prompt, completion = event["prompt_tokens"], event["completion_tokens"]
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
+        # .get: events built by hand (tests, benchmarks) may predate the field.
+        if event.get("batch_id") is not None:
+            self.batch_requests += 1
+            self.batch_errors += failed
+            self.batch_prompt_tokens += prompt
+            self.batch_completion_tokens += completion
+            return  # the latency roll-ups are the interactive traffic's: a batch line waits on purpose
         if status >= 400:
             return  # latency roll-ups describe what successful requests experienced
         # Spelled out rather than looped over names: this runs once per event on the hot path.

@@ -137,6 +137,8 @@ class UsageEvent(models.Model):
     finish_reason = models.CharField(max_length=32, null=True, blank=True)  # noqa: DJ001
     error_kind = models.CharField(max_length=32, null=True, blank=True)  # noqa: DJ001
     retries = models.SmallIntegerField(default=0)
+    # Set on a line of an offline batch (/v1/batches): usage and cost, never a latency SLI.
+    batch_id = models.CharField(max_length=64, null=True, blank=True)  # noqa: DJ001
     ingested_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -166,6 +168,8 @@ class UsageMinute(models.Model):
     Latency sums, counts and histograms cover requests that succeeded (status < 400); histograms
     map a bucket's upper bound in ms (see tenants.ingest.LATENCY_BUCKETS_MS) to a count, so
     percentiles of any period are exact to one fine bucket after summing rows.
+    Lines of offline batches count in the requests, errors and tokens like any request, and again
+    in the `batch_*` counters; they add nothing to the latency roll-ups, which stay interactive.
     """
 
     minute = models.DateTimeField()
@@ -187,6 +191,10 @@ class UsageMinute(models.Model):
     ttft_buckets = models.JSONField(default=dict, blank=True)
     tpot_buckets = models.JSONField(default=dict, blank=True)
     e2e_buckets = models.JSONField(default=dict, blank=True)
+    batch_requests = models.BigIntegerField(default=0, db_default=0)
+    batch_errors = models.BigIntegerField(default=0, db_default=0)
+    batch_prompt_tokens = models.BigIntegerField(default=0, db_default=0)
+    batch_completion_tokens = models.BigIntegerField(default=0, db_default=0)
 
     class Meta:
         ordering = ["minute"]

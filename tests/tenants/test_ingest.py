@@ -192,6 +192,9 @@ def test_histograms_merge_across_batches_and_give_percentiles(redis_conn):
     ({"ttft_source": ["server"]}, "ttft_source: expected a string of 1-16 characters"),
     ({"ttft_source": True}, "ttft_source: expected a string"),
     ({"ttft_source": "s" * 17}, "ttft_source: expected a string"),
+    ({"batch_id": "b" * 65}, "batch_id: expected a string of 1-64 characters"),
+    ({"batch_id": ""}, "batch_id: expected a string"),
+    ({"batch_id": 41}, "batch_id: expected a string"),
 ])
 def test_parse_event_names_the_bad_field(change, fragment):
     with pytest.raises(ingest.InvalidEvent, match=fragment):
@@ -252,3 +255,46 @@ def test_what_this_hosts_consumer_read_while_postgres_was_down_is_redone_at_once
     report = UsageIngestor(claim_idle_ms=60_000).run(budget_s=5)
     assert report.claimed == 3 and UsageEvent.objects.count() == 3
     assert redis_conn.xlen(ingest.STREAM_KEY) == 0
+
+
+def batch_line(batch_id: str = "batch_3f2a", custom_id: str = "line-1", **fields) -> dict:
+    """A line of an offline batch as the batch runner writes it: lowest priority, never streamed."""
+    return usage_event(request_id=f"{batch_id}-{custom_id}", batch_id=batch_id, priority=-1000, stream=False,
+                       **fields)
+
+
+def test_batch_lines_count_as_usage_and_in_their_own_counters_but_never_in_latency(redis_conn):
+    events = [
+        usage_event(time=MINUTE + 1, prompt_tokens=10, completion_tokens=20, ttft_ms=50.0, tpot_ms=5.0, e2e_ms=300.0),
+        batch_line(custom_id="a", time=MINUTE + 2, prompt_tokens=100, completion_tokens=200, ttft_ms=9000.0,
+                   tpot_ms=90.0, e2e_ms=60000.0),
+        batch_line(custom_id="b", time=MINUTE + 3, prompt_tokens=7, completion_tokens=0, status=503,
+                   error_kind="upstream_error", ttft_ms=None, tpot_ms=None, e2e_ms=5.0),
+        batch_line(custom_id="c", time=MINUTE + 4, prompt_tokens=3, completion_tokens=0, status=400,
+                   error_kind="bad_request", ttft_ms=None, tpot_ms=None, e2e_ms=1.0),
+    ]
+    xadd_events(redis_conn, events)
+    assert UsageIngestor(consumer="test").run(budget_s=10).inserted == 4
+    assert UsageEvent.objects.get(request_id="batch_3f2a-a").batch_id == "batch_3f2a"
+    assert UsageEvent.objects.get(request_id=events[0]["request_id"]).batch_id is None
+
+    row = UsageMinute.objects.get(minute=datetime.fromtimestamp(MINUTE, UTC))
+    assert (row.requests, row.errors, row.client_errors) == (4, 1, 1)
+    assert (row.prompt_tokens, row.completion_tokens) == (120, 220)
+    assert (row.batch_requests, row.batch_errors, row.batch_prompt_tokens, row.batch_completion_tokens) == (
+        3, 1, 110, 200)
+    # The latency roll-ups hold the interactive request alone, however slow the batch line was.
+    assert (row.ttft_sum_ms, row.ttft_count, row.tpot_sum_ms, row.tpot_count) == (50.0, 1, 5.0, 1)
+    assert (row.e2e_sum_ms, row.e2e_count) == (300.0, 1)
+    assert row.ttft_buckets == {latency_bucket(50.0): 1}
+    assert row.e2e_buckets == {latency_bucket(300.0): 1}
+
+    # A re-run line (the runner resumed after a crash) has the same request id: stored and counted once.
+    xadd_events(redis_conn, [batch_line(custom_id="a", time=MINUTE + 30, prompt_tokens=100, completion_tokens=200),
+                             batch_line(custom_id="d", time=MINUTE + 31, prompt_tokens=1, completion_tokens=2)])
+    report = UsageIngestor(consumer="test").run(budget_s=10)
+    assert (report.read, report.inserted) == (2, 1)
+    row.refresh_from_db()
+    assert (row.requests, row.batch_requests, row.batch_prompt_tokens, row.batch_completion_tokens) == (
+        5, 4, 111, 202)
+    assert row.ttft_count == 1 and row.e2e_count == 1

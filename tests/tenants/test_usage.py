@@ -17,6 +17,7 @@ pytestmark = pytest.mark.django_db
 
 HOUR = 1_780_002_000  # a whole hour (epoch seconds)
 COUNTERS = ("requests", "errors", "client_errors", "prompt_tokens", "completion_tokens")
+BATCH_COUNTERS = ("batch_requests", "batch_errors", "batch_prompt_tokens", "batch_completion_tokens")
 
 
 def iso(epoch: float) -> str:
@@ -52,7 +53,7 @@ def test_hourly_buckets_and_totals(api, ledger):
         (next_hour, "beta", "chat", 1, 0, 1, 0, 0),
     ]
     assert body["totals"] == {"requests": 6, "errors": 1, "client_errors": 1, "prompt_tokens": 82,
-                              "completion_tokens": 7}
+                              "completion_tokens": 7, **dict.fromkeys(BATCH_COUNTERS, 0)}
     first = body["results"][0]
     assert (first["key_prefix"], first["version"]) == ("0a1b2c3d", 1)
 
@@ -72,7 +73,23 @@ def test_filters_steps_and_window(api, ledger):
     assert client.get(f"/api/v1/usage/?{window}&key_prefix=ffffffff").json()["totals"]["requests"] == 1
     assert client.get(f"/api/v1/usage/?{window}&version=1").json()["totals"]["requests"] == 6
     gone = client.get(f"/api/v1/usage/?{window}&deployment=gone").json()  # no usage: empty, not an error
-    assert gone["results"] == [] and gone["totals"] == dict.fromkeys(COUNTERS, 0)
+    assert gone["results"] == [] and gone["totals"] == dict.fromkeys(COUNTERS + BATCH_COUNTERS, 0)
+
+
+def test_batch_lines_are_their_own_series_inside_the_totals(api, ledger):
+    store_events([
+        usage_event(time=HOUR + 20, tenant="acme", deployment="chat", batch_id="batch_1", priority=-1000,
+                    stream=False, prompt_tokens=100, completion_tokens=50),
+        usage_event(time=HOUR + 30, tenant="acme", deployment="chat", batch_id="batch_1", priority=-1000,
+                    stream=False, status=502, error_kind="upstream_error", prompt_tokens=9, completion_tokens=0),
+    ])
+    body = api("viewer").get(f"/api/v1/usage/?start={iso(HOUR)}&end={iso(HOUR + 7200)}&tenant=acme"
+                             "&deployment=chat").json()
+    first = body["results"][0]
+    # Batch lines are usage (in requests, errors and tokens) and, apart, their own counters.
+    assert [first[c] for c in COUNTERS] == [5, 2, 0, 144, 53]
+    assert [first[c] for c in BATCH_COUNTERS] == [2, 1, 109, 50]
+    assert [body["totals"][c] for c in BATCH_COUNTERS] == [2, 1, 109, 50]
 
 
 @pytest.mark.parametrize("query,field,fragment", [
