@@ -16,7 +16,7 @@ from deployments.models import Deployment, Rollout
 from deployments.rollouts.gate import CANDIDATE_REPLICA_SQL, Measurement, candidate_params, not_enough_text
 from slo.choices import Scope, SliKind, SloState
 from slo.models import Slo
-from slo.sli import REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SERVER_FAILURE_SQL
+from slo.sli import INTERACTIVE_SQL, REQUEST_GOOD_SQL, REQUEST_TOTAL_SQL, SERVER_FAILURE_SQL
 
 # Without an SLO on the deployment, analysis judges availability against this objective.
 IMPLIED_OBJECTIVE = 0.99
@@ -67,12 +67,14 @@ _TRACKED_EVENTS = f"""
     FROM tenants_usageevent e JOIN runtime_replica r ON r.id = e.replica
     WHERE e.deployment = %(deployment)s AND e.time >= %(start)s AND e.time < %(end)s
 """
+# Latency percentiles of interactive requests only: batch lines wait for idle capacity on purpose.
+_LATENCY_OF = f"NOT {SERVER_FAILURE_SQL} AND {INTERACTIVE_SQL}"
 _TRACK_STATS = f"""
     SELECT e.track, count(*), count(*) FILTER (WHERE {SERVER_FAILURE_SQL}),
-           percentile_cont(0.5) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.tpot_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.e2e_ms) FILTER (WHERE NOT {SERVER_FAILURE_SQL}),
+           percentile_cont(0.5) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE {_LATENCY_OF}),
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE {_LATENCY_OF}),
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.tpot_ms) FILTER (WHERE {_LATENCY_OF}),
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.e2e_ms) FILTER (WHERE {_LATENCY_OF}),
            count(DISTINCT e.replica)
     FROM ({_TRACKED_EVENTS}) e GROUP BY e.track
 """

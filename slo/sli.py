@@ -12,6 +12,9 @@ Classification of a request (the SLO contract):
   a 503 `degraded` (shed on purpose by the degradation policy, which would otherwise keep up
   the burn that caused it): neither good nor bad, left out of the total;
 - succeeded: everything else (status < 400 without an error kind).
+A line of an offline batch (`batch_id` set) waits for idle capacity on purpose: availability
+judges it like any request (a failed line is a failure), latency and goodput leave it out of
+good and total alike, so interactive SLOs read the same with or without batch traffic.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ SERVER_FAILURE_SQL = (f"((e.status >= 500 AND e.error_kind IS DISTINCT FROM '{DE
                       f"OR coalesce(e.error_kind IN ({', '.join(repr(k) for k in SERVER_ERROR_KINDS)}), false))")
 _CLIENT_ERROR = f"(NOT {SERVER_FAILURE_SQL} AND (e.status >= 400 OR e.error_kind IS NOT NULL))"
 SUCCEEDED_SQL = "(e.status < 400 AND e.error_kind IS NULL)"
+INTERACTIVE_SQL = "(e.batch_id IS NULL)"  # not a line of an offline batch
 _LATENCY = ("ttft_ms", "tpot_ms", "e2e_ms")
 # Thresholds the SLO (row s) names: each must be met; a request lacking the value...
 _MEASURED = " AND ".join(f"(s.{v} IS NULL OR e.{v} IS NOT NULL)" for v in _LATENCY)
@@ -38,11 +42,13 @@ _MET_OR_NOT_APPLICABLE = " AND ".join(f"(s.{v} IS NULL OR e.{v} IS NULL OR e.{v}
 # availability instead); goodput counts every request that was the server's to serve, good when
 # it succeeded and met each threshold (a value that does not apply, e.g. TPOT of a one-token
 # answer, is met).
+# Batch lines count for availability only (see above).
 REQUEST_GOOD_SQL = (f"CASE s.sli_kind WHEN '{SliKind.AVAILABILITY}' THEN {SUCCEEDED_SQL} "
-                    f"WHEN '{SliKind.LATENCY}' THEN {SUCCEEDED_SQL} AND {_MET} "
-                    f"ELSE {SUCCEEDED_SQL} AND {_MET_OR_NOT_APPLICABLE} END")
-REQUEST_TOTAL_SQL = (f"CASE s.sli_kind WHEN '{SliKind.LATENCY}' THEN {SUCCEEDED_SQL} AND {_MEASURED} "
-                     f"ELSE NOT {_CLIENT_ERROR} END")
+                    f"WHEN '{SliKind.LATENCY}' THEN {INTERACTIVE_SQL} AND {SUCCEEDED_SQL} AND {_MET} "
+                    f"ELSE {INTERACTIVE_SQL} AND {SUCCEEDED_SQL} AND {_MET_OR_NOT_APPLICABLE} END")
+REQUEST_TOTAL_SQL = (f"CASE s.sli_kind WHEN '{SliKind.LATENCY}' THEN {INTERACTIVE_SQL} AND {SUCCEEDED_SQL} "
+                     f"AND {_MEASURED} WHEN '{SliKind.AVAILABILITY}' THEN NOT {_CLIENT_ERROR} "
+                     f"ELSE {INTERACTIVE_SQL} AND NOT {_CLIENT_ERROR} END")
 # d: the SLO's deployment, or every deployment of its model; e: their events (of its tenant).
 COVERED_DEPLOYMENT_SQL = f"(d.id = s.deployment_id OR (s.scope = '{Scope.MODEL}' AND d.model_id = s.model_id))"
 MATCHING_EVENT_SQL = f"e.deployment = d.name AND (s.scope <> '{Scope.TENANT}' OR e.tenant = s.tenant)"
@@ -73,6 +79,8 @@ class RequestSli:
 def request_verdict(sli: RequestSli, event: dict) -> tuple[bool, bool]:
     """(good, counted) of one event under one request SLO: REQUEST_GOOD_SQL and REQUEST_TOTAL_SQL
     in Python, for the pipeline, which judges each new event once."""
+    if sli.sli_kind != SliKind.AVAILABILITY and event.get("batch_id") is not None:
+        return False, False  # a batch line: availability's alone (.get: hand-built events may lack it)
     status, kind = event["status"], event["error_kind"]
     succeeded = status < 400 and kind is None
     limits = ((sli.ttft_ms, event["ttft_ms"]), (sli.tpot_ms, event["tpot_ms"]), (sli.e2e_ms, event["e2e_ms"]))

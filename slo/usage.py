@@ -6,7 +6,8 @@ it (slo.sli.request_verdict). The verdicts
   in its own minute, exactly, however late; the rows are marked stale and the next evaluation
   cycle derives their timeslice verdict and running totals (slo/evaluation.py);
 - set `slo_compliant` on the event: it succeeded and no latency or goodput SLO judged it bad,
-  which costing reads instead of judging again.
+  which costing reads instead of judging again. Those SLOs never judge a line of an offline batch
+  (slo/sli.py), so a batch line is compliant when it succeeded.
 Only SLOs already back-filled (watermark set) are added into: a new or redefined SLO gets its
 minutes from the back-fill. FOLD_LOCK orders the two: a batch holds it shared, the back-fill and
 the running-totals step exclusively, so a back-fill sees every batch committed before it and

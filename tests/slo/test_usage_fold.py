@@ -78,3 +78,35 @@ def test_store_events_is_the_fold_entry_for_parsed_events(deployment):
     raw = {**event(NOW, ttft_ms=150.0), "time": NOW.timestamp()}
     store_events([parse_event(json.dumps(raw))])
     assert counts(slo) == {floor_minute(NOW): (1, 1)}
+
+
+def batch_traffic(time) -> list[dict]:
+    """Two interactive requests (one too slow) and two lines of an offline batch: one that succeeded
+    far slower than any target, one that failed on the server's side."""
+    batch = {"batch_id": "batch_3f2a", "priority": -1000, "stream": False}
+    return [event(time, ttft_ms=100.0), event(time, ttft_ms=300.0),
+            event(time, ttft_ms=9000.0, tpot_ms=500.0, e2e_ms=90000.0, **batch),
+            event(time, status=503, error_kind="upstream_error", ttft_ms=None, tpot_ms=None, **batch)]
+
+
+def test_batch_lines_count_for_availability_and_never_for_latency_or_goodput(deployment):
+    latency = create(deployment)
+    goodput = create(deployment, name="chat-goodput", sli_kind="goodput")
+    availability = create(deployment, name="chat-availability", sli_kind="availability", ttft_ms=None)
+    earlier = NOW - timedelta(hours=1)
+    insert_events(batch_traffic(earlier))  # stored before the SLOs' back-fill, which judges them in SQL
+    evaluate_slos(now=NOW)
+    insert_events(batch_traffic(NOW))  # judged by the pipeline's fold, in Python: the same verdicts
+    for minute in (floor_minute(earlier), floor_minute(NOW)):
+        assert counts(latency)[minute] == (1, 2)
+        assert counts(goodput)[minute] == (1, 2)
+        # A failed batch line is a failure; a slow one that succeeded is good.
+        assert counts(availability)[minute] == (3, 4)
+
+
+def test_a_batch_line_that_succeeded_is_slo_compliant_for_costing(deployment):
+    create(deployment)
+    insert_events(batch_traffic(NOW))
+    [hour] = UsageHour.objects.all()
+    # 10 prompt tokens each: the fast interactive request and the (slow) batch line that succeeded.
+    assert (hour.requests, hour.prompt_tokens, hour.compliant_prompt_tokens) == (4, 40, 20)
