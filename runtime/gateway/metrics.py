@@ -68,6 +68,10 @@ class GatewayMetrics:
                                        "(--redis-down-limits open)", registry=r)
         self.spool_depth = Gauge("inferops_gateway_usage_spool_depth",
                                  "Usage events waiting in the local spool file for Redis", registry=r)
+        self.control_plane_requests = Counter(
+            "inferops_gateway_control_plane_requests",
+            "Files and Batches API requests forwarded to the control plane (or refused before it), by route "
+            "(files, batches) and HTTP status", ["route", "status"], registry=r)
         self.redis_up = Gauge("inferops_gateway_redis_up", "1 when the last Redis call succeeded", registry=r)
         self.redis_up.set(1)
 

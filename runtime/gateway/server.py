@@ -45,6 +45,7 @@ from runtime.gateway.contract import (
     hash_api_key,
     slo_targets_field,
 )
+from runtime.gateway.control_plane import ControlPlane, route_of
 from runtime.gateway.http_protocol import DEFAULT_READ_TIMEOUT_S, protocol_class
 from runtime.gateway.limits import Admission, RateLimiter, Refusal, estimate_prompt_tokens
 from runtime.gateway.metrics import GatewayMetrics
@@ -83,6 +84,11 @@ class GatewaySettings:
     failure_threshold: int = 3
     failure_window_s: float = 10.0
     ejection_s: float = 15.0
+    # The Files and Batches API is the control plane's (control_plane.py): where it listens, the
+    # largest file upload forwarded (OpenAI's batch input limit), the longest silence either way.
+    control_plane_url: str = "http://127.0.0.1:8000"
+    max_file_bytes: int = 200 * 1000 * 1000
+    control_plane_timeout_s: float = 300.0
 
 
 class GatewayError(Exception):
@@ -287,6 +293,8 @@ class Gateway:
         self.usage: UsageSink | None = None
         self.verdicts: TtftVerdicts | None = None
         self.upstream: Upstream | None = None
+        self.control_plane = ControlPlane(settings.control_plane_url, settings.max_file_bytes,
+                                          settings.connect_timeout_s, settings.control_plane_timeout_s)
         self._background: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -303,6 +311,7 @@ class Gateway:
                                on_spool_depth=self.metrics.spool_depth.set)
         self.verdicts = TtftVerdicts(self.redis, self.health)
         self.upstream = Upstream(s.connect_timeout_s, s.first_token_timeout_s, s.request_timeout_s)
+        self.control_plane.start()
         await self.state.start()
         await self.usage.start()
         await self.verdicts.start()
@@ -328,6 +337,7 @@ class Gateway:
             await self.verdicts.stop()
         if self.upstream is not None:
             self.upstream.close()
+        await self.control_plane.close()
         if self.redis is not None:
             await self.redis.aclose()
 
@@ -354,6 +364,8 @@ class Gateway:
             await self._api_request(scope, receive, send, endpoint)
         elif path == "/v1/models" and method == "GET":
             await self._models(scope, send)
+        elif (route := route_of(path)) is not None:
+            await self._control_plane_request(scope, receive, send, route)
         elif path == "/health" and method == "GET":
             await self._health(send)
         elif path == "/metrics" and method == "GET":
@@ -393,6 +405,22 @@ class Gateway:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "inferops", "task": route.task}
                 for name, route in sorted(self.state.snapshot.routes.items()) if key.may_use(name)]
         await _send_whole(send, 200, json.dumps({"object": "list", "data": data}).encode())
+
+    async def _control_plane_request(self, scope: dict, receive: Any, send: Any, route: str) -> None:
+        """Files and batches: the key checked here as for inference, the rest the control plane's."""
+        request_id = client_request_id(_header(scope, b"x-request-id")) or f"gw-{uuid.uuid4().hex}"
+        jsonlog.REQUEST_ID.set(request_id)
+        try:
+            await self._authenticate(scope)
+        except GatewayError as error:
+            self.metrics.control_plane_requests.labels(route, str(error.status)).inc()
+            await _send_whole(send, error.status, error.body, headers=[(b"x-request-id", request_id.encode())])
+            return
+        status = 500
+        try:
+            status = await self.control_plane.forward(scope, receive, send, request_id)
+        finally:
+            self.metrics.control_plane_requests.labels(route, str(status)).inc()
 
     # -- one API request ---------------------------------------------------------------------
 
@@ -783,8 +811,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a client has to send a whole request, headers and body, from connecting or "
                              "from the request's first byte; later it gets a 408 and the connection is closed "
                              "(slow clients and slow-loris attacks) (default: %(default)s)")
+    parser.add_argument("--control-plane-url", type=_http_url, default=None,
+                        help="the web app (control plane) that serves /v1/files and /v1/batches, which the gateway "
+                             "forwards there (default: $INFEROPS_CONTROL_PLANE_URL, else "
+                             f"{defaults.control_plane_url})")
+    parser.add_argument("--max-file-bytes", type=_positive_int, default=defaults.max_file_bytes,
+                        help="largest file upload forwarded to the control plane; a larger body gets a 413 "
+                             "(default: %(default)s, OpenAI's batch input limit)")
+    parser.add_argument("--control-plane-timeout", type=float, default=defaults.control_plane_timeout_s,
+                        help="seconds the control plane may stay silent while a files or batches request is "
+                             "sent or answered, after which the client gets a 504 (default: %(default)s)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="log level (default: %(default)s)")
+
+
+def _http_url(value: str) -> str:
+    url = value.strip()
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1].strip("/")) == 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an http:// or https:// URL")
+    return url.rstrip("/")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not positive")
+    return number
+
+
+def _control_plane_url_from_env() -> str:
+    try:
+        return _http_url(os.environ.get("INFEROPS_CONTROL_PLANE_URL") or GatewaySettings.control_plane_url)
+    except argparse.ArgumentTypeError as exc:
+        raise SystemExit(f"INFEROPS_CONTROL_PLANE_URL: {exc}") from None
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
@@ -803,6 +865,9 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
         first_token_timeout_s=args.first_token_timeout,
         request_timeout_s=args.request_timeout,
         concurrency_lease_s=args.concurrency_lease,
+        control_plane_url=args.control_plane_url or _control_plane_url_from_env(),
+        max_file_bytes=args.max_file_bytes,
+        control_plane_timeout_s=args.control_plane_timeout,
     )
 
 
@@ -820,6 +885,9 @@ def main(args: argparse.Namespace) -> int:
     config = uvicorn.Config(Gateway(settings), host=args.host, port=args.port, loop="uvloop",
                             http=protocol_class(args.request_read_timeout),
                             lifespan="on", log_level=args.log_level, access_log=False, timeout_keep_alive=30,
+                            # The client address is the peer's, as given: the gateway appends it to the
+                            # X-Forwarded-For it passes to the control plane.
+                            proxy_headers=False,
                             backlog=4096, timeout_graceful_shutdown=5,
                             log_config=None if json_lines else uvicorn.config.LOGGING_CONFIG)
     logger.info("gateway %s on http://%s:%d/v1 (redis %s)", settings.instance, args.host, args.port,
