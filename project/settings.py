@@ -111,6 +111,7 @@ INSTALLED_APPS = [
     "alerts",
     "costing",
     "degradation",
+    "batches",
     # The wiring: it holds the `bootstrap` management command.
     "project",
 ]
@@ -180,9 +181,29 @@ STATIC_ROOT.mkdir(exist_ok=True)
 # plotly.js with only the trace types the console draws, from npm (package.json; `make install`,
 # platform/Dockerfile); inferops.assets falls back to the plotly package's full bundle without it.
 PLOTLY_PARTIAL_BUNDLE = BASE_DIR / "node_modules" / "plotly.js-basic-dist-min" / "plotly-basic.min.js"
+
+
+def batch_files_storage(url: str) -> dict:
+    """Where batch input, output and error files live: a local folder (the default, under the data
+    directory), or an S3-compatible bucket, `s3://bucket/optional/prefix` (credentials from AWS's
+    usual variables; INFEROPS_S3_ENDPOINT_URL for MinIO, R2, Ceph and the like)."""
+    if not url:
+        return {"BACKEND": "django.core.files.storage.FileSystemStorage",
+                "OPTIONS": {"location": embedded.data_dir() / "batch-files"}}
+    parsed = urlparse(url)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ImproperlyConfiguredEnv(f"INFEROPS_BATCH_FILES_URL={url!r}: expected s3://bucket[/prefix] (or unset "
+                                      "for a folder in the data directory)")
+    return {"BACKEND": "storages.backends.s3.S3Storage",
+            "OPTIONS": {"bucket_name": parsed.netloc, "location": parsed.path.strip("/"),
+                        "endpoint_url": env_str("INFEROPS_S3_ENDPOINT_URL") or None,
+                        "region_name": env_str("AWS_DEFAULT_REGION") or None, "file_overwrite": False}}
+
+
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "batch_files": batch_files_storage(env_str("INFEROPS_BATCH_FILES_URL")),
 }
 WHITENOISE_USE_FINDERS = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -192,6 +213,14 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = env_int("INFEROPS_MAX_BODY_BYTES", 1024 * 1024)
 # take a body that large (and a multipart envelope within the limit above).
 INFEROPS_EVALSET_MAX_BYTES = env_int("INFEROPS_EVALSET_MAX_BYTES", 5 * 1024 * 1024)
 INFEROPS_EVALSET_MAX_CASES = env_int("INFEROPS_EVALSET_MAX_CASES", 10_000)
+# Batches (batches/): an input file's bytes and requests at most (OpenAI's limits), how long a
+# runner may go without a heartbeat before the beat resumes its batch elsewhere, a line's time limit,
+# and how many lines one replica may have in flight at most (the runner's window grows up to it).
+INFEROPS_BATCH_MAX_FILE_BYTES = env_int("INFEROPS_BATCH_MAX_FILE_BYTES", 200 * 1000 * 1000)
+INFEROPS_BATCH_MAX_LINES = env_int("INFEROPS_BATCH_MAX_LINES", 50_000)
+INFEROPS_BATCH_STALE_S = env_float("INFEROPS_BATCH_STALE_S", 60)
+INFEROPS_BATCH_REQUEST_TIMEOUT_S = env_float("INFEROPS_BATCH_REQUEST_TIMEOUT_S", 600)
+INFEROPS_BATCH_MAX_INFLIGHT_PER_REPLICA = env_int("INFEROPS_BATCH_MAX_INFLIGHT_PER_REPLICA", 32)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -366,6 +395,9 @@ CELERY_BEAT_SCHEDULE |= {
 }
 # Eval runs (evals/runs/runner.py): a running run whose worker stopped beating is failed.
 CELERY_BEAT_SCHEDULE["reap-eval-runs"] = {"task": "evals.reap_runs", "schedule": 60.0, "options": {"expires": 55}}
+INFEROPS_BATCH_TICK_S = env_float("INFEROPS_BATCH_TICK_S", 15)
+CELERY_BEAT_SCHEDULE["resume-batches"] = {"task": "batches.tick", "schedule": INFEROPS_BATCH_TICK_S,
+                                          "options": {"expires": INFEROPS_BATCH_TICK_S * 0.9}}
 
 # INFEROPS_LOG_FORMAT=json: one JSON object a line, the gateway's and the replicas' format too;
 # Celery then keeps Django's handler instead of installing its own plain one.

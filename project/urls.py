@@ -4,6 +4,7 @@ from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from alerts.urls import api_urlpatterns as alerts_api
+from batches.urls import openai_urlpatterns as batches_openai
 from costing import views as costing_views
 from costing.urls import api_urlpatterns as costing_api
 from degradation.urls import api_urlpatterns as degradation_api
@@ -31,6 +32,7 @@ urlpatterns = [
     path("alerts/", include("alerts.urls")),
     path("costs/", costing_views.report_page, name="costs"),
     path("costs/", include("costing.urls")),
+    path("batches/", include("batches.urls")),
     path("assets/plotly-<str:digest>.min.js", views.plotly_js, name="plotly-js"),
     path("audit/", views.audit_log, name="audit"),
     path("users/", user_views.user_list, name="users"),
@@ -49,6 +51,8 @@ urlpatterns = [
     path("api/v1/", include(alerts_api)),
     path("api/v1/", include(tenants_api)),
     path("api/v1/", include(costing_api)),
+    # OpenAI's Files and Batches API, with API keys; the gateway forwards its /v1/files* and /v1/batches* here.
+    path("v1/", include(batches_openai)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     # The split view serves its script from a URL of its own: no inline script (the console's CSP).
     path("api/docs/", SpectacularSwaggerSplitView.as_view(url_name="schema"), name="api-docs"),

@@ -12,7 +12,9 @@ Pure Python, no torch. Each step spends a token budget (`max_num_batched_tokens`
 Background work (priority at or below `background_priority`, the lowest by default: eval runs and
 other offline scoring) runs in the capacity foreground requests leave: while any foreground
 sequence runs or waits, background sequences get at most `background_tokens_per_step` tokens of
-a step between them, so they add a little to each step instead of a whole prefill chunk.
+a step between them, so they add a little to each step instead of a whole prefill chunk. A
+foreground request that finds every slot (`max_num_seqs`) or every free block taken preempts
+background sequences to get in: offline batches never hold an interactive request back.
 
 When a running sequence needs a block and none is free, the lowest-priority, newest running
 sequence not yet scheduled this step is preempted (blocks freed, sent back to waiting to be
@@ -170,6 +172,7 @@ class Scheduler:
             if out.rejected:
                 out.retry_after_s = self.slo.retry_after_s(self, plan.prefill_rate)
             self._plan = plan
+        self._make_way_for_foreground(out, max_running, budget)
         scheduled: set[int] = set()
         background_left = self._background_allowance()
         cap = self.max_prefill_tokens_with_decodes
@@ -259,14 +262,35 @@ class Scheduler:
         self.counters.num_preemptions += 1
         out.preempted.append(seq)
 
+    def _make_way_for_foreground(self, out: SchedulerOutput, max_running: int, budget: int) -> None:
+        """Before the step: preempt background sequences (newest first) until the foreground requests
+        waiting have the slots and the blocks for their first chunks this step."""
+        foreground = [seq for seq in self.waiting if not self.is_background(seq)]
+        if not foreground or self.background_priority is None:
+            return
+        running_foreground = sum(1 for seq in self.running if not self.is_background(seq))
+        wanted = foreground[:max(0, max_running - running_foreground)]
+        tokens = 0
+        for seq in wanted:
+            tokens += max(0, min(len(seq) - seq.num_computed_tokens, budget - tokens))
+        bm = self.block_manager
+        blocks = -(-tokens // bm.block_size) + len(wanted)  # + a partly filled block each
+        while wanted and (len(self.running) + len(wanted) > max_running or bm.num_free_blocks < blocks):
+            victim = next((seq for seq in reversed(self.running) if self.is_background(seq)), None)
+            if victim is None:
+                return
+            self._preempt(victim, out)
+
     def _admit_waiting(self, state: _StepState, out: SchedulerOutput, max_running: int,
                        late: bool | None = None) -> None:
         """Admit waiting sequences in queue order (stopping at the first late one when `late` is
         False) with a first chunk each, within the step's budget."""
         bm = self.block_manager
-        while self.waiting and state.budget > 0 and len(self.running) < max_running:
+        while self.waiting and state.budget > 0:
             seq = self.waiting[0]
             if late is False and seq.late:
+                break
+            if len(self.running) >= max_running:
                 break
             uses_cache = bm.enable_prefix_caching and not seq.needs_prompt_logits
             cached = bm.find_cached_prefix(seq) if uses_cache else []

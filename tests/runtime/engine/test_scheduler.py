@@ -259,3 +259,40 @@ def test_without_a_background_priority_the_lowest_priority_competes_for_the_whol
     s.add(seq("chat", 10, priority=0, arrival=0))
     s.add(seq("eval", 20, priority=-1000, arrival=1, first=300))
     assert plan(run_step(s)) == [("chat", 0, 10), ("eval", 0, 20)]
+
+
+def test_a_foreground_request_preempts_background_work_for_a_slot():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=32, background_priority=-1000,
+                  background_tokens_per_step=32)
+    s.add(seq("batch-1", 4, priority=-1000, arrival=0))
+    s.add(seq("batch-2", 4, priority=-1000, arrival=1, first=300))
+    run_step(s)  # both background lines fill the two slots
+    s.add(seq("chat", 4, priority=0, arrival=2, first=500))
+    out = run_step(s)
+    # The newest background line gives up its slot (it waits to be recomputed); chat starts at once.
+    assert [p.request_id for p in out.preempted] == ["batch-2"]
+    assert ("chat", 0, 4) in plan(out)
+    assert {q.request_id for q in s.running} == {"batch-1", "chat"}
+
+
+def test_a_foreground_request_preempts_background_work_for_blocks():
+    bm = BlockManager(4, 4, enable_prefix_caching=False)  # 16 tokens of KV in all
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=32, background_priority=-1000,
+                  background_tokens_per_step=32)
+    s.add(seq("batch", 15, priority=-1000, arrival=0))
+    run_step(s)  # the background prompt holds all four blocks
+    s.add(seq("chat", 4, priority=0, arrival=1, first=500))
+    out = run_step(s)
+    assert [p.request_id for p in out.preempted] == ["batch"]
+    assert ("chat", 0, 4) in plan(out)
+
+
+def test_background_work_never_preempts_background_work_for_a_slot():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(bm, max_num_seqs=1, max_num_batched_tokens=32, background_priority=-1000)
+    s.add(seq("batch-1", 4, priority=-1000, arrival=0))
+    run_step(s)
+    s.add(seq("batch-2", 4, priority=-1000, arrival=1, first=300))
+    out = run_step(s)
+    assert out.preempted == [] and [q.request_id for q in s.running] == ["batch-1"]
