@@ -43,6 +43,14 @@ def test_compose_runs_every_process_against_postgres_and_redis():
     assert (ROOT / services["web"]["build"]["dockerfile"]).is_file()
 
 
+def test_compose_gateway_forwards_files_and_batches_to_the_web_service():
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    url = services["gateway"]["environment"]["INFEROPS_CONTROL_PLANE_URL"]
+    web = services["web"]["command"]
+    assert url == f"http://web:{web[web.index('--port') + 1]}"
+    assert "web" in services["web"]["environment"]["ALLOWED_HOSTS"].split(",")  # the Host the gateway sends
+
+
 # --- a minimal kustomize: what this repository's kustomizations use, nothing more ------------
 # kubectl renders them when it is installed (and the two renders are compared below); without
 # it the tests still render and validate every manifest.
@@ -274,6 +282,17 @@ def test_health_probes_use_the_real_endpoints(rendered):
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
     source = (ROOT / "runtime/gateway/server.py").read_text()
     assert 'path == "/health" and method == "GET"' in source
+
+
+def test_gateway_forwards_files_and_batches_to_the_web_service(rendered):
+    _, documents = rendered
+    gateway = containers(documents[("StatefulSet", "inferops-gateway")])[0]
+    url = {e["name"]: e["value"] for e in gateway["env"]}["INFEROPS_CONTROL_PLANE_URL"]
+    service = documents[("Service", "inferops-web")]
+    assert url == f"http://{service['metadata']['name']}"
+    assert [port["port"] for port in service["spec"]["ports"]] == [80]
+    # The web app answers to that name (the Host the gateway sends).
+    assert "inferops-web" in documents[("ConfigMap", "inferops")]["data"]["ALLOWED_HOSTS"].split(",")
 
 
 def test_gateway_spool_survives_the_pod_and_a_disruption_budget_keeps_one(rendered):
