@@ -34,6 +34,10 @@ home_panels = PanelRegistry()
 # scores next to its parent's). Panels take (request, the ModelVersion).
 version_panels = PanelRegistry()
 
+# A tenant's page: what the apps above tenants know about one tenant (its offline batches).
+# Panels take (request, the Tenant).
+tenant_panels = PanelRegistry()
+
 
 def safe_next(request) -> str | None:
     """The `next` a panel's form posted (the page it sits on), if it is a path of this site."""

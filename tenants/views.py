@@ -14,6 +14,7 @@ from django.views.decorators.http import require_POST
 
 from deployments.models import Deployment
 from inferops.forms import apply_service
+from inferops.panels import tenant_panels
 from inferops.roles import require_operator
 from tenants import services
 from tenants.api import get_key, get_tenant, tenant_queryset
@@ -86,6 +87,7 @@ def render_detail(request, tenant, *, form=None, limits_form=None, created=None,
         "tenant": tenant, "keys": keys, "form": form or ApiKeyForm(), "created": created, "ranges": USAGE_RANGES,
         "limits_form": limits_form or TenantLimitsForm(initial=limits, prefix="limits"),
         "deployment_names": Deployment.objects.filter(deleted_at__isnull=True).values_list("name", flat=True),
+        "panels": tenant_panels.render(request, tenant),  # what the apps above tenants add (its batches)
     }, status=status)
 
 
