@@ -16,7 +16,8 @@ class PriceAdmin(ServiceAdmin):
 
 @admin.register(ListPrice)
 class ListPriceAdmin(ServiceAdmin):
-    list_display = ["deployment", "tenant", "usd_per_mtok_prompt", "usd_per_mtok_completion", "effective_from"]
+    list_display = ["deployment", "tenant", "usd_per_mtok_prompt", "usd_per_mtok_completion", "batch_discount_percent",
+                    "effective_from"]
 
 
 @admin.register(Budget)

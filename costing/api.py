@@ -85,8 +85,8 @@ class PriceCreateSerializer(RejectUnknownFields, serializers.Serializer):
 class ListPriceSerializer(serializers.ModelSerializer):
     class Meta:
         model = ListPrice
-        fields = ["id", "deployment", "tenant", "usd_per_mtok_prompt", "usd_per_mtok_completion", "effective_from",
-                  "created_at"]
+        fields = ["id", "deployment", "tenant", "usd_per_mtok_prompt", "usd_per_mtok_completion",
+                  "batch_discount_percent", "effective_from", "created_at"]
         read_only_fields = ["id", "created_at"]
 
 
@@ -96,6 +96,10 @@ class ListPriceCreateSerializer(RejectUnknownFields, serializers.Serializer):
                                    default="", help_text="Empty: the deployment's list price for every tenant.")
     usd_per_mtok_prompt = MoneyField()
     usd_per_mtok_completion = MoneyField()
+    batch_discount_percent = MoneyField(
+        max_digits=5, decimal_places=2, max_value=Decimal(100), required=False,
+        default=services.DEFAULT_BATCH_DISCOUNT,
+        help_text="Lines of offline batches pay the list price less this percentage (0-100, default 50).")
     effective_from = serializers.DateTimeField()
 
 

@@ -10,6 +10,8 @@ usage ledger (tenants.UsageMinute): a deleted deployment's costs stay on the boo
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 from django.contrib.postgres.fields import ArrayField
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
@@ -47,13 +49,19 @@ class Price(Created):
 class ListPrice(Created):
     """What tenants are charged per million tokens of a deployment (showback / chargeback).
 
-    An empty tenant is the deployment's list price; a row naming a tenant overrides it.
+    An empty tenant is the deployment's list price; a row naming a tenant overrides it. Lines of
+    offline batches pay the batch price: this price less `batch_discount_percent`.
     """
 
     deployment = models.CharField(max_length=63)
     tenant = models.CharField(max_length=63, blank=True)
     usd_per_mtok_prompt = models.DecimalField(**MONEY)
     usd_per_mtok_completion = models.DecimalField(**MONEY)
+    # 50 by default, as OpenAI's Batch API is half price.
+    batch_discount_percent = models.DecimalField(
+        max_digits=5, decimal_places=2, default=Decimal(50), db_default=Decimal(50),
+        validators=[MinValueValidator(0), MaxValueValidator(100)],
+        help_text="The batch price is the list price less this percentage.")
     effective_from = models.DateTimeField()
 
     class Meta:
@@ -64,6 +72,15 @@ class ListPrice(Created):
 
     def __str__(self) -> str:
         return f"{self.deployment}/{self.tenant or '*'} from {self.effective_from:%Y-%m-%d}"
+
+    @property
+    def batch_factor(self) -> Decimal:
+        """What a batch token pays of the list price (0.5 at a 50 % discount)."""
+        return (100 - self.batch_discount_percent) / 100
+
+    def batch_prices(self) -> tuple[Decimal, Decimal]:
+        """$ per million (prompt, completion) tokens of a batch line."""
+        return (self.usd_per_mtok_prompt * self.batch_factor, self.usd_per_mtok_completion * self.batch_factor)
 
 
 class ReplicaLife(models.Model):
@@ -126,7 +143,8 @@ class CostHour(models.Model):
 
 class UsageHour(models.Model):
     """Tokens per hour × deployment × version × tenant from the usage ledger, with the tokens of
-    requests that met every latency SLO of the deployment."""
+    requests that met every latency SLO of the deployment and those of offline batches' lines
+    (both subsets of the prompt and completion tokens)."""
 
     hour = models.DateTimeField()
     deployment = models.CharField(max_length=63)
@@ -137,6 +155,8 @@ class UsageHour(models.Model):
     completion_tokens = models.BigIntegerField(default=0)
     compliant_prompt_tokens = models.BigIntegerField(default=0)
     compliant_completion_tokens = models.BigIntegerField(default=0)
+    batch_prompt_tokens = models.BigIntegerField(default=0, db_default=0)
+    batch_completion_tokens = models.BigIntegerField(default=0, db_default=0)
     # The usage pipeline added to the row since the ledger sync last looked (costing/usage.py).
     changed = models.BooleanField(default=False, db_default=False)
 
@@ -191,6 +211,9 @@ class Adjustment(models.Model):
     prompt_tokens = models.BigIntegerField(default=0)
     completion_tokens = models.BigIntegerField(default=0)
     compliant_tokens = models.BigIntegerField(default=0)
+    batch_prompt_tokens = models.BigIntegerField(default=0, db_default=0)
+    batch_completion_tokens = models.BigIntegerField(default=0, db_default=0)
+    batch_usd = models.DecimalField(**LEDGER_MONEY, db_default=0)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -164,17 +164,28 @@ def report_pdf(report: dict, *, prices: list[dict], generated_at: datetime) -> b
         story += [Spacer(1, 2 * mm), Paragraph(
             f"Revenue at list prices {currency} {grouped(report['revenue_usd'])}, "
             f"margin {currency} {grouped(report['margin_usd'])}.", styles["Normal"])]
+    if report.get("batch_tokens"):
+        revenue = (f", revenue at the batch price {currency} {grouped(report['batch_revenue_usd'])}"
+                   if report.get("batch_revenue_usd") is not None else "")
+        story += [Spacer(1, 2 * mm), Paragraph(
+            f"Offline batches: {grouped(report['batch_tokens'])} tokens, their share of the cost "
+            f"{currency} {grouped(report['batch_usd'])}{revenue} (included in the figures above).", styles["Normal"])]
     for note in report.get("notes", []):
         story += [Spacer(1, 2 * mm), Paragraph(note, styles["Italic"])]
     story += [Paragraph("Allocation method", styles["Heading2"]), Paragraph(allocation, styles["Normal"])]
     story += [Spacer(1, 5 * mm), daily_chart(report), Spacer(1, 4 * mm), tenant_chart(report)]
+    # The batch columns: offline batches' part of the tokens and of the cost (.get: a month closed
+    # before batches were billed has none).
     story += [Paragraph("By tenant", styles["Heading2"]), _table(
-        [["Tenant", f"Cost ({currency})", "Prompt tokens", "Completion tokens", f"{currency} / 1M tokens (4 dp)"]]
+        [["Tenant", f"Cost ({currency})", "Prompt tokens", "Completion tokens", f"{currency} / 1M tokens (4 dp)",
+          "Batch tokens", f"Batch cost ({currency})"]]
         + [[row["tenant"], grouped(row["usd"]), grouped(row["prompt_tokens"]), grouped(row["completion_tokens"]),
-            grouped(row["usd_per_mtok"]) or "-"] for row in report["by_tenant"]]
-        + [["idle (no traffic)", grouped(report["idle_usd"]), "", "", ""],
+            grouped(row["usd_per_mtok"]) or "-", grouped(row.get("batch_tokens", 0)),
+            grouped(row.get("batch_usd") or "0.00")] for row in report["by_tenant"]]
+        + [["idle (no traffic)", grouped(report["idle_usd"]), "", "", "", "", ""],
            ["Total", grouped(report["total_usd"]), grouped(report["prompt_tokens"]),
-            grouped(report["completion_tokens"]), grouped(report["usd_per_mtok"]) or "-"]])]
+            grouped(report["completion_tokens"]), grouped(report["usd_per_mtok"]) or "-",
+            grouped(report.get("batch_tokens", 0)), grouped(report.get("batch_usd") or "0.00")]])]
     story += [Paragraph("By deployment", styles["Heading2"]), _table(
         [["Deployment", "Model", f"Cost ({currency})", f"Idle ({currency})", "Replica hours",
           f"{currency} / 1M tokens (4 dp)", f"{currency} / 1M SLO-compliant (4 dp)"]]

@@ -4,6 +4,10 @@ Allocation: each deployment version's cost in each hour is split between the ten
 share of weighted tokens in that hour (`prompt × INFEROPS_COST_PROMPT_WEIGHT + completion ×
 INFEROPS_COST_COMPLETION_WEIGHT`). An hour with no tokens is idle: its cost is its own line.
 
+Lines of offline batches are usage like any other: their tokens take their share of the cost the
+same way (`batch_usd` is that share), and revenue charges them at the batch price, the list
+price less its `batch_discount_percent`.
+
 Rounding happens once, on the finest cells (tenant × deployment × version, and idle ×
 deployment × version), by the largest-remainder method, so every grouping built from the
 rounded cells (by tenant, by deployment, the CSV, the total) adds up to the cent and beyond.
@@ -75,6 +79,11 @@ class Cell:
     replica_minutes: int = 0
     revenue: Decimal | None = None
     adjustment_from: str | None = None  # "YYYY-MM" of the closed month it corrects
+    # Offline batches' part of the tokens, of the cost and of the revenue (at the batch price).
+    batch_prompt_tokens: int = 0
+    batch_completion_tokens: int = 0
+    batch_usd: Decimal = Decimal(0)
+    batch_revenue: Decimal | None = None
 
     def key(self) -> tuple:
         return (self.tenant or "", self.deployment, self.version)
@@ -85,7 +94,9 @@ class Cell:
                 "completion_tokens": self.completion_tokens, "compliant_tokens": self.compliant_tokens,
                 "replica_minutes": self.replica_minutes,
                 "revenue": None if self.revenue is None else str(self.revenue),
-                "adjustment_from": self.adjustment_from}
+                "adjustment_from": self.adjustment_from, "batch_prompt_tokens": self.batch_prompt_tokens,
+                "batch_completion_tokens": self.batch_completion_tokens, "batch_usd": str(self.batch_usd),
+                "batch_revenue": None if self.batch_revenue is None else str(self.batch_revenue)}
 
     @classmethod
     def from_json(cls, data: dict) -> Cell:
@@ -93,7 +104,12 @@ class Cell:
                    usd=Decimal(data["usd"]), prompt_tokens=data["prompt_tokens"],
                    completion_tokens=data["completion_tokens"], compliant_tokens=data["compliant_tokens"],
                    replica_minutes=data["replica_minutes"],
-                   revenue=None if data.get("revenue") is None else Decimal(data["revenue"]))
+                   revenue=None if data.get("revenue") is None else Decimal(data["revenue"]),
+                   # Months closed before batches were billed stored no batch figures: they had none.
+                   batch_prompt_tokens=data.get("batch_prompt_tokens", 0),
+                   batch_completion_tokens=data.get("batch_completion_tokens", 0),
+                   batch_usd=Decimal(data.get("batch_usd") or 0),
+                   batch_revenue=None if data.get("batch_revenue") is None else Decimal(data["batch_revenue"]))
 
 
 # Per (deployment, version, hour), a slot: its cost, replica minutes and weighted tokens. A slot
@@ -131,7 +147,9 @@ _TENANT_CELLS = """
     SELECT u.tenant, u.deployment, u.version,
            coalesce(sum(r.rate * (%(wp)s * u.prompt_tokens + %(wc)s * u.completion_tokens)), 0),
            sum(u.prompt_tokens), sum(u.completion_tokens),
-           sum(u.compliant_prompt_tokens + u.compliant_completion_tokens)
+           sum(u.compliant_prompt_tokens + u.compliant_completion_tokens),
+           coalesce(sum(r.rate * (%(wp)s * u.batch_prompt_tokens + %(wc)s * u.batch_completion_tokens)), 0),
+           sum(u.batch_prompt_tokens), sum(u.batch_completion_tokens)
     FROM costing_usagehour u
     LEFT JOIN (SELECT deployment, version, hour, usd::numeric(60, 30) / weight AS rate
                FROM report_slots WHERE weight > 0) r USING (deployment, version, hour)
@@ -139,13 +157,17 @@ _TENANT_CELLS = """
     GROUP BY 1, 2, 3
 """
 # Revenue at list prices: each usage hour at the tenant's own list price of the deployment, else
-# the deployment's, whichever started last before the hour.
+# the deployment's, whichever started last before the hour; batch tokens at that price less its
+# batch discount. Columns: interactive revenue, batch revenue.
 _REVENUE = """
     SELECT u.tenant, u.deployment, u.version,
-           sum((u.prompt_tokens * p.usd_per_mtok_prompt + u.completion_tokens * p.usd_per_mtok_completion) / 1000000)
+           sum(((u.prompt_tokens - u.batch_prompt_tokens) * p.usd_per_mtok_prompt
+                + (u.completion_tokens - u.batch_completion_tokens) * p.usd_per_mtok_completion) / 1000000),
+           sum((u.batch_prompt_tokens * p.usd_per_mtok_prompt + u.batch_completion_tokens * p.usd_per_mtok_completion)
+               * (100 - p.batch_discount_percent) / 100000000)
     FROM costing_usagehour u
     CROSS JOIN LATERAL (
-        SELECT usd_per_mtok_prompt, usd_per_mtok_completion FROM costing_listprice l
+        SELECT usd_per_mtok_prompt, usd_per_mtok_completion, batch_discount_percent FROM costing_listprice l
         WHERE l.deployment = u.deployment AND (l.tenant = u.tenant OR l.tenant = '') AND l.effective_from <= u.hour
         ORDER BY (l.tenant = u.tenant) DESC, l.effective_from DESC LIMIT 1
     ) p
@@ -183,17 +205,21 @@ def report_data(start: datetime, end: datetime) -> tuple[list[Cell], list[dict]]
         revenue = {}
         if ListPrice.objects.exists():
             cursor.execute(_REVENUE, params)
-            revenue = {(t, d, v): usd for t, d, v, usd in cursor.fetchall()}
+            revenue = {(t, d, v): (usd, batch_usd) for t, d, v, usd, batch_usd in cursor.fetchall()}
         cursor.execute("DROP TABLE report_slots")
     cells = []
-    for tenant, deployment, version, usd, prompt, completion, compliant in rows:
+    for (tenant, deployment, version, usd, prompt, completion, compliant, batch_usd, batch_prompt,
+         batch_completion) in rows:
         version_cell = idle.get((deployment, version))
         cell = Cell(tenant=tenant, deployment=deployment, version=version,
                     model=(version_cell and version_cell.model) or models.get(deployment, ""),
                     usd=Decimal(usd), prompt_tokens=int(prompt), completion_tokens=int(completion),
-                    compliant_tokens=int(compliant))
+                    compliant_tokens=int(compliant), batch_usd=Decimal(batch_usd),
+                    batch_prompt_tokens=int(batch_prompt), batch_completion_tokens=int(batch_completion))
         if revenue:
-            cell.revenue = Decimal(revenue.get((tenant, deployment, version), 0))
+            interactive, batch = revenue.get((tenant, deployment, version), (0, 0))
+            cell.batch_revenue = Decimal(batch)
+            cell.revenue = Decimal(interactive) + cell.batch_revenue
         cells.append(cell)
     cells += [cell for cell in idle.values() if cell.usd or cell.replica_minutes]
     return [c for c in cells if c.usd or c.prompt_tokens or c.completion_tokens or c.replica_minutes], daily
@@ -241,6 +267,9 @@ class Totals:
     compliant: int = 0
     minutes: int = 0
     revenue: Decimal | None = None
+    batch_tokens: int = 0
+    batch_usd: Decimal = Decimal(0)
+    batch_revenue: Decimal | None = None
     children: dict = field(default_factory=dict)
 
     def add(self, cell: Cell) -> None:
@@ -253,6 +282,10 @@ class Totals:
         self.minutes += cell.replica_minutes
         if cell.revenue is not None:
             self.revenue = (self.revenue or Decimal(0)) + cell.revenue
+        self.batch_tokens += cell.batch_prompt_tokens + cell.batch_completion_tokens
+        self.batch_usd += cell.batch_usd
+        if cell.batch_revenue is not None:
+            self.batch_revenue = (self.batch_revenue or Decimal(0)) + cell.batch_revenue
 
     def figures(self) -> dict:
         wp, wc = weights()
@@ -268,6 +301,9 @@ class Totals:
             "usd_per_mtok_slo_compliant": per_mtok(self.usd, self.compliant),
             "revenue_usd": money(self.revenue),
             "margin_usd": money(self.revenue - self.usd) if self.revenue is not None else None,
+            # Offline batches' part of the figures above (tokens, allocated cost, revenue at the batch price).
+            "batch_tokens": self.batch_tokens, "batch_usd": money(self.batch_usd),
+            "batch_revenue_usd": money(self.batch_revenue),
         }
         return data
 
@@ -286,10 +322,13 @@ def build_report(start: datetime, end: datetime, cells: list[Cell], *, daily: li
     everything = [*cells, *adjustments]
     rounded = apportion([cell.usd for cell in everything])
     revenue = apportion([cell.revenue or Decimal(0) for cell in everything])
+    batch_usd = apportion([cell.batch_usd for cell in everything])
+    batch_revenue = apportion([cell.batch_revenue or Decimal(0) for cell in everything])
     rounded_cells = []
-    for cell, usd, rev in zip(everything, rounded, revenue, strict=True):
-        rounded_cells.append(Cell(**{**cell.__dict__, "usd": usd,
-                                     "revenue": None if cell.revenue is None else rev}))
+    for cell, usd, rev, b_usd, b_rev in zip(everything, rounded, revenue, batch_usd, batch_revenue, strict=True):
+        rounded_cells.append(Cell(**{**cell.__dict__, "usd": usd, "revenue": None if cell.revenue is None else rev,
+                                     "batch_usd": b_usd,
+                                     "batch_revenue": None if cell.batch_revenue is None else b_rev}))
     total = Totals()
     for cell in rounded_cells:
         total.add(cell)
@@ -335,7 +374,8 @@ def build_report(start: datetime, end: datetime, cells: list[Cell], *, daily: li
                          "version": c.version, "usd": money(c.usd), "prompt_tokens": c.prompt_tokens,
                          "completion_tokens": c.completion_tokens} for c in adjusted],
         "notes": notes,
-        "rows": [{**c.as_json(), "usd": money(c.usd), "revenue": money(c.revenue)} for c in rounded_cells],
+        "rows": [{**c.as_json(), "usd": money(c.usd), "revenue": money(c.revenue), "batch_usd": money(c.batch_usd),
+                  "batch_revenue": money(c.batch_revenue)} for c in rounded_cells],
     }
 
 
@@ -382,8 +422,13 @@ def prices_in_effect(start: datetime, end: datetime) -> list[dict]:
         if until is not None and until <= start:
             continue  # superseded before the period began
         scope = f"list price {lp.deployment}, {lp.tenant or 'every tenant'}"
+        batch_prompt, batch_completion = lp.batch_prices()
         for kind, amount in (("prompt", lp.usd_per_mtok_prompt), ("completion", lp.usd_per_mtok_completion)):
             rows.append({"what": f"{scope}, {kind}", "unit": f"1M {kind} tokens", "usd": rate_text(amount),
+                         "effective_from": lp.effective_from, "effective_to": until})
+        for kind, amount in (("prompt", batch_prompt), ("completion", batch_completion)):
+            rows.append({"what": f"{scope}, batch {kind} ({lp.batch_discount_percent.normalize():f} % off)",
+                         "unit": f"1M {kind} tokens", "usd": rate_text(amount),
                          "effective_from": lp.effective_from, "effective_to": until})
     return rows
 
@@ -433,14 +478,23 @@ def report_in_cents(report: dict) -> dict:
     shown.update(total_usd=str(total), idle_usd=str(idle), busy_usd=str(total - idle))
     if revenue is not None:
         shown.update(revenue_usd=str(revenue), margin_usd=str(revenue - total))
-    whole = {"usd": total, "idle_usd": idle, "revenue_usd": revenue}
+    # .get: a month closed before batches were billed has no batch figures (its tables show none).
+    batch, batch_revenue = _cents(report.get("batch_usd")), _cents(report.get("batch_revenue_usd"))
+    for key, value in (("batch_usd", batch), ("batch_revenue_usd", batch_revenue)):
+        if value is not None:
+            shown[key] = str(value)
+    whole = {"usd": total, "idle_usd": idle, "revenue_usd": revenue, "batch_usd": batch,
+             "batch_revenue_usd": batch_revenue}
     for table in ("by_deployment", "by_model", "by_version"):
         _table_in_cents(shown[table], whole)
     none = Decimal("0.00")  # a tenant's lines have no idle cost
-    _table_in_cents(shown["by_tenant"], {"usd": total - idle, "idle_usd": none, "revenue_usd": revenue})
+    _table_in_cents(shown["by_tenant"], {"usd": total - idle, "idle_usd": none, "revenue_usd": revenue,
+                                         "batch_usd": batch, "batch_revenue_usd": batch_revenue})
     for tenant in shown["by_tenant"]:
         _table_in_cents(tenant["deployments"], {"usd": Decimal(tenant["usd"]), "idle_usd": none,
-                                                "revenue_usd": _cents(tenant.get("revenue_usd"))})
+                                                "revenue_usd": _cents(tenant.get("revenue_usd")),
+                                                "batch_usd": _cents(tenant.get("batch_usd")),
+                                                "batch_revenue_usd": _cents(tenant.get("batch_revenue_usd"))})
     for row in shown["adjustments"]:
         row["usd"] = str(_cents(row["usd"]))
     return shown
@@ -465,7 +519,9 @@ def adjustments_booked(start: datetime, end: datetime) -> list[Cell]:
     rows = Adjustment.objects.filter(booked_month__gte=start.date(), booked_month__lt=end.date())
     return [Cell(tenant=a.tenant or None, deployment=a.deployment, version=a.version, model=a.model, usd=a.usd,
                  prompt_tokens=a.prompt_tokens, completion_tokens=a.completion_tokens,
-                 compliant_tokens=a.compliant_tokens, adjustment_from=a.source_month.strftime("%Y-%m"))
+                 compliant_tokens=a.compliant_tokens, adjustment_from=a.source_month.strftime("%Y-%m"),
+                 batch_prompt_tokens=a.batch_prompt_tokens, batch_completion_tokens=a.batch_completion_tokens,
+                 batch_usd=a.batch_usd)
             for a in rows]
 
 
@@ -489,11 +545,14 @@ def report_for(start: datetime, end: datetime, *, now: datetime) -> dict:
 
 CSV_COLUMNS = ["start", "end", "tenant", "deployment", "version", "model", "usd", "prompt_tokens",
                "completion_tokens", "slo_compliant_tokens", "replica_hours", "usd_per_mtok",
-               "usd_per_mtok_slo_compliant", "revenue_usd", "margin_usd", "adjustment_for"]
+               "usd_per_mtok_slo_compliant", "revenue_usd", "margin_usd", "adjustment_for", "batch_tokens",
+               "batch_usd", "batch_revenue_usd"]
 
 
 def report_csv(report: dict) -> str:
-    """One row per tenant × deployment × version (the idle line has tenant "(idle)")."""
+    """One row per tenant × deployment × version (the idle line has tenant "(idle)"). The batch columns
+    come last, so readers of the older columns by position still read them; a month closed before
+    batches were billed shows 0 there."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
@@ -507,11 +566,14 @@ def report_csv(report: dict) -> str:
             str((Decimal(row["replica_minutes"]) / 60).quantize(Decimal("0.01"))), per_mtok(usd, tokens) or "",
             per_mtok(usd, row["compliant_tokens"]) or "", revenue or "",
             money(Decimal(revenue) - usd) if revenue is not None else "", row.get("adjustment_from") or "",
+            row.get("batch_prompt_tokens", 0) + row.get("batch_completion_tokens", 0),
+            money(Decimal(row.get("batch_usd") or 0)), row.get("batch_revenue") or "",
         ])
     writer.writerow(["", "", "TOTAL", "", "", "", report["total_usd"], report["prompt_tokens"],
                      report["completion_tokens"], report["slo_compliant_tokens"], report["replica_hours"],
                      report["usd_per_mtok"] or "", report["usd_per_mtok_slo_compliant"] or "",
-                     report["revenue_usd"] or "", report["margin_usd"] or "", ""])
+                     report["revenue_usd"] or "", report["margin_usd"] or "", "", report.get("batch_tokens", 0),
+                     money(Decimal(report.get("batch_usd") or 0)), report.get("batch_revenue_usd") or ""])
     return out.getvalue()
 
 

@@ -11,6 +11,7 @@ from decimal import Decimal
 
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models import Case, When
 from django.utils import timezone
 
 from costing.choices import FIXED_RESOURCES, Tier
@@ -37,6 +38,7 @@ RESOURCE_RE = re.compile(r"^(cpu|memory|gpu:[A-Za-z0-9][A-Za-z0-9._-]{0,98}|node
 BUDGET_ALERT = "CostBudgetThreshold"
 CLOSE_LOCK_KEY = 2
 PRICE_LOCK_KEY = 3
+DEFAULT_BATCH_DISCOUNT = Decimal(50)  # percent, as OpenAI's Batch API
 
 
 def closed_through() -> datetime | None:
@@ -148,24 +150,41 @@ def request_ledger_rebuild_from(start: datetime):
 
 
 def list_price_create(*, deployment: str, usd_per_mtok_prompt: Decimal, usd_per_mtok_completion: Decimal,
-                      effective_from: datetime, actor, tenant: str = "") -> ListPrice:
+                      effective_from: datetime, actor, tenant: str = "",
+                      batch_discount_percent: Decimal = DEFAULT_BATCH_DISCOUNT) -> ListPrice:
     errors = {}
     for name, value in (("usd_per_mtok_prompt", usd_per_mtok_prompt),
                         ("usd_per_mtok_completion", usd_per_mtok_completion)):
         if value is None or value < 0:
             errors[name] = ["A list price cannot be negative."]
+    if batch_discount_percent is None or not 0 <= batch_discount_percent <= 100:
+        errors["batch_discount_percent"] = ["A batch discount is a percentage from 0 to 100."]
     if errors:
         raise ValidationError(errors)
     try:
         with transaction.atomic():
             price = ListPrice.objects.create(
                 deployment=deployment, tenant=tenant, usd_per_mtok_prompt=usd_per_mtok_prompt,
-                usd_per_mtok_completion=usd_per_mtok_completion, effective_from=effective_from,
-                created_by=actor_or_none(actor))
+                usd_per_mtok_completion=usd_per_mtok_completion, batch_discount_percent=batch_discount_percent,
+                effective_from=effective_from, created_by=actor_or_none(actor))
             audit_record(actor=actor, action="list-price.create", obj=price, after=snapshot(price))
     except IntegrityError:
         raise Conflict("A list price for this deployment and tenant already starts then.") from None
     return price
+
+
+def list_price_at(deployment: str, tenant: str, at: datetime) -> ListPrice | None:
+    """The list price a tenant pays on a deployment at `at`: its own, else the deployment's, whichever
+    started last before then (the report's revenue SQL chooses the same way)."""
+    return (ListPrice.objects.filter(deployment=deployment, tenant__in=(tenant, ""), effective_from__lte=at)
+            .order_by(Case(When(tenant=tenant, then=0), default=1), "-effective_from").first())
+
+
+def batch_price(deployment: str, tenant: str, at: datetime) -> tuple[Decimal, Decimal] | None:
+    """$ per million (prompt, completion) tokens a line of an offline batch pays at `at`: the list
+    price less its batch discount; None where the deployment has no list price."""
+    price = list_price_at(deployment, tenant, at)
+    return None if price is None else price.batch_prices()
 
 
 # ---------------------------------------------------------------------------- budgets
@@ -381,6 +400,9 @@ def _adjustments_book_month(closed: ClosedMonth, open_month: date) -> int:
         cell.prompt_tokens += adj.prompt_tokens
         cell.completion_tokens += adj.completion_tokens
         cell.compliant_tokens += adj.compliant_tokens
+        cell.batch_prompt_tokens += adj.batch_prompt_tokens
+        cell.batch_completion_tokens += adj.batch_completion_tokens
+        cell.batch_usd += adj.batch_usd
     now_cells = {cell.key(): cell for cell in compute_cells(start, end)}
     rows = []
     for key in set(known) | set(now_cells):
@@ -394,8 +416,13 @@ def _adjustments_book_month(closed: ClosedMonth, open_month: date) -> int:
             prompt_tokens=(new.prompt_tokens if new else 0) - (old.prompt_tokens if old else 0),
             completion_tokens=(new.completion_tokens if new else 0) - (old.completion_tokens if old else 0),
             compliant_tokens=(new.compliant_tokens if new else 0) - (old.compliant_tokens if old else 0),
+            batch_prompt_tokens=(new.batch_prompt_tokens if new else 0) - (old.batch_prompt_tokens if old else 0),
+            batch_completion_tokens=((new.batch_completion_tokens if new else 0)
+                                     - (old.batch_completion_tokens if old else 0)),
+            batch_usd=(new.batch_usd if new else Decimal(0)) - (old.batch_usd if old else Decimal(0)),
         )
-        if delta.usd or delta.prompt_tokens or delta.completion_tokens or delta.compliant_tokens:
+        if (delta.usd or delta.prompt_tokens or delta.completion_tokens or delta.compliant_tokens
+                or delta.batch_prompt_tokens or delta.batch_completion_tokens or delta.batch_usd):
             rows.append(delta)
     if rows:
         Adjustment.objects.bulk_create(rows)

@@ -49,15 +49,17 @@ def make_replica(deployment: Deployment, *, started_at: datetime, state: str = "
 
 def usage(deployment: str, tenant: str, time: datetime, *, prompt: int, completion: int, version: int = 1,
           ttft_ms: float = 100.0, tpot_ms: float = 10.0, e2e_ms: float = 500.0, status: int = 200,
-          error_kind: str | None = None, requests: int = 1) -> int:
-    """Events as the gateway reports them, stored by the usage ledger's own ingest."""
+          error_kind: str | None = None, requests: int = 1, batch_id: str | None = None) -> int:
+    """Events as the gateway reports them (or, with `batch_id`, as the batch runner reports an offline
+    batch's lines), stored by the usage ledger's own ingest."""
     events = []
     for i in range(requests):
         events.append(parse_event(json.dumps({
             "request_id": f"req-{next(_ids)}", "time": time.timestamp() + i * 0.001, "tenant": tenant,
             "key_prefix": "abcd1234", "deployment": deployment, "version": version, "endpoint": "chat",
             "prompt_tokens": prompt, "completion_tokens": completion, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms,
-            "e2e_ms": e2e_ms, "status": status, "error_kind": error_kind})))
+            "e2e_ms": e2e_ms, "status": status, "error_kind": error_kind, "batch_id": batch_id,
+            "priority": -1000 if batch_id else 0})))
     return store_events(events)
 
 
