@@ -9,13 +9,16 @@ A row: Rule(read, write, methods, kind, quiet)
   write    the least role its writes need, PUBLIC, or None where it takes none
   methods  the write methods it takes ("post" unless said)
   kind     API (401 for a caller without an account, 403 below the role), CONSOLE (a redirect to the login page,
-           403 below the role) or ADMIN_SITE (Django's admin: superusers only, the rest sent to its login page)
+           403 below the role), ADMIN_SITE (Django's admin: superusers only, the rest sent to its login page) or
+           OPENAI (OpenAI's Files and Batches API under /v1/: a tenant's API key as `Authorization: Bearer`, the
+           role API_KEY; every other caller, signed in or not, gets a 401 OpenAI error, never a login page)
   quiet    why a write records no audit event, where by design it records none
 REDIRECTS names the console pages whose GET is a redirect, not the page; ADMIN_MODELS the writes each model's
 page in the Django admin allows (the rows of the admin's pages are built from it by admin_table()).
 The roles: viewer < operator < admin < superuser (the Django admin). A tenant's API key is for the gateway's /v1
-and is no role here at all: it gets what an anonymous caller gets. INTEGRATION: an alert source's token
-(alerts.inbound), which no user nor API key has.
+and is no role here at all: it gets what an anonymous caller gets, except on the OPENAI rows, which it alone opens
+(API_KEY; the control plane's /v1/files* and /v1/batches*, which the gateway forwards). INTEGRATION: an alert
+source's token (alerts.inbound), which no user nor API key has.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from typing import NamedTuple
 
 PUBLIC, VIEWER, OPERATOR, ADMIN, SUPERUSER = "public", "viewer", "operator", "admin", "superuser"
 INTEGRATION = "integration"
-API, CONSOLE, ADMIN_SITE = "api", "console", "admin-site"
+API_KEY = "api-key"
+API, CONSOLE, ADMIN_SITE, OPENAI = "api", "console", "admin-site", "openai"
 
 
 class Rule(NamedTuple):
@@ -49,7 +53,14 @@ def action(role):
     return Rule(None, role, ("post",), CONSOLE)
 
 
-V, OP, A = VIEWER, OPERATOR, ADMIN
+def openai(read, write=None, *methods, quiet=""):
+    """OpenAI's Files and Batches API: a tenant's API key (API_KEY) or nothing."""
+    return Rule(read, write, methods or (("post",) if write else ()), OPENAI, quiet)
+
+
+V, OP, A, KEY = VIEWER, OPERATOR, ADMIN, API_KEY
+TENANT_WRITE = ("a tenant's API key writes its own files and batches as it sends completions: the rows and the usage "
+                "ledger record them, the audit log what users change")
 
 TABLE: dict[str, Rule] = {
     # Sign-in, health, assets.
@@ -146,6 +157,16 @@ TABLE: dict[str, Rule] = {
     "costing:price-delete": action(OP),
     "costing:budgets": page(V, OP),
     "costing:export": page(V),
+    "batch-list": page(V),
+    "batch-detail": page(V, OP),  # its POST cancels the batch
+    "batch-file-download": page(V),
+    # OpenAI's Files and Batches API (the gateway forwards /v1/files* and /v1/batches* here).
+    "openai-files": openai(KEY, KEY, quiet=TENANT_WRITE),
+    "openai-file": openai(KEY, KEY, "delete", quiet=TENANT_WRITE),
+    "openai-file-content": openai(KEY),
+    "openai-batches": openai(KEY, KEY, quiet=TENANT_WRITE),
+    "openai-batch": openai(KEY),
+    "openai-batch-cancel": openai(None, KEY, quiet=TENANT_WRITE),
     # The REST API.
     "api-audit-list": api(A),
     "api-model-list": api(V, OP),
@@ -265,6 +286,8 @@ ADMIN_MODELS: dict[str, tuple[str, ...]] = {
     "costing.costhour": (),
     "costing.closedmonth": (),
     "costing.adjustment": (),
+    "batches.batch": (),
+    "batches.batchfile": (),
 }
 
 

@@ -21,6 +21,7 @@ from django.apps import apps
 from django.contrib import admin
 from django.contrib.auth.models import Group, User
 from django.contrib.messages import get_messages
+from django.core.files.base import ContentFile
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.db import transaction
 from django.urls import URLResolver, get_resolver
@@ -33,6 +34,9 @@ from alerts.models import Alert
 from alerts.routing import services as routing_services
 from alerts.routing.models import EscalationPolicy, Route
 from alerts.services import ack_token
+from batches.choices import BatchStatus, FilePurpose
+from batches.models import Batch, BatchFile
+from batches.services import storage
 from costing import services as costing_services
 from deployments.choices import RolloutStatus
 from deployments.models import Rollout
@@ -48,7 +52,9 @@ from tests.reliability.permissions_table import (
     ADMIN_MODELS,
     ADMIN_SITE,
     API,
+    API_KEY,
     INTEGRATION,
+    OPENAI,
     OPERATOR,
     PUBLIC,
     REDIRECTS,
@@ -132,6 +138,7 @@ def world(api, settings, tmp_path):
         ("plotly-", "digest"): plotly_bundle().digest, ("export.", "kind"): "csv",
     })
     key, secret = tenant_services.key_create(tenant=Tenant.objects.get(name="acme"), name="gateway", actor=None)
+    ids.update(batch_objects(settings, tmp_path, key))
     root = User.objects.create_superuser("root", password="pw-12345678")
     clients = {None: APIClient()}
     for role in (VIEWER, OPERATOR, ADMIN):
@@ -151,6 +158,22 @@ def world(api, settings, tmp_path):
     return ids, clients
 
 
+def batch_objects(settings, tmp_path, key) -> dict:
+    """The key's tenant's input file and a batch in progress reading it (so deleting the file is refused)."""
+    settings.STORAGES = {**settings.STORAGES, "batch_files": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": tmp_path / "batch-files"}}}
+    content = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "chat"}}\n'
+    file = BatchFile(tenant_id=key.tenant_id, key_prefix=key.prefix, purpose=FilePurpose.BATCH,
+                     filename="input.jsonl", bytes=len(content), lines=1)
+    file.storage_name = storage().save(f"files/{file.id}.jsonl", ContentFile(content))
+    file.save()
+    batch = Batch.objects.create(
+        tenant_id=key.tenant_id, api_key=key, key_prefix=key.prefix, endpoint="/v1/chat/completions",
+        completion_window="24h", model="chat", status=BatchStatus.IN_PROGRESS, input_file=file,
+        input_file_ref=file.id, total=1, expires_at=timezone.now() + timedelta(days=1), in_progress_at=timezone.now())
+    return {("files", "file_id"): file.id, ("batches", "batch_id"): batch.id}
+
+
 def url_of(route: str, ids: dict) -> str:
     def value(match):
         before = route[:match.start()].rstrip("/").rsplit("/", 1)[-1]
@@ -168,6 +191,8 @@ def url_of(route: str, ids: dict) -> str:
 def allowed(caller, needed) -> bool:
     if needed == PUBLIC:
         return True
+    if needed == API_KEY:
+        return caller == "key-bearer"
     if caller is None or caller in KEY_CALLERS or needed in (None, INTEGRATION):
         return False
     return RANK[caller] >= RANK[needed]
@@ -189,6 +214,9 @@ def verdict(response, kind: str, caller, needed, page: bool = False) -> str | No
         if status in (401, 403, 405) or to_login and needed != PUBLIC:  # signing out ends on the login page
             return f"{status} {location} where the table allows it"
         return None if not page or status == 200 else f"{status} {location}, not the page (200)"
+    if kind == OPENAI:  # OpenAI's shape, whoever asks without the key: a signed-in user has none either
+        ok = status == 401 and response.get("Content-Type") == "application/json" and "error" in response.json()
+        return None if ok else f"{status} {location}, not a 401 OpenAI error"
     if caller is None or caller in KEY_CALLERS or needed == INTEGRATION and kind == API:
         wanted = "401" if kind == API else "a redirect to the login page"
         ok = status == 401 if kind == API else to_login
@@ -205,7 +233,7 @@ def send(client, method: str, path: str, kind: str):
     with transaction.atomic():
         if method == "get":
             response = client.get(path)
-        elif kind == API:
+        elif kind in (API, OPENAI):
             response = getattr(client, method)(path, {}, format="json")
         else:
             response = client.post(path, {})
@@ -234,13 +262,14 @@ def test_every_url_answers_every_caller_as_the_table_says(world):
             requests = [("get", rule.read)]
             if rule.write is not None:
                 requests += [(method, rule.write) for method in rule.methods]
-            if rule.kind == API and caller == ADMIN and rule.read != PUBLIC:  # the methods the table leaves out
+            if (rule.kind, caller) in ((API, ADMIN), (OPENAI, "key-bearer")) and rule.read != PUBLIC:
+                # the methods the table leaves out
                 requests += [(method, None) for method in WRITE_METHODS if method not in rule.methods]
             elif (caller is None or caller in KEY_CALLERS) and rule.read != PUBLIC:
                 requests.append(("post", None))
             for method, needed in requests:
                 response = send(clients[caller], method, path, rule.kind)
-                page = method == "get" and rule.kind != API and name not in REDIRECTS
+                page = method == "get" and rule.kind not in (API, OPENAI) and name not in REDIRECTS
                 if problem := verdict(response, rule.kind, caller, needed, page):
                     wrong.append(f"{name} {method.upper()} {path} as {caller or 'anonymous'}: {problem}")
     assert not wrong, "\n".join(wrong)
@@ -536,6 +565,7 @@ WRITES = {
     ("costing:price-delete", "post"): lambda w: w.future_price(),
     ("costing:budgets", "post"): lambda w: w.send({"tenant": "acme", "deployment": "chat", "monthly_usd": "9",
                                                    "thresholds": "50, 100"}),
+    ("batch-detail", "post"): lambda w: w.send(),
 }
 ACTOR = {VIEWER: "viewer-api", OPERATOR: "operator-api", ADMIN: "admin-api", SUPERUSER: "root"}
 
@@ -679,6 +709,6 @@ def test_a_signed_in_account_with_no_role_reads_no_console_page(world):
     client.force_login(User.objects.create_user("nobody", password="pw-12345678"))
     routes = url_patterns()
     readable = [name for name, rule in TABLE.items()
-                if rule.kind != API and rule.read not in (None, PUBLIC)
+                if rule.kind not in (API, OPENAI) and rule.read not in (None, PUBLIC)
                 and client.get(url_of(routes[name], ids)).status_code not in (302, 403)]
     assert not readable, f"an account with no role reads {readable}"
