@@ -23,7 +23,8 @@ def console(make_user) -> Client:
 
 
 @pytest.mark.parametrize("path", ["/no-such-page/", "/slos/999999/", "/deployments/no-such-deployment/",
-                                  "/alerts/999999/", "/slos/no-such-slo/"])
+                                  "/alerts/999999/", "/slos/no-such-slo/", "/batches/batch_nope/",
+                                  "/batches/files/file-nope/download/"])
 def test_a_console_page_that_is_not_there_is_a_404_in_the_console_layout(console, path):
     response = console.get(path, headers={"accept": BROWSER_ACCEPT})
     assert response.status_code == 404

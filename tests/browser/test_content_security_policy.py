@@ -5,13 +5,17 @@ A control proves the count works: an inline handler added to a page is refused a
 
 from __future__ import annotations
 
+from datetime import timedelta
 from urllib.parse import urljoin, urlparse
 
 import pytest
 from django.contrib.auth.models import User
 from django.urls import Resolver404, resolve
+from django.utils import timezone
 from playwright.sync_api import Error as PlaywrightError
 
+from batches.choices import BatchStatus
+from batches.models import Batch
 from tenants import services as tenant_services
 from tests.browser.conftest import log_in
 
@@ -23,7 +27,7 @@ document.addEventListener("securitypolicyviolation", e =>
   window.__csp.push(`${e.violatedDirective} blocked ${e.blockedURI || "inline"} at ${e.sourceFile}:${e.lineNumber}`));
 """
 # Pages a crawl must not open: they act (log out) or only download.
-SKIPPED = {"logout", "plotly-js", "favicon", "metrics", "schema"}
+SKIPPED = {"logout", "plotly-js", "favicon", "metrics", "schema", "batch-file-download"}
 MAX_CONSOLE_PAGES, MAX_ADMIN_PAGES = 40, 8
 
 
@@ -48,7 +52,14 @@ def links(page, base: str) -> list[str]:
 def test_every_page_a_crawl_reaches_works_under_the_policy(live_server, browser, burning_alert):
     User.objects.create_superuser("csp-admin", "", "pw-csp-12345678")
     tenant = tenant_services.tenant_create(name="acme", actor=None)
-    tenant_services.key_create(tenant=tenant, name="ci", actor=None, deployments=[burning_alert.slo.deployment.name])
+    key, _ = tenant_services.key_create(tenant=tenant, name="ci", actor=None,
+                                        deployments=[burning_alert.slo.deployment.name])
+    # A batch in progress: the batch pages draw its progress bar and refresh themselves.
+    now = timezone.now()
+    Batch.objects.create(tenant=tenant, api_key=key, key_prefix=key.prefix, endpoint="/v1/chat/completions",
+                         completion_window="24h", model=burning_alert.slo.deployment.name, input_file_ref="file-gone",
+                         status=BatchStatus.IN_PROGRESS, total=10, completed=3, in_progress_at=now,
+                         expires_at=now + timedelta(days=1))
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     context.add_init_script(WATCH_VIOLATIONS)
     page = context.new_page()
@@ -89,7 +100,8 @@ def test_every_page_a_crawl_reaches_works_under_the_policy(live_server, browser,
                 queues["admin" if link.startswith("/admin/") else "console"].append(link)
         print(f"under the CSP: {visited}")
         assert len(visited["console"]) >= 15 and len(visited["admin"]) >= 5, visited  # the crawl went round
-        assert {"slo:detail", "deployments:detail", "alerts:detail", "api-docs", "admin:index"} <= seen_names
+        assert {"slo:detail", "deployments:detail", "alerts:detail", "api-docs", "admin:index", "batch-list",
+                "batch-detail"} <= seen_names
         assert violations == []
         assert errors == []
 
