@@ -65,6 +65,15 @@ def external_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def local_url(host: str, port: int) -> str:
+    """Where a process on this machine reaches the web app: a wildcard address through loopback."""
+    if host in ("0.0.0.0", ""):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def password_lines(password: str | None) -> list[str]:
     """How to log in, naming the password file (bootstrap.save_admin_password) while it exists."""
     from project.bootstrap import PASSWORD_FILE
@@ -177,9 +186,11 @@ def children(args) -> list[Child]:
     return [
         Child("web", [python, "-m", "uvicorn", "project.asgi:application", "--host", args.host,
                       "--port", str(args.port), "--no-access-log"]),
+        # The gateway forwards the Files and Batches API to the web app it runs beside.
         Child("gateway", [python, "-m", "project.cli", "gateway", "--host", args.host,
                           "--port", str(args.gateway_port),
-                          "--spool-dir", str(embedded.data_dir() / "gateway-spool")]),
+                          "--spool-dir", str(embedded.data_dir() / "gateway-spool"),
+                          "--control-plane-url", local_url(args.host, args.port)]),
         Child("worker", [python, "-m", "celery", "-A", "inferops.celery", "worker", "--loglevel", "INFO",
                          "--concurrency", str(args.worker_concurrency), "--hostname", "worker@%h"]),
         Child("beat", [python, "-m", "celery", "-A", "inferops.celery", "beat", "--loglevel", "INFO",

@@ -101,6 +101,11 @@ def test_run_serves_console_runs_worker_and_stops_on_ctrl_c(tmp_path):
             model="demo", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, stream=True)
             if chunk.choices]
         assert len(pieces) >= 1
+        # The Files and Batches API reaches the web app through the gateway (whatever it answers,
+        # not the gateway's "control plane unreachable").
+        files = requests.get(f"http://127.0.0.1:{gateway_port}/v1/files", timeout=10,
+                             headers={"Authorization": f"Bearer {key}"})
+        assert files.status_code not in (502, 503, 504), files.text
         detail = session.get(f"{base}/deployments/demo/", timeout=5)
         assert detail.status_code == 200 and replica_url in detail.text
         children = descendants(process.pid)
@@ -134,3 +139,15 @@ def test_a_child_that_exits_by_itself_is_started_again_until_it_keeps_exiting():
     assert not child.restart_after_exit(100.0 + RESTARTS_ALLOWED)  # one exit too many in the window
     assert child.restart_after_exit(101.0 + RESTARTS_ALLOWED + RESTART_WINDOW_S)  # the old exits have aged out
     child.process.wait()
+
+
+def test_the_gateway_forwards_files_and_batches_to_the_web_app_it_runs_beside():
+    import argparse
+
+    from project.launcher import children, local_url
+
+    for host, url in (("127.0.0.1", "http://127.0.0.1:8001"), ("0.0.0.0", "http://127.0.0.1:8001"),
+                      ("::", "http://[::1]:8001"), ("10.1.2.3", "http://10.1.2.3:8001")):
+        args = argparse.Namespace(host=host, port=8001, gateway_port=8081, worker_concurrency=1)
+        (gateway,) = [child for child in children(args) if child.name == "gateway"]
+        assert gateway.argv[gateway.argv.index("--control-plane-url") + 1] == url == local_url(host, 8001)
