@@ -113,12 +113,13 @@ def freshness(at: datetime | None, now: datetime) -> str:
 
 def _usage_sql() -> str:
     failed = gate().server_failure_sql
-    # Latency counts the requests that did not fail through the server's fault, as the rollout
-    # analysis does; a request's `time` is when it started.
+    # Latency counts the interactive requests that did not fail through the server's fault, as the
+    # rollout analysis does (an offline batch's lines, batch_id set, wait by design); a request's
+    # `time` is when it started.
     return f"""
     SELECT e.deployment, count(*), count(*) FILTER (WHERE {failed}), max(e.time),
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {failed}),
-           max(e.time) FILTER (WHERE NOT {failed} AND e.ttft_ms IS NOT NULL)
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY e.ttft_ms) FILTER (WHERE NOT {failed} AND e.batch_id IS NULL),
+           max(e.time) FILTER (WHERE NOT {failed} AND e.ttft_ms IS NOT NULL AND e.batch_id IS NULL)
     FROM tenants_usageevent e
     WHERE e.deployment = ANY(%(names)s) AND e.time > %(start)s AND e.time <= %(now)s
     GROUP BY e.deployment

@@ -94,7 +94,8 @@ class ConsoleRoleMiddleware:
     console page, as the API refuses it (403): every console view needs at least a viewer. Signing
     in and out, the API, the Django admin (its own staff check) and what probes read stay open."""
 
-    OPEN = ("/api/", "/v1/", "/admin/", "/login/", "/logout/", "/static/", "/assets/", "/healthz", "/metrics", "/favicon.ico")
+    OPEN = ("/api/", "/v1/", "/admin/", "/login/", "/logout/", "/static/", "/assets/", "/healthz", "/metrics",
+            "/favicon.ico")
 
     def __init__(self, get_response):
         self.get_response = get_response

@@ -76,7 +76,9 @@ CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", PRODUCTION)
 CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", PRODUCTION)
 SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", PRODUCTION)
-SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
+# Probes, Prometheus and the gateway's forwarded /v1/files and /v1/batches (gateway to web inside the
+# cluster; clients meet TLS at the gateway's own ingress) stay on plain HTTP.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$", r"^v1/"]
 SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 365 * 86400 if PRODUCTION else 0)
 SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", PRODUCTION)
 SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", False)
@@ -196,8 +198,7 @@ def batch_files_storage(url: str) -> dict:
                                       "for a folder in the data directory)")
     return {"BACKEND": "storages.backends.s3.S3Storage",
             "OPTIONS": {"bucket_name": parsed.netloc, "location": parsed.path.strip("/"),
-                        "endpoint_url": env_str("INFEROPS_S3_ENDPOINT_URL") or None,
-                        "region_name": env_str("AWS_DEFAULT_REGION") or None, "file_overwrite": False}}
+                        "endpoint_url": env_str("INFEROPS_S3_ENDPOINT_URL") or None, "file_overwrite": False}}
 
 
 STORAGES = {
@@ -257,6 +258,10 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_TIMEZONE = "UTC"
+# A batch's runner holds its worker slot for as long as the batch runs (hours): it gets a queue of its
+# own, which a worker of its own consumes (`celery worker -Q batches`; `inferops run`, compose and the
+# Kubernetes manifests start one), so batches never take the slots reconcile, ingestion and SLOs need.
+CELERY_TASK_ROUTES = {"batches.run_batch": {"queue": "batches"}}
 # The whole beat schedule, one place; later issues add their periodic tasks here.
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
     "heartbeat": {

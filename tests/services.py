@@ -68,11 +68,13 @@ class Process:
         self.log.close()
 
 
-def start_worker(env, tmp_path, name):
-    """A Celery worker with beat (in its own session), its output in tmp_path/<name>.log."""
+def start_worker(env, tmp_path, name, queues="celery,batches"):
+    """A Celery worker with beat (in its own session) on `queues` (every queue by default), its output in
+    tmp_path/<name>.log."""
     log = open(tmp_path / f"{name}.log", "ab")
     return subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "inferops.celery", "worker", "--beat", "--loglevel", "INFO",
-         "--concurrency", "2", "--hostname", f"{name}@%h", "--schedule", str(tmp_path / "beat-schedule")],
+         "--concurrency", "2", "--hostname", f"{name}@%h", "--schedule", str(tmp_path / "beat-schedule"),
+         "--queues", queues],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )

@@ -59,6 +59,10 @@ ADDED_FIELDS = {
     "quality": "issue 38: a rollout's quality steps and their eval runs; an SLO's floor and latest eval run",
     "fallbacks": "issue 38: each degradation fallback's eval scores beside the deployment's own",
     "warnings": "issue 38: a fallback that scores lower than the deployment, said without refusing",
+    "batch_discount_percent": "issue 41: a list price's discount for lines of offline batches",
+    "batch_tokens": "issue 41: the cost report's offline batch tokens",
+    "batch_usd": "issue 41: the cost report's offline batch tokens' share of the cost",
+    "batch_revenue_usd": "issue 41: the cost report's revenue of offline batches at the batch price",
 }
 
 

@@ -48,6 +48,10 @@ CHANGED: dict[tuple[tuple[str, ...], str], str] = {
     (("DELETE /api/v1/receivers/{id}/",), "/responses/409/"): "issue 40: a receiver a route still sends to is a 409",
     (("PATCH /api/v1/deployments/{name}/",), "/responses/409/"):
         "issue 40: a deployment whose rollout is progressing is a 409",
+    (("GET /api/v1/usage/",), "/responses/200/"):
+        "issue 41: the usage buckets and totals add the offline batches' batch_* counters",
+    (("GET /api/v1/costing/list-prices/", "POST /api/v1/costing/list-prices/"), "/batch_discount_percent/"):
+        "issue 41: a list price's batch discount (optional on create, 50 by default)",
 }
 
 

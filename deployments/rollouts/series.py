@@ -27,7 +27,8 @@ DEFAULT_BUCKET_S = 10
 MAX_BUCKETS = 1440
 
 # Each event gives one attempt by the replica that served it and, when an earlier replica failed
-# it, one failed attempt by that replica (no latency: the client never saw it).
+# it, one failed attempt by that replica (no latency: the client never saw it). Latency is the
+# interactive requests' alone: an offline batch's lines (batch_id set) wait by design.
 def series_sql() -> str:
     return f"""
     SELECT date_bin(make_interval(secs => %(bucket)s), e.time, %(start)s) AS bucket,
@@ -35,8 +36,10 @@ def series_sql() -> str:
            count(*) FILTER (WHERE NOT a.retried) AS requests,
            count(*) AS attempts,
            count(*) FILTER (WHERE a.failed) AS errors,
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY a.ttft_ms) FILTER (WHERE NOT a.failed) AS ttft_p95,
-           percentile_cont(0.95) WITHIN GROUP (ORDER BY a.tpot_ms) FILTER (WHERE NOT a.failed) AS tpot_p95
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY a.ttft_ms) FILTER (WHERE NOT a.failed AND e.batch_id IS NULL)
+               AS ttft_p95,
+           percentile_cont(0.95) WITHIN GROUP (ORDER BY a.tpot_ms) FILTER (WHERE NOT a.failed AND e.batch_id IS NULL)
+               AS tpot_p95
     FROM tenants_usageevent e
     CROSS JOIN LATERAL (VALUES
         (e.replica, false, {gate().server_failure_sql}, e.ttft_ms, e.tpot_ms),

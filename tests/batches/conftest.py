@@ -9,6 +9,7 @@ import pytest
 from deployments import services as deployment_services
 from registry import services as registry_services
 from tenants import services as tenant_services
+from tests.e2e.conftest import private_redis  # noqa: F401 - a fixture the end-to-end tests here use
 
 
 @pytest.fixture

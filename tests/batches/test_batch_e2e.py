@@ -27,7 +27,7 @@ from tenants.models import UsageEvent
 from tenants.publish import publish_keys
 from tests.batches.conftest import chat_lines, embedding_lines
 from tests.deployments.test_reconcile import all_ready, reconcile_until
-from tests.e2e.conftest import private_redis, start_gateway  # noqa: F401 - private_redis is a fixture
+from tests.e2e.conftest import start_gateway
 from tests.processes import stop_process
 from tests.services import start_worker
 from tests.waiting import wait_until

@@ -185,3 +185,20 @@ def test_an_exhausted_and_degraded_deployment_is_unhealthy_on_both_pages(client,
         page = client.get(path).content.decode()
         assert 'data-health="unhealthy"' in page and 'title="SLO ttft budget exhausted; degraded to level 2"' in page
         assert 'data-health="healthy"' in page
+
+
+def test_an_offline_batchs_lines_count_as_traffic_but_not_in_the_ttft_p95():
+    make_deployment("chat")
+    now = timezone.now().replace(microsecond=0)
+    newest_interactive = now - timedelta(seconds=60)
+    rows = [usage("chat", newest_interactive - timedelta(seconds=i), ttft_ms=10.0 * (i + 1)) for i in range(18)]
+    # Batch lines wait behind interactive work by design: minutes to a first token, and newer.
+    rows += [usage("chat", now - timedelta(seconds=i), ttft_ms=90_000.0, batch_id="batch_x", priority=-1000)
+             for i in range(10)]
+    insert_events(rows)
+
+    [health] = deployment_health(now=now)
+
+    assert health.requests == 28
+    assert health.ttft_p95_ms.value == pytest.approx(171.5)
+    assert health.ttft_p95_ms.as_of == newest_interactive

@@ -80,6 +80,8 @@ def test_plain_http_is_redirected_but_probes_and_metrics_are_not(production):
     assert page.status_code == 301 and page["Location"] == "https://inferops.example.com/login/"
     assert client.get("/healthz").status_code in (200, 503)
     assert client.get("/metrics").status_code != 301
+    # The gateway forwards /v1/files and /v1/batches to the web app over the cluster's plain HTTP.
+    assert client.get("/v1/batches").status_code == 401
 
 
 @pytest.mark.django_db
