@@ -155,9 +155,14 @@ def file_detail(request: HttpRequest, key: ApiKey, file_id: str) -> JsonResponse
 @openai_view(("GET",))
 def file_content(request: HttpRequest, key: ApiKey, file_id: str) -> FileResponse:
     row = _file(key, file_id)
-    response = FileResponse(services.storage().open(row.storage_name, "rb"), content_type="application/jsonl",
-                            as_attachment=True, filename=row.filename)
-    return response
+    try:
+        handle = services.storage().open(row.storage_name, "rb")
+    except FileNotFoundError:
+        raise BatchError(f"File {file_id}'s content is missing from the batch file storage.", status=404,
+                         param="file_id", error_type="not_found_error") from None
+    except services.STORAGE_ERRORS as exc:
+        raise services.storage_unavailable(exc) from exc
+    return FileResponse(handle, content_type="application/jsonl", as_attachment=True, filename=row.filename)
 
 
 # -- batches -------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import json
 from collections.abc import Iterator
 from datetime import timedelta
 
+from botocore.exceptions import BotoCoreError, ClientError
 from django.conf import settings
 from django.core.files.base import ContentFile, File
 from django.core.files.storage import storages
@@ -44,6 +45,16 @@ def storage():
     return storages["batch_files"]
 
 
+# What a folder or a bucket raises when it cannot be written or read: full, read-only, unreachable, denied.
+STORAGE_ERRORS = (OSError, BotoCoreError, ClientError)
+
+
+def storage_unavailable(exc: Exception) -> BatchError:
+    return BatchError(f"The batch file storage cannot be used ({type(exc).__name__}: {exc}); an operator should "
+                      "check INFEROPS_BATCH_FILES_URL and its folder or bucket.", status=503,
+                      error_type="server_error", code="storage_unavailable")
+
+
 # -- files --------------------------------------------------------------------------------------
 
 
@@ -60,7 +71,10 @@ def file_create(*, key: ApiKey, upload: File, filename: str, purpose: str) -> Ba
                     bytes=upload.size)
     row.lines = sum(1 for line in _chunks_to_lines(upload.chunks()) if line.strip())
     upload.seek(0)
-    row.storage_name = storage().save(f"files/{row.id}.jsonl", upload)
+    try:
+        row.storage_name = storage().save(f"files/{row.id}.jsonl", upload)
+    except STORAGE_ERRORS as exc:
+        raise storage_unavailable(exc) from exc
     row.save()
     return row
 
@@ -78,7 +92,10 @@ def file_delete(*, file: BatchFile) -> None:
     if Batch.objects.filter(input_file=file, status__in=ACTIVE_BATCH).exists():
         raise BatchError(f"File {file.id} is the input of a batch still running; cancel the batch or wait for it "
                          "to end, then delete the file.", status=409, param="file_id")
-    storage().delete(file.storage_name)
+    try:
+        storage().delete(file.storage_name)
+    except STORAGE_ERRORS as exc:
+        raise storage_unavailable(exc) from exc
     file.delete()
 
 

@@ -53,6 +53,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="web app port (default 8000)")
     parser.add_argument("--gateway-port", type=int, default=8080, help="API gateway port (default 8080)")
     parser.add_argument("--worker-concurrency", type=int, default=2)
+    parser.add_argument("--batch-concurrency", type=int, default=2,
+                        help="offline batches run at once by the batch worker (default 2; the rest queue)")
 
 
 def external_url(host: str, port: int) -> str:
@@ -193,6 +195,10 @@ def children(args) -> list[Child]:
                           "--control-plane-url", local_url(args.host, args.port)]),
         Child("worker", [python, "-m", "celery", "-A", "inferops.celery", "worker", "--loglevel", "INFO",
                          "--concurrency", str(args.worker_concurrency), "--hostname", "worker@%h"]),
+        # Batch runners hold their slot for a whole batch: a worker of their own (docs/batches.md).
+        Child("batch-worker", [python, "-m", "celery", "-A", "inferops.celery", "worker", "--loglevel", "INFO",
+                               "--queues", "batches", "--concurrency", str(args.batch_concurrency),
+                               "--hostname", "batches@%h"]),
         Child("beat", [python, "-m", "celery", "-A", "inferops.celery", "beat", "--loglevel", "INFO",
                        "--schedule", str(beat_schedule)]),
     ]

@@ -148,6 +148,19 @@ def test_the_gateway_forwards_files_and_batches_to_the_web_app_it_runs_beside():
 
     for host, url in (("127.0.0.1", "http://127.0.0.1:8001"), ("0.0.0.0", "http://127.0.0.1:8001"),
                       ("::", "http://[::1]:8001"), ("10.1.2.3", "http://10.1.2.3:8001")):
-        args = argparse.Namespace(host=host, port=8001, gateway_port=8081, worker_concurrency=1)
+        args = argparse.Namespace(host=host, port=8001, gateway_port=8081, worker_concurrency=1, batch_concurrency=1)
         (gateway,) = [child for child in children(args) if child.name == "gateway"]
         assert gateway.argv[gateway.argv.index("--control-plane-url") + 1] == url == local_url(host, 8001)
+
+
+def test_batches_get_a_worker_of_their_own_on_their_queue():
+    import argparse
+
+    from project.launcher import children
+
+    args = argparse.Namespace(host="127.0.0.1", port=8001, gateway_port=8081, worker_concurrency=2, batch_concurrency=3)
+    workers = {child.name: child.argv for child in children(args) if "celery" in child.argv and "worker" in child.argv}
+    assert set(workers) == {"worker", "batch-worker"}
+    batch = workers["batch-worker"]
+    assert batch[batch.index("--queues") + 1] == "batches" and batch[batch.index("--concurrency") + 1] == "3"
+    assert "--queues" not in workers["worker"]  # the default queue: every other task

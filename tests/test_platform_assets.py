@@ -43,6 +43,31 @@ def test_compose_runs_every_process_against_postgres_and_redis():
     assert (ROOT / services["web"]["build"]["dockerfile"]).is_file()
 
 
+def test_compose_runs_batches_on_a_worker_of_their_own_that_shares_the_files_with_web():
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    command = services["batch-worker"]["command"]
+    assert command[command.index("--queues") + 1] == "batches"
+    assert "--queues" not in services["worker"]["command"]  # every other task, on the default queue
+    files = "/var/lib/inferops/batch-files"  # the data directory's batch-files folder (platform/Dockerfile)
+    for name in ("web", "batch-worker"):
+        assert any(volume.endswith(f":{files}") for volume in services[name]["volumes"]), name
+
+
+def test_kubernetes_runs_batches_on_a_worker_of_their_own_that_shares_the_files_with_web(rendered):
+    _, documents = rendered
+    pod = documents[("Deployment", "inferops-batch-worker")]["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--queues") + 1] == "batches"
+    claim = documents[("PersistentVolumeClaim", "inferops-batch-files")]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for deployment in ("inferops-web", "inferops-batch-worker"):
+        spec = documents[("Deployment", deployment)]["spec"]["template"]["spec"]
+        volume = next(v["name"] for v in spec["volumes"]
+                      if v.get("persistentVolumeClaim", {}).get("claimName") == "inferops-batch-files")
+        mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert mounts[volume] == "/var/lib/inferops/batch-files", deployment
+
+
 def test_compose_gateway_forwards_files_and_batches_to_the_web_service():
     services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     url = services["gateway"]["environment"]["INFEROPS_CONTROL_PLANE_URL"]
@@ -249,7 +274,8 @@ def test_every_container_is_sized_pinned_and_locked_down(rendered):
     _, documents = rendered
     workloads = [d for d in documents.values() if d["kind"] in WORKLOADS]
     assert {d["metadata"]["name"] for d in workloads} == {
-        "inferops-web", "inferops-worker", "inferops-beat", "inferops-gateway", "inferops-migrate"}
+        "inferops-web", "inferops-worker", "inferops-batch-worker", "inferops-beat", "inferops-gateway",
+        "inferops-migrate"}
     for document in workloads:
         pod = pod_specs(document)[0]
         context = pod["securityContext"]

@@ -184,3 +184,23 @@ def test_batches_list_pages_and_carry_metadata(batch_setup):
     assert [b["id"] for b in page["data"]] == ids[::-1][:2] and page["has_more"] is True
     assert page["data"][0]["metadata"] == {"run": "2"}
     assert client.get(f"/v1/batches?after={page['last_id']}").json()["data"][0]["id"] == ids[0]
+
+
+def test_a_storage_that_cannot_be_written_answers_503_and_leaves_no_row(batch_setup, settings, tmp_path):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the folder should be: no one, root included, can write below it")
+    settings.STORAGES = {**settings.STORAGES, "batch_files": {
+        "BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": blocked / "files"}}}
+    response = upload(client_for(batch_setup["every"]), chat_lines(2))
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "storage_unavailable"
+    assert "INFEROPS_BATCH_FILES_URL" in response.json()["error"]["message"]
+    assert not BatchFile.objects.exists()
+
+
+def test_a_file_whose_bytes_are_gone_answers_404_not_500(batch_setup):
+    client = client_for(batch_setup["every"])
+    created = upload(client, chat_lines(1)).json()
+    storage().delete(BatchFile.objects.get(pk=created["id"]).storage_name)
+    response = client.get(f"/v1/files/{created['id']}/content")
+    assert response.status_code == 404 and "missing" in response.json()["error"]["message"]
