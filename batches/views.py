@@ -63,8 +63,8 @@ class BatchRow:
         seconds = self.eta_seconds
         if seconds is None:
             return "—"
-        # Seconds matter for a short wait only; an hour away reads to the minute.
-        return format_duration(round(seconds) if seconds < 3600 else round(seconds / 60) * 60)
+        # Seconds matter for a short wait only; five minutes away and more reads to the minute.
+        return format_duration(round(seconds) if seconds < 300 else round(seconds / 60) * 60)
 
     @property
     def cost(self) -> Decimal | None:

@@ -240,7 +240,9 @@ document.addEventListener("securitypolicyviolation", e => window.__csp.push(e.vi
 
 
 @pytest.mark.browser
-@pytest.mark.django_db(transaction=True)
+# reset_sequences: the flush after it makes the role groups again from id 1, never at the ids from 1001 that
+# tests/test_api_status_matrix.py's objects take (tests/reliability/test_permissions.py makes groups there).
+@pytest.mark.django_db(transaction=True, reset_sequences=True)
 def test_the_list_draws_the_progress_bar_under_the_policy(live_server, browser, batch_storage,  # noqa: F811
                                                           fast_hashing):
     now = timezone.now()
