@@ -108,14 +108,6 @@ def file_object(row: BatchFile) -> dict:
             "status_details": None}
 
 
-def _file(key: ApiKey, file_id: str) -> BatchFile:
-    row = BatchFile.objects.filter(pk=file_id, tenant_id=key.tenant_id).first()
-    if row is None:
-        raise BatchError(f"No file {file_id!r} of yours exists.", status=404, param="file_id",
-                         error_type="not_found_error")
-    return row
-
-
 @openai_view(("GET", "POST"), max_body_bytes=lambda: settings.INFEROPS_BATCH_MAX_FILE_BYTES + 64 * 1024)
 def files(request: HttpRequest, key: ApiKey) -> JsonResponse:
     if request.method == "GET":
@@ -145,7 +137,7 @@ def files(request: HttpRequest, key: ApiKey) -> JsonResponse:
 
 @openai_view(("GET", "DELETE"))
 def file_detail(request: HttpRequest, key: ApiKey, file_id: str) -> JsonResponse:
-    row = _file(key, file_id)
+    row = services.owned(BatchFile, key, file_id, "file_id")
     if request.method == "DELETE":
         services.file_delete(file=row)
         return JsonResponse({"id": file_id, "object": "file", "deleted": True})
@@ -154,7 +146,7 @@ def file_detail(request: HttpRequest, key: ApiKey, file_id: str) -> JsonResponse
 
 @openai_view(("GET",))
 def file_content(request: HttpRequest, key: ApiKey, file_id: str) -> FileResponse:
-    row = _file(key, file_id)
+    row = services.owned(BatchFile, key, file_id, "file_id")
     try:
         handle = services.storage().open(row.storage_name, "rb")
     except FileNotFoundError:
@@ -189,14 +181,6 @@ def batch_object(batch: Batch) -> dict:
     }
 
 
-def _batch(key: ApiKey, batch_id: str) -> Batch:
-    batch = Batch.objects.filter(pk=batch_id, tenant_id=key.tenant_id).first()
-    if batch is None:
-        raise BatchError(f"No batch {batch_id!r} of yours exists.", status=404, param="batch_id",
-                         error_type="not_found_error")
-    return batch
-
-
 @openai_view(("GET", "POST"))
 def batches(request: HttpRequest, key: ApiKey) -> JsonResponse:
     if request.method == "GET":
@@ -212,9 +196,9 @@ def batches(request: HttpRequest, key: ApiKey) -> JsonResponse:
 
 @openai_view(("GET",))
 def batch_detail(request: HttpRequest, key: ApiKey, batch_id: str) -> JsonResponse:
-    return JsonResponse(batch_object(_batch(key, batch_id)))
+    return JsonResponse(batch_object(services.owned(Batch, key, batch_id, "batch_id")))
 
 
 @openai_view(("POST",))
 def batch_cancel(request: HttpRequest, key: ApiKey, batch_id: str) -> JsonResponse:
-    return JsonResponse(batch_object(services.batch_cancel(batch=_batch(key, batch_id))))
+    return JsonResponse(batch_object(services.batch_cancel(batch=services.owned(Batch, key, batch_id, "batch_id"))))

@@ -55,6 +55,15 @@ def storage_unavailable(exc: Exception) -> BatchError:
                       error_type="server_error", code="storage_unavailable")
 
 
+def owned(model: type[BatchFile] | type[Batch], key: ApiKey, pk: str, param: str):
+    """The tenant's file or batch by id, or OpenAI's 404: another tenant's looks the same as none."""
+    row = model.objects.filter(pk=pk, tenant_id=key.tenant_id).first()
+    if row is None:
+        noun = "file" if model is BatchFile else "batch"
+        raise BatchError(f"No {noun} {pk!r} of yours exists.", status=404, param=param, error_type="not_found_error")
+    return row
+
+
 # -- files --------------------------------------------------------------------------------------
 
 
@@ -125,11 +134,7 @@ def batch_create(*, key: ApiKey, input_file_id: str, endpoint: str, completion_w
         raise BatchError(f"`completion_window` must be one of {', '.join(COMPLETION_WINDOWS)} "
                          f"(got {completion_window!r}).", param="completion_window")
     _check_metadata(metadata)
-    file = BatchFile.objects.filter(pk=input_file_id, tenant_id=key.tenant_id).first() \
-        if isinstance(input_file_id, str) else None
-    if file is None:
-        raise BatchError(f"No file {input_file_id!r} of yours exists.", status=404, param="input_file_id",
-                         error_type="not_found_error")
+    file = owned(BatchFile, key, input_file_id, "input_file_id")
     if file.purpose != FilePurpose.BATCH:
         raise BatchError(f"File {file.id} has purpose {file.purpose!r}; a batch's input needs purpose \"batch\".",
                          param="input_file_id")
