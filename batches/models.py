@@ -75,6 +75,7 @@ class Batch(models.Model):
     # The runner's claim: which attempt holds it, and when it last said so (a stale beat is resumed).
     attempt = models.PositiveIntegerField(default=0)
     heartbeat_at = models.DateTimeField(null=True, blank=True)
+    enqueued_at = models.DateTimeField(null=True, blank=True, help_text="When its runner task was last queued.")
     last_error = models.TextField(blank=True)
 
     class Meta:

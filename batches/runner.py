@@ -39,6 +39,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.core.files.base import ContentFile
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from batches import services
@@ -55,6 +56,11 @@ BATCH_PRIORITY = -1000  # the engine's background priority: below every interact
 STOP_GRACE_S = 5.0
 RETRY_DELAYS_S = (0.5, 1, 2, 4, 8, 15, 30)
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+# What a runner may take up (again, when the one before it stopped beating).
+RESUMABLE = (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING)
+# A batch no runner has taken is enqueued again only after this many stale periods: it may simply
+# wait its turn behind other batches on the batch worker.
+NEVER_STARTED_FACTOR = 10
 
 
 def request_id(batch_id: str, custom_id: str) -> str:
@@ -106,7 +112,7 @@ def claim(batch_id: str) -> int | None:
     stale = timezone.now() - timedelta(seconds=settings.INFEROPS_BATCH_STALE_S)
     with transaction.atomic():
         batch = Batch.objects.select_for_update().filter(pk=batch_id).first()
-        if batch is None or batch.status not in (BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING):
+        if batch is None or batch.status not in RESUMABLE:
             return None
         if batch.heartbeat_at is not None and batch.heartbeat_at > stale:
             return None
@@ -400,6 +406,8 @@ def run_batch(batch_id: str) -> str:
         return "held by another runner" if Batch.objects.filter(pk=batch_id, status=BatchStatus.IN_PROGRESS).exists() \
             else "not running"
     batch = Batch.objects.select_related("tenant").get(pk=batch_id)
+    if batch.status == BatchStatus.FINALIZING:  # its runner died while writing the files
+        return finalize(batch, attempt)
     done = read_parts(batch)
     progress = Progress(batch, attempt, done)
     progress.flush()
@@ -417,20 +425,29 @@ def run_batch(batch_id: str) -> str:
     return finalize(batch, attempt)
 
 
+def final_status(batch: Batch, done: dict[str, dict]) -> tuple[str, str] | None:
+    """How the batch ends, and the timestamp field that says when; None while it should go on. Read
+    from the row alone, so a runner that died while finalizing is finished the same way by the next."""
+    if batch.cancelling_at is not None:
+        return BatchStatus.CANCELLED, "cancelled_at"
+    if len(done) >= batch.total:
+        return BatchStatus.COMPLETED, "completed_at"
+    if timezone.now() >= batch.expires_at:
+        return BatchStatus.EXPIRED, "expired_at"
+    return None
+
+
 def finalize(batch: Batch, attempt: int) -> str:
     """Write the output and error files from the parts and end the batch: completed, cancelled or expired."""
     batch.refresh_from_db()
-    now = timezone.now()
     done = read_parts(batch)
-    if batch.status == BatchStatus.CANCELLING:
-        final, stamp = BatchStatus.CANCELLED, "cancelled_at"
-    elif len(done) < batch.total and now >= batch.expires_at:
-        final, stamp = BatchStatus.EXPIRED, "expired_at"
-    elif len(done) < batch.total:
+    ending = final_status(batch, done)
+    if ending is None:
         return "stopped early"  # a stop without cancel or expiry: the next tick resumes it
-    else:
-        final, stamp = BatchStatus.COMPLETED, "completed_at"
-    if not Batch.objects.filter(pk=batch.pk, attempt=attempt).update(status=BatchStatus.FINALIZING, finalizing_at=now):
+    final, stamp = ending
+    now = timezone.now()
+    if not Batch.objects.filter(pk=batch.pk, attempt=attempt).update(
+            status=BatchStatus.FINALIZING, finalizing_at=now, heartbeat_at=now):
         return "taken over by another attempt"
     ordered = sorted(done.values(), key=lambda part: part["line"])
     outputs = [part["record"] for part in ordered if part["ok"]]
@@ -475,13 +492,15 @@ def delete_parts(batch: Batch) -> None:
 
 
 def tick() -> dict:
-    """Beat task: resume batches whose runner stopped beating, end expired ones, start lost validations."""
-    stale = timezone.now() - timedelta(seconds=settings.INFEROPS_BATCH_STALE_S)
+    """Beat task: hand the batches whose runner stopped beating to another worker; and, rarely, enqueue
+    again a batch no runner ever took (its message lost), without piling up copies behind a busy queue."""
+    now = timezone.now()
+    stale = now - timedelta(seconds=settings.INFEROPS_BATCH_STALE_S)
+    forgotten = now - timedelta(seconds=settings.INFEROPS_BATCH_STALE_S * NEVER_STARTED_FACTOR)
+    lost = Batch.objects.filter(
+        Q(status__in=RESUMABLE, heartbeat_at__lt=stale)
+        | Q(status__in=(BatchStatus.VALIDATING, *RESUMABLE), heartbeat_at__isnull=True, enqueued_at__lt=forgotten))
     resumed = []
-    lost = Batch.objects.filter(status__in=(BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.VALIDATING),
-                                heartbeat_at__lt=stale) | Batch.objects.filter(
-        status__in=(BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.VALIDATING), heartbeat_at__isnull=True,
-        created_at__lt=stale)
     for batch_id in lost.values_list("pk", flat=True):
         services.enqueue_run(batch_id)
         resumed.append(batch_id)

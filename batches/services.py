@@ -148,6 +148,7 @@ def batch_create(*, key: ApiKey, input_file_id: str, endpoint: str, completion_w
 
 
 def enqueue_run(batch_id: str) -> None:
+    Batch.objects.filter(pk=batch_id).update(enqueued_at=timezone.now())
     enqueue(RUN_TASK, batch_id)
 
 
