@@ -10,6 +10,7 @@ import functools
 import json
 
 from django.conf import settings
+from django.db.models import Q
 from django.http import FileResponse, HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
@@ -82,8 +83,8 @@ def _limit(request: HttpRequest, default: int, most: int) -> int:
     return int(raw)
 
 
-def _page(queryset, request: HttpRequest, serialize, default: int, most: int) -> JsonResponse:
-    """A cursor page as OpenAI lists: newest first, `after` an id, `has_more`."""
+def _page(queryset, request: HttpRequest, serialize, default: int, most: int, ascending: bool = False) -> JsonResponse:
+    """A cursor page as OpenAI lists: newest first (oldest first when `ascending`), `after` an id, `has_more`."""
     limit = _limit(request, default, most)
     after = request.GET.get("after")
     if after:
@@ -91,9 +92,12 @@ def _page(queryset, request: HttpRequest, serialize, default: int, most: int) ->
         if anchor is None:
             raise BatchError(f"`after`: no {queryset.model._meta.verbose_name} {after!r} of yours exists.",
                              param="after")
-        queryset = queryset.filter(created_at__lte=anchor.created_at).exclude(
-            created_at=anchor.created_at, pk__gte=anchor.pk)
-    rows = list(queryset.order_by("-created_at", "-pk")[:limit + 1])
+        # Past the anchor in the page's order: (created_at, id) beyond it.
+        beyond = "gt" if ascending else "lt"
+        queryset = queryset.filter(Q(**{f"created_at__{beyond}": anchor.created_at})
+                                   | Q(created_at=anchor.created_at, **{f"pk__{beyond}": anchor.pk}))
+    order = ("created_at", "pk") if ascending else ("-created_at", "-pk")
+    rows = list(queryset.order_by(*order)[:limit + 1])
     data = [serialize(row) for row in rows[:limit]]
     return JsonResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                          "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
@@ -117,14 +121,10 @@ def files(request: HttpRequest, key: ApiKey) -> JsonResponse:
             if purpose not in FilePurpose.values:
                 raise BatchError(f"`purpose` must be one of {', '.join(FilePurpose.values)}.", param="purpose")
             queryset = queryset.filter(purpose=purpose)
-        if request.GET.get("order", "desc") not in ("asc", "desc"):
+        order = request.GET.get("order", "desc")
+        if order not in ("asc", "desc"):
             raise BatchError("`order` must be asc or desc.", param="order")
-        page = _page(queryset, request, file_object, MAX_FILE_LIST, MAX_FILE_LIST)
-        if request.GET.get("order") == "asc":
-            body = json.loads(page.content)
-            body["data"].reverse()
-            page = JsonResponse(body)
-        return page
+        return _page(queryset, request, file_object, MAX_FILE_LIST, MAX_FILE_LIST, ascending=order == "asc")
     if not request.content_type.startswith("multipart/form-data"):
         raise BatchError("Upload the file as multipart/form-data with the fields `file` and `purpose`.")
     upload = request.FILES.get("file")

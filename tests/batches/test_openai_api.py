@@ -60,6 +60,10 @@ def test_lists_page_newest_first_with_after(batch_setup):
     assert [f["id"] for f in first["data"]] == ids[::-1][:2] and first["has_more"] is True
     rest = client.get(f"/v1/files?limit=2&after={first['last_id']}").json()
     assert [f["id"] for f in rest["data"]] == [ids[0]] and rest["has_more"] is False
+    oldest = client.get("/v1/files?limit=2&order=asc").json()
+    assert [f["id"] for f in oldest["data"]] == ids[:2] and oldest["has_more"] is True
+    assert [f["id"] for f in client.get(f"/v1/files?order=asc&after={oldest['last_id']}").json()["data"]] == ids[2:]
+    assert client.get("/v1/files?order=sideways").status_code == 400
     assert client.get("/v1/files?limit=0").status_code == 400
     assert client.get("/v1/files?after=file-nope").status_code == 400
 
