@@ -21,7 +21,8 @@ from tests.waiting import wait_until
 
 
 def launcher_child(name: str, tmp_path) -> list[str]:
-    args = argparse.Namespace(host="127.0.0.1", port=8000, gateway_port=8080, worker_concurrency=1)
+    args = argparse.Namespace(host="127.0.0.1", port=8000, gateway_port=8080, worker_concurrency=1,
+                              batch_concurrency=1)
     os.environ.setdefault("INFEROPS_DATA_DIR", str(tmp_path))
     return next(child.argv for child in launcher.children(args) if child.name == name)
 
