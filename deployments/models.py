@@ -13,6 +13,7 @@ from deployments.replicas.models import (
     Replica,
     ReplicaMetricsHour,
     ReplicaMetricsMinute,
+    ReplicaStart,
 )
 from deployments.rollouts.models import Rollout, RolloutMeasurement
 from inferops.models import Authored
@@ -35,6 +36,10 @@ class Deployment(Authored):
     min_replicas = models.PositiveIntegerField(default=1)
     max_replicas = models.PositiveIntegerField(default=1)
     autoscale = models.BooleanField(default=False)
+    # The autoscaling policy beyond on/off and the bounds (capacity/policy.py validates and reads it):
+    # {signals: {name: target}, scale_up: {step, stabilization_s}, scale_down: {step, stabilization_s},
+    # cooldown_s, park_after_s, hold: {max_wait_s, max_queue}}; {} means the defaults.
+    autoscaling = models.JSONField(default=dict, blank=True)
     resources = models.JSONField(default=dict, blank=True)
     paused = models.BooleanField(default=False, help_text="Reconciliation paused by an operator.")
     status = models.CharField(max_length=16, choices=DeploymentStatus.choices, default=DeploymentStatus.PENDING)
@@ -53,5 +58,5 @@ class Deployment(Authored):
         return self.name
 
 
-__all__ = ["Deployment", "MetricsBucket", "Replica", "ReplicaMetricsHour", "ReplicaMetricsMinute", "Rollout",
-           "RolloutMeasurement"]
+__all__ = ["Deployment", "MetricsBucket", "Replica", "ReplicaMetricsHour", "ReplicaMetricsMinute", "ReplicaStart",
+           "Rollout", "RolloutMeasurement"]

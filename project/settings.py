@@ -114,6 +114,7 @@ INSTALLED_APPS = [
     "costing",
     "degradation",
     "batches",
+    "capacity",
     # The wiring: it holds the `bootstrap` management command.
     "project",
 ]

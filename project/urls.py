@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 from alerts.urls import api_urlpatterns as alerts_api
 from batches.urls import openai_urlpatterns as batches_openai
 from costing import views as costing_views
+from capacity.urls import api_urlpatterns as capacity_api
 from costing.urls import api_urlpatterns as costing_api
 from degradation.urls import api_urlpatterns as degradation_api
 from deployments.urls import api_urlpatterns as deployments_api
@@ -32,6 +33,7 @@ urlpatterns = [
     path("alerts/", include("alerts.urls")),
     path("costs/", costing_views.report_page, name="costs"),
     path("costs/", include("costing.urls")),
+    path("capacity/", include("capacity.urls")),
     path("batches/", include("batches.urls")),
     path("assets/plotly-<str:digest>.min.js", views.plotly_js, name="plotly-js"),
     path("audit/", views.audit_log, name="audit"),
@@ -51,6 +53,7 @@ urlpatterns = [
     path("api/v1/", include(alerts_api)),
     path("api/v1/", include(tenants_api)),
     path("api/v1/", include(costing_api)),
+    path("api/v1/", include(capacity_api)),
     # OpenAI's Files and Batches API, with API keys; the gateway forwards its /v1/files* and /v1/batches* here.
     path("v1/", include(batches_openai)),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

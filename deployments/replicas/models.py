@@ -52,6 +52,42 @@ class Replica(models.Model):
         return f"{self.deployment.name}/{self.pk}"
 
 
+class ReplicaStart(models.Model):
+    """One start of a replica's process, with when each phase of its cold start ended.
+
+    Phases: the control plane asks the driver for the process (`started_at`), the process is up
+    (`process_started_at`, from the replica's own /metrics), its weights are loaded
+    (`weights_loaded_at`), /health answers 200 (`ready_at`) and the first token leaves
+    (`first_token_at`). A replica row is reused across restarts; each start gets its own row.
+    """
+
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="starts")
+    deployment = models.ForeignKey("deployments.Deployment", on_delete=models.CASCADE, related_name="replica_starts")
+    version = models.ForeignKey(ModelVersion, on_delete=models.CASCADE, related_name="+")
+    # Why it started: "scale" (a new replica), "restart" (replacing a failed one), "wake" (from zero,
+    # for a request the gateway holds).
+    cause = models.CharField(max_length=16, default="scale")
+    started_at = models.DateTimeField()
+    process_started_at = models.DateTimeField(null=True, blank=True)
+    weights_loaded_at = models.DateTimeField(null=True, blank=True)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    first_token_at = models.DateTimeField(null=True, blank=True)
+    failed = models.BooleanField(default=False)
+
+    class Meta:
+        ordering = ["-started_at", "-id"]
+        indexes = [models.Index(fields=["deployment", "started_at"])]
+
+    def __str__(self) -> str:
+        return f"replica {self.replica_id} start @ {self.started_at:%Y-%m-%d %H:%M:%S}"
+
+    def seconds(self) -> dict[str, float | None]:
+        """Seconds from the start request to the end of each phase (None: not reached or unknown)."""
+        return {phase: (moment - self.started_at).total_seconds() if moment else None
+                for phase, moment in (("process", self.process_started_at), ("weights_loaded", self.weights_loaded_at),
+                                      ("ready", self.ready_at), ("first_token", self.first_token_at))}
+
+
 class MetricsBucket(models.Model):
     """Per-replica aggregates over one period (a minute, or an hour in the roll-up).
 

@@ -13,7 +13,14 @@ import json
 import time
 
 from inferops.redis_client import redis_client
-from runtime.gateway.contract import PREVIEW_SUFFIX, ROUTING_CHANNEL, ROUTING_GENERATION_KEY, ROUTING_KEY
+from runtime.gateway.contract import (
+    DEFAULT_HOLD_MAX_QUEUE,
+    DEFAULT_HOLD_MAX_WAIT_S,
+    PREVIEW_SUFFIX,
+    ROUTING_CHANNEL,
+    ROUTING_GENERATION_KEY,
+    ROUTING_KEY,
+)
 
 
 def routing_entry(deployment, groups: list[tuple[str, int, int | None, list]], name: str | None = None) -> dict:
@@ -41,7 +48,17 @@ def routing_entry(deployment, groups: list[tuple[str, int, int | None, list]], n
         "published_at": time.time(),
         # A rollout's preview route is for smoke tests: never degraded.
         "degradation": None if name else gateway_degradation(deployment.degradation),
+        "scale_from_zero": None if name else scale_from_zero(deployment),
     }
+
+
+def scale_from_zero(deployment) -> dict | None:
+    """What the gateway needs to hold requests for a deployment that may park (min_replicas 0)."""
+    if not (deployment.autoscale and deployment.min_replicas == 0):
+        return None
+    hold = (deployment.autoscaling or {}).get("hold") or {}
+    return {"max_wait_s": float(hold.get("max_wait_s", DEFAULT_HOLD_MAX_WAIT_S)),
+            "max_queue": int(hold.get("max_queue", DEFAULT_HOLD_MAX_QUEUE))}
 
 
 def gateway_degradation(actions: dict | None) -> dict | None:

@@ -8,7 +8,15 @@ request to a stream that the control plane ingests. Both sides import these name
   weight, replicas: [{id, url}]}], published_at, degradation}. A `<deployment>--preview` route is
   a rollout's candidate alone. `degradation` is null at level 0, else the actions the gateway
   applies: {level, name, shed_below_priority, max_tokens_cap, fallback: {deployment, weight,
-  priorities}, retry_after_s} (each action null when the level has none).
+  priorities}, retry_after_s} (each action null when the level has none). `scale_from_zero` is
+  null unless the deployment may park (autoscaling on, min_replicas 0); then {max_wait_s,
+  max_queue}: while no replica is ready, a gateway holds up to max_queue requests for it (per
+  gateway) for up to max_wait_s each, and asks for a replica in ACTIVATION_KEY.
+- ACTIVATION_KEY: deployment -> JSON {at (Unix s), held (requests this gateway holds), gateway
+  (instance)}, set by a gateway holding requests for a parked deployment (and again every
+  ACTIVATION_REFRESH_S while it holds any), announced on ACTIVATION_CHANNEL; the control plane
+  starts a replica and deletes the field. Held requests are released by the routing table
+  that lists the new replica.
 - DEGRADATION_KEY: deployment (with a degradation policy) -> JSON {degradation: as in ROUTING_KEY,
   ttft_deadlines_ms: [ms, ...], published_at}, published the moment a level or the deadlines
   change; the routing entry gets the level from the next reconcile pass (which heals a lost
@@ -56,6 +64,12 @@ KEYS_CHANNEL = "inferops:keys:changed"
 SLO_TARGETS_KEY = "inferops:slo-targets"
 SLO_TARGETS_GENERATION_KEY = "inferops:slo-targets:generation"
 SLO_TARGETS_CHANNEL = "inferops:slo-targets:changed"
+ACTIVATION_KEY = "inferops:activation"
+ACTIVATION_CHANNEL = "inferops:activation:wanted"
+ACTIVATION_REFRESH_S = 2.0
+# What a parked deployment's routing entry says when its policy names no hold limits.
+DEFAULT_HOLD_MAX_WAIT_S = 120.0
+DEFAULT_HOLD_MAX_QUEUE = 100
 SLO_TTFT_HEADER = "x-inferops-slo-ttft-ms"
 SLO_TPOT_HEADER = "x-inferops-slo-tpot-ms"
 USAGE_STREAM = "inferops:usage"

@@ -1,0 +1,4 @@
+"""Placeholder: filled in by this issue."""
+
+urlpatterns: list = []
+console_urlpatterns: list = []

@@ -1,0 +1,2 @@
+"""Celery tasks of elastic capacity: thin wrappers that take ids and call one function."""
+
