@@ -5,8 +5,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 
 from alerts.urls import api_urlpatterns as alerts_api
 from batches.urls import openai_urlpatterns as batches_openai
-from costing import views as costing_views
 from capacity.urls import api_urlpatterns as capacity_api
+from costing import views as costing_views
 from costing.urls import api_urlpatterns as costing_api
 from degradation.urls import api_urlpatterns as degradation_api
 from deployments.urls import api_urlpatterns as deployments_api
