@@ -18,6 +18,7 @@ class DeploymentStatus(models.TextChoices):
     DEGRADED = "degraded", "Degraded"         # some ready, some failing
     FAILED = "failed", "Failed"               # none ready and replicas crash-looping
     PAUSED = "paused", "Paused"               # reconciliation paused by an operator
+    PARKED = "parked", "Parked"               # scaled to zero by its autoscaler; a request wakes it
     DELETING = "deleting", "Deleting"
 
 

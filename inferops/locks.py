@@ -25,6 +25,8 @@ class LockId(IntEnum):
     SCRAPE = 0x73637261  # "scra": one scrape cycle at a time
     KEYS_PUBLISH = 0x696F706B  # "iopk": publishing the API key table
     COSTING_LEDGER = 0x636F7374  # "cost": the ledger sync; key 2 a month close, key 3 price-book writes
+    AUTOSCALE = 0x61757473  # "auts": one deployment's autoscaling decision; the second key is its id
+    WAKE = 0x77616B65  # "wake": starting one parked deployment for held requests; the second key is its id
 
 
 @contextmanager

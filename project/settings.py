@@ -402,6 +402,16 @@ CELERY_BEAT_SCHEDULE |= {
 # Eval runs (evals/runs/runner.py): a running run whose worker stopped beating is failed.
 CELERY_BEAT_SCHEDULE["reap-eval-runs"] = {"task": "evals.reap_runs", "schedule": 60.0, "options": {"expires": 55}}
 INFEROPS_BATCH_TICK_S = env_float("INFEROPS_BATCH_TICK_S", 15)
+# Elastic capacity (capacity/): an autoscaling tick per autoscaled deployment every
+# INFEROPS_AUTOSCALE_INTERVAL_S; requests held for parked deployments looked for every INFEROPS_WAKE_POLL_S.
+INFEROPS_AUTOSCALE_INTERVAL_S = env_float("INFEROPS_AUTOSCALE_INTERVAL_S", 5)
+INFEROPS_WAKE_POLL_S = env_float("INFEROPS_WAKE_POLL_S", 1)
+CELERY_BEAT_SCHEDULE |= {
+    "autoscale": {"task": "capacity.autoscale_all", "schedule": INFEROPS_AUTOSCALE_INTERVAL_S,
+                  "options": {"expires": INFEROPS_AUTOSCALE_INTERVAL_S}},
+    "wake-parked": {"task": "capacity.wake_requested", "schedule": INFEROPS_WAKE_POLL_S,
+                    "options": {"expires": INFEROPS_WAKE_POLL_S}},
+}
 CELERY_BEAT_SCHEDULE["resume-batches"] = {"task": "batches.tick", "schedule": INFEROPS_BATCH_TICK_S,
                                           "options": {"expires": INFEROPS_BATCH_TICK_S * 0.9}}
 

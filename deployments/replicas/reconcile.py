@@ -26,7 +26,6 @@ from django.utils import timezone
 from deployments.choices import ACTIVE_ROLLOUT, DeploymentStatus, ReplicaState, RolloutStatus, Strategy
 from deployments.models import Deployment, Replica, Rollout
 from deployments.replicas import routing
-from deployments.replicas.autoscale import autoscale
 from deployments.replicas.drivers import DriverError, driver_for
 from deployments.replicas.drivers.base import NoCapacity, ReplicaSpec
 from deployments.rollouts import machine as rollout_machine
@@ -145,8 +144,6 @@ class Reconciler:
         if self.deployment.deleted_at:
             self.drain_everything()
         elif not self.deployment.paused:
-            if self.deployment.autoscale:
-                autoscale(self.deployment, self.now)
             self.rollout = self.advance_rollout()
             self.tracks = plan_tracks(self.deployment, self.rollout, self.now)
             self.converge()
@@ -389,6 +386,9 @@ class Reconciler:
             status = DeploymentStatus.PROGRESSING
             message = (f"Rollout {self.rollout.pk} {self.rollout.status}: {self.rollout.weight}% on "
                        f"v{self.rollout.candidate_version.number}. {self.rollout.message}").strip()
+        elif deployment.replicas == 0 and not target and not outdated:
+            status = DeploymentStatus.PARKED
+            message = "Scaled to zero; the gateway holds the next request while a replica starts."
         elif ready >= deployment.replicas and not outdated:
             status, message = DeploymentStatus.READY, ""
         elif ready == 0 and not outdated:
