@@ -66,17 +66,19 @@ class Strict(RejectUnknownFields, serializers.Serializer):
 
 
 class StepSerializer(Strict):
-    step = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS,
+    # A key left out keeps its default (policy.DEFAULTS).
+    step = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS, required=False,
                                     help_text="At most this many replicas a change.")
     stabilization_s = serializers.FloatField(
-        min_value=0, max_value=MAX_WINDOW_S,
+        min_value=0, max_value=MAX_WINDOW_S, required=False,
         help_text="The load must ask for the change over this whole window (0: the latest sample decides).")
 
 
 class HoldSerializer(Strict):
-    max_wait_s = serializers.FloatField(min_value=1, max_value=600,
+    # A key left out keeps its default (policy.DEFAULTS), as in StepSerializer.
+    max_wait_s = serializers.FloatField(min_value=1, max_value=600, required=False,
                                         help_text="How long a gateway holds a request for a parked deployment.")
-    max_queue = serializers.IntegerField(min_value=1, max_value=10000,
+    max_queue = serializers.IntegerField(min_value=1, max_value=10000, required=False,
                                          help_text="How many requests a gateway holds for it at most.")
 
 
@@ -112,7 +114,7 @@ class PolicySerializer(Strict):
         return value
 
     def validate(self, attrs):
-        if attrs["min_replicas"] > attrs["max_replicas"]:
+        if "min_replicas" in attrs and "max_replicas" in attrs and attrs["min_replicas"] > attrs["max_replicas"]:
             raise serializers.ValidationError({"min_replicas": [
                 f"min_replicas ({attrs['min_replicas']}) exceeds max_replicas ({attrs['max_replicas']})."]})
         deployment: Deployment = self.context["deployment"]

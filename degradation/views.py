@@ -30,7 +30,7 @@ from degradation.models import DegradationPolicy
 from deployments.api import deployment_queryset
 from deployments.views import render_detail
 from inferops.api import Conflict
-from inferops.forms import serializer_check
+from inferops.forms import add_api_errors, serializer_check
 from inferops.panels import safe_next
 from inferops.roles import require_operator
 
@@ -115,32 +115,6 @@ class OverrideForm(forms.Form):
 
     def api_body(self) -> dict:
         return self.cleaned_data
-
-
-def error_lines(errors, path: str) -> list[tuple[str, str]]:
-    """(path, message) for every message in DRF's nested errors: levels[1].exit_burn_rate, ..."""
-    if isinstance(errors, dict):
-        pairs = []
-        for key, value in errors.items():
-            if key == "non_field_errors":
-                pairs += error_lines(value, path)
-            else:
-                pairs += error_lines(value, f"{path}[{key}]" if str(key).isdigit() else f"{path}.{key}")
-        return pairs
-    if isinstance(errors, list):
-        pairs = []
-        for index, item in enumerate(errors):
-            pairs += [(path, str(item))] if isinstance(item, str) else error_lines(item, f"{path}[{index}]")
-        return pairs
-    return [(path, str(errors))]
-
-
-def add_api_errors(form: forms.Form, errors: dict) -> None:
-    """Put a serializer's errors on the form: under the field they concern, nested ones with their path."""
-    for field, value in errors.items():
-        target = field if field in form.fields else None
-        for path, message in error_lines(value, field):
-            form.add_error(target, message if path == field else f"{path}: {message}")
 
 
 def console_url(name: str) -> str:

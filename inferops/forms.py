@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django import forms
 from django.core.exceptions import ValidationError
 
 from inferops.api import Conflict
@@ -31,3 +32,29 @@ def serializer_check(serializer_class, body: dict, *, refused=(), **kwargs) -> t
     passing = serializer_class(data={key: value for key, value in body.items() if key not in serializer.errors},
                                partial=True, **kwargs)
     return (dict(passing.validated_data) if passing.is_valid() else {}), errors
+
+
+def error_lines(errors, path: str) -> list[tuple[str, str]]:
+    """(path, message) for every message in DRF's nested errors: levels[1].exit_burn_rate, ..."""
+    if isinstance(errors, dict):
+        pairs = []
+        for key, value in errors.items():
+            if key == "non_field_errors":
+                pairs += error_lines(value, path)
+            else:
+                pairs += error_lines(value, f"{path}[{key}]" if str(key).isdigit() else f"{path}.{key}")
+        return pairs
+    if isinstance(errors, list):
+        pairs = []
+        for index, item in enumerate(errors):
+            pairs += [(path, str(item))] if isinstance(item, str) else error_lines(item, f"{path}[{index}]")
+        return pairs
+    return [(path, str(errors))]
+
+
+def add_api_errors(form: forms.Form, errors: dict) -> None:
+    """Put a serializer's errors on the form: under the field they concern, nested ones with their path."""
+    for field, value in errors.items():
+        target = field if field in form.fields else None
+        for path, message in error_lines(value, field):
+            form.add_error(target, message if path == field else f"{path}: {message}")

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from degradation import services
 from degradation.models import DegradationPolicy, DegradationState, LevelChange
-from degradation.views import error_lines
+from inferops.forms import error_lines
 from slo.services import slo_create
 from slo.tasks import evaluation_cycle
 from tests.degradation.conftest import LEVELS
