@@ -28,6 +28,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from runtime.gateway.contract import (
+    DEFAULT_HOLD_MAX_QUEUE,
+    DEFAULT_HOLD_MAX_WAIT_S,
     DEGRADATION_CHANNEL,
     DEGRADATION_GENERATION_KEY,
     DEGRADATION_KEY,
@@ -155,6 +157,22 @@ def _optional_int(value: Any) -> int | None:
 
 
 @dataclass(frozen=True)
+class ScaleFromZero:
+    """How a gateway holds requests for a deployment that may park (no replica): at most
+    `max_queue` at once, each for at most `max_wait_s`, while the control plane starts one."""
+
+    max_wait_s: float = DEFAULT_HOLD_MAX_WAIT_S
+    max_queue: int = DEFAULT_HOLD_MAX_QUEUE
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> ScaleFromZero | None:
+        if data is None:
+            return None
+        return cls(max(0.0, float(data.get("max_wait_s", DEFAULT_HOLD_MAX_WAIT_S))),
+                   max(0, int(data.get("max_queue", DEFAULT_HOLD_MAX_QUEUE))))
+
+
+@dataclass(frozen=True)
 class Route:
     deployment: str
     task: str
@@ -162,6 +180,7 @@ class Route:
     backend: str = "builtin"
     degradation: Degradation | None = None
     published_at: float = 0.0
+    scale_from_zero: ScaleFromZero | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Route:
@@ -170,7 +189,13 @@ class Route:
                     tuple(Replica(int(r["id"]), r["url"].rstrip("/")) for r in v.get("replicas") or ()))
             for v in data.get("versions") or ())
         return cls(data["deployment"], data.get("task", "generate"), versions, data.get("backend", "builtin"),
-                   Degradation.from_json(data.get("degradation")), float(data.get("published_at") or 0))
+                   Degradation.from_json(data.get("degradation")), float(data.get("published_at") or 0),
+                   ScaleFromZero.from_json(data.get("scale_from_zero")))
+
+    @property
+    def has_ready_replica(self) -> bool:
+        """Whether any replica may take traffic (the router's NoReplica otherwise)."""
+        return any(v.weight > 0 and v.replicas for v in self.versions)
 
 
 @dataclass(frozen=True)
@@ -284,6 +309,9 @@ class StateSync:
         self.health = health
         self.poll_interval_s = poll_interval_s
         self.snapshot = Snapshot()
+        # Set when `snapshot` is replaced, then swapped for a fresh one: waiters (held requests)
+        # wake on the next routing change instead of polling.
+        self.snapshot_replaced = asyncio.Event()
         self._generations: tuple[Any, ...] | None = None
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -361,11 +389,11 @@ class StateSync:
                     self.health.mark_up()
                     return True
                 entries = _decode_hash(degradation_raw, DegradationEntry.from_json)
-                self.snapshot = Snapshot(
+                self._install(Snapshot(
                     with_degradation(_decode_hash(routes_raw, Route.from_json), entries),
                     _decode_hash(keys_raw, ApiKey.from_json),
                     {name: entry.ttft_deadlines_ms for name, entry in entries.items() if entry.ttft_deadlines_ms},
-                    _decode_hash(targets_raw, SloTargets.from_json))
+                    _decode_hash(targets_raw, SloTargets.from_json)))
                 self._found, self._missing = {}, {}
                 self._generations = generations
         except (RedisError, OSError) as exc:
@@ -373,6 +401,11 @@ class StateSync:
             return False
         self.health.mark_up()
         return True
+
+    def _install(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        replaced, self.snapshot_replaced = self.snapshot_replaced, asyncio.Event()
+        replaced.set()
 
     async def _poll_loop(self) -> None:
         while True:
