@@ -14,6 +14,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
+# A parked deployment's cold start: a replica process up in seconds, a large model loaded in minutes.
+HOLD_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 600.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 
@@ -58,9 +60,17 @@ class GatewayMetrics:
                                        registry=r)
         self.retries = Counter("inferops_gateway_retries", "Attempts sent to another replica", ["deployment"],
                                registry=r)
-        self.shed = Counter("inferops_gateway_shed", "Requests answered 503 at once because every replica "
-                            "was saturated, none was ready, or the degradation level sheds their priority",
-                            ["deployment", "reason"], registry=r)
+        self.shed = Counter("inferops_gateway_shed", "Requests answered 503 before any replica because every "
+                            "replica was saturated, none was ready, the degradation level sheds their priority, "
+                            "or a parked deployment's hold queue was full (hold_full) or its wait ran out "
+                            "(hold_timeout)", ["deployment", "reason"], registry=r)
+        self.held = Gauge("inferops_gateway_held_requests",
+                          "Requests this gateway holds now while their parked deployment starts a replica",
+                          ["deployment"], registry=r)
+        self.hold_seconds = Histogram("inferops_gateway_hold_seconds",
+                                      "How long requests were held for a parked deployment, by how the hold "
+                                      "ended: released, timeout, full, shutdown, gone (the client left)",
+                                      ["deployment", "outcome"], buckets=HOLD_BUCKETS, registry=r)
         self.ejections = Counter("inferops_gateway_replica_ejections", "Replicas ejected after repeated failures",
                                  ["deployment"], registry=r)
         self.limits_bypassed = Counter("inferops_gateway_limits_bypassed",

@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
+import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from runtime.gateway import clock, heartbeat, jsonbody, jsonlog
+from runtime.gateway.activator import SHUTDOWN, Activator, HoldRefused
 from runtime.gateway.contract import (
     DEGRADED,
     INTERNAL,
@@ -151,6 +153,7 @@ class RequestRecord:
     status: int = 500
     error_kind: str | None = None
     retries: int = 0
+    held_ms: float | None = None  # held while its parked deployment started a replica
     admission: Admission | None = None
     ttft_watch: TtftWatch | None = None  # early TTFT verdicts, for a deployment with deadlines
     headers_sent: bool = False
@@ -182,6 +185,8 @@ class RequestRecord:
         source = "gateway" if ttft_ms is not None else None
         if ttft_ms is None and self.server_timing[0] is not None:
             (ttft_ms, tpot_ms), source = self.server_timing, "server"
+            # The replica times from its own arrival; the client waited through the hold too.
+            ttft_ms += self.held_ms or 0.0
         return {
             "request_id": self.request_id, "client_request_id": self.client_request_id, "time": self.started_at,
             "tenant": self.key.tenant if self.key else None, "key_prefix": self.key.prefix if self.key else None,
@@ -191,7 +196,7 @@ class RequestRecord:
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "ttft_source": source,
             "e2e_ms": e2e * 1000, "status": self.status, "finish_reason": self.finish_reason,
-            "error_kind": self.error_kind, "retries": self.retries,
+            "error_kind": self.error_kind, "retries": self.retries, "held_ms": self.held_ms,
         }
 
 
@@ -292,6 +297,7 @@ class Gateway:
         self.limiter: RateLimiter | None = None
         self.usage: UsageSink | None = None
         self.verdicts: TtftVerdicts | None = None
+        self.activator: Activator | None = None
         self.upstream: Upstream | None = None
         self.control_plane = ControlPlane(settings.control_plane_url, settings.max_file_bytes,
                                           settings.connect_timeout_s, settings.control_plane_timeout_s)
@@ -310,6 +316,7 @@ class Gateway:
         self.usage = UsageSink(self.redis, s.spool_dir / f"{s.instance}.jsonl", self.health,
                                on_spool_depth=self.metrics.spool_depth.set)
         self.verdicts = TtftVerdicts(self.redis, self.health)
+        self.activator = Activator(self.state, self.redis, self.health, self.metrics, s.instance)
         self.upstream = Upstream(s.connect_timeout_s, s.first_token_timeout_s, s.request_timeout_s)
         self.control_plane.start()
         await self.state.start()
@@ -322,6 +329,7 @@ class Gateway:
                     len(self.state.snapshot.keys), "up" if self.health.up else "DOWN")
 
     async def shutdown(self) -> None:
+        await self.stop_holding()
         if self._renewer is not None:
             self._renewer.cancel()
         if self._heartbeat is not None:
@@ -340,6 +348,12 @@ class Gateway:
         await self.control_plane.close()
         if self.redis is not None:
             await self.redis.aclose()
+
+    async def stop_holding(self) -> None:
+        """Answer every request held for a parked deployment with a 503 now, rather than let it
+        wait out the server's graceful shutdown and be dropped (GatewayServer calls it first)."""
+        if self.activator is not None:
+            await self.activator.close()
 
     async def _renew_leases(self) -> None:
         while True:
@@ -588,7 +602,7 @@ class Gateway:
         fallback = degradation.fallback
         if fallback is not None and fallback.takes(record.priority, random.random()):
             target = self.state.snapshot.routes.get(fallback.deployment)
-            if target is not None and any(v.replicas and v.weight for v in target.versions):
+            if target is not None and target.has_ready_replica:
                 # The fallback's replicas serve under its own name; the usage event says who served.
                 payload["model"] = record.deployment = fallback.deployment
                 record.degradation_headers.append((b"x-inferops-fallback", fallback.deployment.encode()))
@@ -634,6 +648,7 @@ class Gateway:
                      record: RequestRecord, strip_usage: bool) -> None:
         tried: set[str] = set()
         last_failure: UpstreamFailure | None = None
+        held = False
         prefix = affinity_key(payload)
         while True:
             try:
@@ -645,6 +660,11 @@ class Gateway:
             except NoReplica:
                 if last_failure is not None:
                     raise _final_failure(last_failure) from None
+                # A rollout's preview has no replica only while its candidate is not ready: nothing to wake.
+                if not held and route.scale_from_zero is not None and not route.deployment.endswith(PREVIEW_SUFFIX):
+                    route = await self._hold(route, record)
+                    held = True
+                    continue
                 self.metrics.shed.labels(route.deployment, "no_replica").inc()
                 raise GatewayError(503, f"No ready replica serves `{route.deployment}`.", "ServiceUnavailableError",
                                    SHED, None, 1) from None
@@ -684,6 +704,26 @@ class Gateway:
                 return
             finally:
                 self.router.finished(choice.replica)
+
+    async def _hold(self, route: Route, record: RequestRecord) -> Route:
+        """Hold the request while its parked deployment starts a replica; returns the route that
+        lists it (the degradation and fallback decisions already made stand)."""
+        held_from = time.perf_counter()
+        try:
+            await self.activator.hold(route.deployment, route.scale_from_zero)
+        except HoldRefused as refused:
+            if refused.outcome != SHUTDOWN:
+                self.metrics.shed.labels(route.deployment, f"hold_{refused.outcome}").inc()
+            raise GatewayError(503, str(refused), "ServiceUnavailableError", SHED, None,
+                               refused.retry_after_s) from None
+        finally:
+            # 0 for a request refused by a full queue: it reached the hold, and waited nothing.
+            record.held_ms = (time.perf_counter() - held_from) * 1000
+        refreshed = self.state.snapshot.routes.get(route.deployment)
+        if refreshed is None:
+            raise GatewayError(404, f"The deployment `{route.deployment}` was deleted while its request was held.",
+                               "NotFoundError", "not_found", "model")
+        return refreshed
 
     async def _relay(self, opened: Opened, send: Any, record: RequestRecord, strip_usage: bool) -> None:
         extra = record.response_headers()
@@ -877,12 +917,24 @@ def advertised(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def main(args: argparse.Namespace) -> int:
-    import uvicorn
+class GatewayServer(uvicorn.Server):
+    """uvicorn, with the gateway's held requests answered as its shutdown begins: uvicorn tells an
+    application of shutdown only after its graceful timeout, by then having dropped them."""
 
+    def __init__(self, config: uvicorn.Config, gateway: Gateway) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await self.gateway.stop_holding()
+        await super().shutdown(sockets)
+
+
+def main(args: argparse.Namespace) -> int:
     json_lines = jsonlog.configure(args.log_level)
     settings = settings_from_args(args)
-    config = uvicorn.Config(Gateway(settings), host=args.host, port=args.port, loop="uvloop",
+    gateway = Gateway(settings)
+    config = uvicorn.Config(gateway, host=args.host, port=args.port, loop="uvloop",
                             http=protocol_class(args.request_read_timeout),
                             lifespan="on", log_level=args.log_level, access_log=False, timeout_keep_alive=30,
                             # The client address is the peer's, as given: the gateway appends it to the
@@ -892,5 +944,5 @@ def main(args: argparse.Namespace) -> int:
                             log_config=None if json_lines else uvicorn.config.LOGGING_CONFIG)
     logger.info("gateway %s on http://%s:%d/v1 (redis %s)", settings.instance, args.host, args.port,
                 settings.redis_url)
-    uvicorn.Server(config).run()
+    GatewayServer(config, gateway).run()
     return 0
