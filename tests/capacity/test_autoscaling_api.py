@@ -12,7 +12,6 @@ from capacity.models import ScalingDecision, ScalingState
 from deployments.models import Deployment
 from inferops.models import AuditEvent
 from slo.services import slo_create
-from tests.slo.conftest import deployment, fast_password_hashing  # noqa: F401
 
 pytestmark = pytest.mark.django_db
 URL = "/api/v1/deployments/chat/autoscaling/"
@@ -119,7 +118,8 @@ def test_one_tick_parks_an_idle_deployment_and_a_held_request_wakes_it(api, depl
     assert len(ScalingState.objects.get(deployment=deployment).samples) == 7
     woken = scaling.autoscale(deployment.pk, now=start + 31, held={"chat"})
     assert woken.kind == "wake"
-    kinds = list(ScalingDecision.objects.filter(deployment=deployment).order_by("at").values_list("kind", "to_replicas"))
+    kinds = list(ScalingDecision.objects.filter(deployment=deployment).order_by("at")
+                 .values_list("kind", "to_replicas"))
     assert kinds == [("park", 0), ("wake", 1)]
     events = AuditEvent.objects.filter(action="deployment.autoscale").order_by("id")
     assert [e.after["kind"] for e in events] == ["park", "wake"]
