@@ -10,7 +10,8 @@ gateway holds requests for it. The samples of the longest window are kept on its
 Waking is faster than a tick: gateways that hold requests for a parked deployment say so in
 Redis (runtime/gateway/contract.py ACTIVATION_KEY), `wake_requested` (every
 INFEROPS_WAKE_POLL_S) hands each to `wake`, which scales the deployment to one replica and runs
-reconcile passes back to back until it is ready, so the held requests go as soon as it is.
+reconcile passes a quarter of a second apart until it is ready (the task runs again rather than
+sleeping in its worker slot), so the held requests go as soon as it is.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import logging
 import time
 from datetime import UTC, datetime
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
@@ -31,6 +31,7 @@ from capacity.policy import policy_of
 from deployments.choices import ReplicaState
 from deployments.models import Deployment, Replica
 from deployments.replicas import reconcile
+from deployments.replicas.cold_start import record_cold_start
 from deployments.replicas.scraping import MetricsFetcher, ScrapeTarget
 from deployments.services import request_reconcile
 from inferops.audit import audit_record
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 # Samples older than the longest window they serve, plus this, are dropped.
 KEEP_EXTRA_S = 120
-WAKE_POLL_S = 0.25
 
 
 def _scrape(replicas: list[Replica]) -> dict[int, dict]:
@@ -207,27 +207,34 @@ def wake_requested() -> list[int]:
     return [deployment_id for deployment_id, _ in parked]
 
 
-def wake(deployment_id: int, timeout_s: float | None = None) -> str:
-    """Scale a parked deployment to one replica and reconcile it back to back until one is ready."""
+def wake(deployment_id: int) -> str:
+    """Scale a parked deployment to one replica and run a reconcile pass: "ready" once a replica is,
+    "starting" while none is yet (the task runs it again shortly), "busy" or "gone"."""
     with try_advisory_lock(LockId.WAKE, deployment_id) as acquired:
         if not acquired:
             return "busy"
         deployment = Deployment.objects.filter(pk=deployment_id).first()
-        if deployment is None or not deployment.autoscale:
+        if deployment is None or not deployment.autoscale or deployment.paused or deployment.deleted_at:
             return "gone"
         if deployment.replicas == 0:
             with transaction.atomic():
                 locked = Deployment.objects.select_for_update().get(pk=deployment_id)
                 if locked.replicas == 0:
-                    policy = policy_of(locked)
-                    decision = decide(policy=policy, samples=[Sample(at=time.time(), replicas=0, ready=0, held=True)],
-                                      current=0, last_change_at=None, now=time.time())
+                    now = time.time()
+                    held = Sample(at=now, replicas=0, ready=0, held=True)
+                    decision = decide(policy=policy_of(locked), samples=[held], current=0, last_change_at=None,
+                                      now=now)
                     record_decision(locked, decision.target, decision.kind, decision.reason, {})
-        timeout_s = timeout_s or reconcile.Timings.from_settings().start_timeout_s
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            reconcile.reconcile_deployment(deployment_id)
-            if Replica.objects.filter(deployment_id=deployment_id, state=ReplicaState.READY).exists():
-                return "ready"
-            time.sleep(getattr(settings, "INFEROPS_WAKE_RECONCILE_S", WAKE_POLL_S))
-        return "timeout"
+        reconcile.reconcile_deployment(deployment_id)
+        ready = Replica.objects.filter(deployment_id=deployment_id, state=ReplicaState.READY).first()
+        return "ready" if ready else "starting"
+
+
+def record_woken_start(deployment_id: int) -> bool:
+    """Fill the phases of the ready replica's latest start from its /metrics; whether the first token is in."""
+    replica = (Replica.objects.filter(deployment_id=deployment_id, state=ReplicaState.READY)
+               .order_by("-ready_at").first())
+    if replica is None:
+        return False
+    start = record_cold_start(replica)
+    return start is not None and start.first_token_at is not None
