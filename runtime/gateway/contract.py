@@ -40,7 +40,7 @@ request to a stream that the control plane ingests. Both sides import these name
   `ttft_source` says who measured `ttft_ms`/`tpot_ms`: "gateway" (a stream), "server" (a whole
   answer, from the replica's Server-Timing header), null when neither did.
   `held_ms` is how long the gateway held the request while its parked deployment started a replica
-  (0 when the hold queue was full, null when not held); `ttft_ms` includes it, whoever measured it.
+  (null when not held; about 0 when refused by a full hold queue); `ttft_ms` includes it.
   `batch_id` (1-64 characters) marks a line of an offline batch (/v1/batches), written by the batch
   runner rather than a gateway: `priority` -1000, `stream` false, `request_id`
   `<batch_id>-<hash of custom_id>` (so a re-run line is stored and billed once). Batch events count

@@ -717,7 +717,7 @@ class Gateway:
             raise GatewayError(503, str(refused), "ServiceUnavailableError", SHED, None,
                                refused.retry_after_s) from None
         finally:
-            # 0 for a request refused by a full queue: it reached the hold, and waited nothing.
+            # About 0 for a request refused by a full queue: it reached the hold and waited nothing.
             record.held_ms = (time.perf_counter() - held_from) * 1000
         refreshed = self.state.snapshot.routes.get(route.deployment)
         if refreshed is None:
