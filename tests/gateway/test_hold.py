@@ -110,6 +110,9 @@ def test_held_requests_streamed_or_not_are_answered_once_a_replica_is_ready(cont
     message = wait_until(lambda: listener.get_message(ignore_subscribe_messages=True, timeout=0.1),
                          "the activation message", timeout=10)
     assert message["data"] == b"demo"
+    # The control plane deletes the field once it acted; one lost meanwhile is asked for again.
+    control.redis.hdel(ACTIVATION_KEY, "demo")
+    wait_until(lambda: control.redis.hexists(ACTIVATION_KEY, "demo"), "the activation asked for again", timeout=10)
     assert not whole.done() and not streamed.done()
 
     publish_parked(control, replicas=[(replica.id, replica.url)])
