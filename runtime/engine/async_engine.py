@@ -134,6 +134,8 @@ class _ModelThread(Generic[ModelT]):
         self.model: ModelT | None = None
         self.state: EngineState = LOADING
         self.error = ""
+        # Unix time the load returned (weights in memory, ready to serve): a cold start's second phase.
+        self.loaded_at: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup = threading.Condition()
         self._stopping = False
@@ -167,6 +169,7 @@ class _ModelThread(Generic[ModelT]):
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = FAILED
             return
+        self.loaded_at = time.time()
         self.state = READY
         logger.info("model loaded; serving")
         try:

@@ -7,6 +7,7 @@ current value and the engine never has to push anything.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -116,16 +117,50 @@ class EngineStatsCollector(Collector):
             yield family
 
 
+class PreciseProcessCollector(ProcessCollector):
+    """prometheus_client's process_* series, with the boot time read to the 10 ms of /proc/uptime
+    instead of the whole second of /proc/stat's btime, so process_start_time_seconds can time a
+    cold start's first phase (often well under a second)."""
+
+    def _boot_time(self) -> float:
+        with open(os.path.join(self._proc, "uptime"), "rb") as uptime:
+            return time.time() - float(uptime.read().split()[0])
+
+
+class ColdStartCollector(Collector):
+    """When this process finished loading its weights and sent its first output (Unix seconds, 0 until
+    then): with process_start_time_seconds, the phases of its cold start (docs/serving.md)."""
+
+    def __init__(self, model_name: str, loaded_at: Callable[[], float | None],
+                 first_output_at: Callable[[], float | None]) -> None:
+        self.labels = ["0", model_name]
+        self.loaded_at = loaded_at
+        self.first_output_at = first_output_at
+
+    def collect(self) -> Iterable[Metric]:
+        for name, help_text, read in (
+                ("inferops:weights_loaded_time_seconds",
+                 "When the model's weights finished loading, in Unix seconds (0 while loading).", self.loaded_at),
+                ("inferops:first_token_time_seconds",
+                 "When this process sent its first generated token (an embedding model: its first embedding), "
+                 "in Unix seconds (0 until then).", self.first_output_at)):
+            family = GaugeMetricFamily(name, help_text, labels=LABEL_NAMES)
+            family.add_metric(self.labels, read() or 0.0)
+            yield family
+
+
 class ServerMetrics:
-    """The replica's private registry: request histograms plus the engine collector."""
+    """The replica's private registry: request histograms plus the engine and cold-start collectors."""
 
     def __init__(self, model_name: str, read_stats: Callable[[], Any | None],
-                 buckets: dict[str, tuple[float, ...]] | None = None, settings: Any | None = None) -> None:
+                 buckets: dict[str, tuple[float, ...]] | None = None, settings: Any | None = None,
+                 loaded_at: Callable[[], float | None] = lambda: None) -> None:
         chosen = {**DEFAULT_BUCKETS, **(buckets or {})}
         self.registry = CollectorRegistry()
         # process_start_time_seconds (and the other process_* series vLLM exposes too) lets the
         # scraper tell a restarted replica from one whose counters merely grew.
-        ProcessCollector(registry=self.registry)
+        PreciseProcessCollector(registry=self.registry)
+        self.first_output_at: float | None = None
         labels = {"engine": "0", "model_name": model_name}
 
         def histogram(name: str, help_text: str, key: str) -> Histogram:
@@ -168,12 +203,18 @@ class ServerMetrics:
                          labelnames=(*LABEL_NAMES, "phase"), registry=self.registry)
         self.slo_misses = {phase: misses.labels(phase=phase, **labels) for phase in ("ttft", "tpot")}
         self.registry.register(EngineStatsCollector(model_name, read_stats, settings))
+        self.registry.register(ColdStartCollector(model_name, loaded_at, lambda: self.first_output_at))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)
+
+    def on_output(self) -> None:
+        """An output left (a token, or an embedding): the first one ends the process's cold start."""
+        if self.first_output_at is None:
+            self.first_output_at = time.time()
 
 
 class RequestTimer:
@@ -214,6 +255,7 @@ class RequestTimer:
         if self.first_token_at is None:
             self.first_token_at = now
             self.metrics.ttft.observe(now - self.arrived_at)
+            self.metrics.on_output()
         else:
             self.metrics.itl.observe(now - (self.last_token_at or now))
         self.last_token_at = now

@@ -152,7 +152,7 @@ class ReplicaServer:
         self.faults = settings.faults
         self.lifecycle = Lifecycle()
         self.metrics = ServerMetrics(settings.served_model_name, backend.stats,
-                                     settings.histogram_buckets, settings)
+                                     settings.histogram_buckets, settings, loaded_at=lambda: backend.loaded_at)
         self.started_at = int(time.time())
 
     def build_app(self) -> Starlette:
@@ -295,6 +295,7 @@ class ReplicaServer:
             raise bad_request(str(exc), "input") from None
         except EngineUnavailableError as exc:
             raise unavailable_error(exc) from None
+        self.metrics.on_output()
         return JSONResponse(embedding_response(self.settings.served_model_name, result.vectors,
                                                result.token_counts, parsed.encoding_format))
 
