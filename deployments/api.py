@@ -12,6 +12,7 @@ from drf_spectacular.utils import (
     OpenApiParameter,
     OpenApiResponse,
     extend_schema,
+    extend_schema_field,
     inline_serializer,
 )
 from rest_framework import mixins, serializers, status, viewsets
@@ -20,7 +21,8 @@ from rest_framework.response import Response
 
 from deployments import services
 from deployments.choices import Backend, DriverName, ReplicaState
-from deployments.models import Deployment, Replica
+from deployments.models import Deployment, Replica, ReplicaStart
+from deployments.replicas import cold_start
 from inferops.api import CONFLICT, ERRORS, TOO_LARGE, ErrorSerializer, query_step, query_time
 from inferops.validators import slug_validator
 from registry.models import RegisteredModel
@@ -38,14 +40,60 @@ LEDGER_SERIES = {"error_rate": "fraction"}
 MAX_POINTS = 5000
 
 
+class PhaseSecondsSerializer(serializers.Serializer):
+    # Seconds from the start request to the end of each phase; null: not reached, or not reported (vLLM
+    # reports no weights_loaded nor first_token).
+    process = serializers.FloatField(allow_null=True, help_text="The serving process is up.")
+    weights_loaded = serializers.FloatField(allow_null=True, help_text="Its weights are loaded.")
+    ready = serializers.FloatField(allow_null=True, help_text="/health answered 200 to the reconcile loop.")
+    first_token = serializers.FloatField(allow_null=True, help_text="Its first generated token (or embedding) left.")
+
+
+class LatestStartSerializer(serializers.Serializer):
+    cause = serializers.CharField(read_only=True, help_text=(
+        "scale (one more beside ready ones), restart (replacing a failed one) or from_zero (none of the "
+        "deployment's replicas was ready)."))
+    started_at = serializers.DateTimeField(
+        read_only=True, help_text="When the reconcile loop asked the driver for the process.")
+    seconds = serializers.SerializerMethodField()
+
+    @extend_schema_field(PhaseSecondsSerializer)
+    def get_seconds(self, start) -> dict:
+        return cold_start.rounded(start)
+
+
+class ColdStartSerializer(LatestStartSerializer, serializers.ModelSerializer):
+    replica = serializers.IntegerField(source="replica_id", read_only=True)
+    version = serializers.IntegerField(source="version.number", read_only=True)
+
+    class Meta:
+        model = ReplicaStart
+        fields = ["id", "replica", "version", "cause", "started_at", "failed", "seconds"]
+        read_only_fields = fields
+
+
+class PhaseSummarySerializer(serializers.Serializer):
+    count = serializers.IntegerField(help_text="Starts that did not fail and reached (or reported) the phase.")
+    median = serializers.FloatField(allow_null=True)
+    max = serializers.FloatField(allow_null=True)
+
+
 class ReplicaSerializer(serializers.ModelSerializer):
     version = serializers.IntegerField(source="version.number")
+    cold_start = serializers.SerializerMethodField(
+        help_text="The replica's latest start and what each phase of it took; null before any start.")
 
     class Meta:
         model = Replica
         fields = ["id", "version", "state", "url", "restarts", "crash_looping", "started_at", "ready_at",
-                  "last_health_at", "last_health_ok", "last_error", "node", "driver"]
+                  "last_health_at", "last_health_ok", "last_error", "node", "driver", "cold_start"]
         read_only_fields = fields
+
+    @extend_schema_field(LatestStartSerializer(allow_null=True))
+    def get_cold_start(self, replica) -> dict | None:
+        latest = self.context.get("latest_starts")
+        start = latest.get(replica.pk) if latest is not None else cold_start.latest_start(replica)
+        return LatestStartSerializer(start).data if start is not None else None
 
 
 class DeploymentSerializer(serializers.ModelSerializer):
@@ -190,7 +238,30 @@ class DeploymentViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, viewse
         replicas = deployment.replica_set.select_related("version").order_by("id")
         if request.query_params.get("all") not in ("1", "true"):
             replicas = replicas.exclude(state=ReplicaState.STOPPED)
-        return Response(ReplicaSerializer(replicas, many=True).data)
+        replicas = list(replicas)
+        latest = cold_start.latest_starts(r.pk for r in replicas)
+        return Response(ReplicaSerializer(replicas, many=True, context={"latest_starts": latest}).data)
+
+    @extend_schema(
+        parameters=[OpenApiParameter("limit", OpenApiTypes.INT, description="Starts a page (default 50)."),
+                    OpenApiParameter("offset", OpenApiTypes.INT, description="Starts to skip.")],
+        responses={200: inline_serializer("ColdStartPage", {
+            "count": serializers.IntegerField(), "next": serializers.URLField(allow_null=True),
+            "previous": serializers.URLField(allow_null=True), "results": ColdStartSerializer(many=True),
+            "summary": inline_serializer("ColdStartSummary", {
+                phase: PhaseSummarySerializer() for phase in cold_start.PHASES},
+                help_text="Median and max seconds of each phase over this page's starts."),
+        }), **ERRORS},
+        description="The deployment's replica starts, newest first, with the seconds each phase of the cold "
+                    "start took, and their median and max over the page.")
+    @action(detail=True, methods=["get"], url_path="cold-starts")
+    def cold_starts(self, request, name: str):
+        deployment = self.get_object()
+        starts = deployment.replica_starts.select_related("version").order_by("-started_at", "-id")
+        page = self.paginate_queryset(starts)
+        response = self.get_paginated_response(ColdStartSerializer(page, many=True).data)
+        response.data["summary"] = cold_start.summary(page)
+        return response
 
     @extend_schema(
         parameters=[

@@ -27,5 +27,7 @@ api_urlpatterns = [
          name="api-deployment-replicas"),
     path("deployments/<str:name>/metrics/", api.DeploymentViewSet.as_view({"get": "metrics"}),
          name="api-deployment-metrics"),
+    path("deployments/<str:name>/cold-starts/", api.DeploymentViewSet.as_view({"get": "cold_starts"}),
+         name="api-deployment-cold-starts"),
     *rollout_urls.api_urlpatterns,
 ]

@@ -13,6 +13,7 @@ from deployments.api import (
 from deployments.choices import ACTIVE_ROLLOUT, ReplicaState
 from deployments.forms import DeploymentEditForm, DeploymentForm, change_rows, changes_token, edit_initial
 from deployments.panels import render_panels
+from deployments.replicas import cold_start
 from deployments.replicas.drivers import driver_for
 from deployments.replicas.metrics_query import slo_scheduling_summary
 from deployments.rollouts.forms import RolloutForm, undo_offer
@@ -104,4 +105,17 @@ def render_detail(request, deployment, *, rollout_form=None, status=200):
         "rollout_form": rollout_form or RolloutForm(deployment, prefix="rollout"),
         "panels": render_panels(request, deployment),
         "slo_scheduling": slo_scheduling_summary(deployment),
+        "cold_starts": cold_start_rows(deployment),
     }, status=status)
+
+
+COLD_STARTS_SHOWN = 10
+
+
+def cold_start_rows(deployment) -> dict:
+    """The last starts with each phase's seconds, and each phase's median over them."""
+    starts = list(deployment.replica_starts.select_related("version").order_by("-started_at", "-id")
+                  [:COLD_STARTS_SHOWN])
+    summary = cold_start.summary(starts)
+    return {"rows": [{"start": start, "phases": list(cold_start.rounded(start).values())} for start in starts],
+            "medians": [summary[phase]["median"] for phase in cold_start.PHASES]}

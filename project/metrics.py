@@ -33,7 +33,7 @@ from alerts.choices import AlertStatus, Severity
 from alerts.models import Alert
 from degradation.models import DegradationState
 from deployments.choices import ACTIVE_ROLLOUT, RolloutStatus
-from deployments.models import Deployment, Rollout
+from deployments.models import Deployment, ReplicaStart, Rollout
 from inferops.api import ERRORS
 from inferops.celery import TASK_FAILURES_KEY
 from inferops.prometheus_auth import SCRAPER_AUTHENTICATION
@@ -55,6 +55,7 @@ class ControlPlaneCollector(Collector):
         yield from slo_families()
         yield from alert_families()
         yield from deployment_families()
+        yield from cold_start_families()
         redis_up = gauge("inferops_control_plane_redis_up", "1 when this scrape could read Redis")
         try:
             families = list(usage_families()) + list(celery_families())
@@ -145,6 +146,29 @@ def deployment_families() -> Iterator[Metric]:
     yield from (level, rollout_state, weight, step, steps)
 
 
+def cold_start_families() -> Iterator[Metric]:
+    """Each deployment's latest replica start that became ready, phase by phase, and starts by cause."""
+    seconds = gauge("inferops_replica_cold_start_seconds",
+                    "Seconds from asking for a replica to the end of each phase of its cold start (process, "
+                    "weights_loaded, ready, first_token), of the deployment's latest start that became ready; "
+                    "a phase the replica does not report (vLLM: weights_loaded, first_token) is absent",
+                    ("deployment", "phase"))
+    starts = CounterMetricFamily("inferops_replica_starts", "Replica starts the reconcile loop asked for, by cause "
+                                 "(scale, restart, from_zero)", labels=["deployment", "cause"])
+    names = dict(Deployment.objects.filter(deleted_at__isnull=True).values_list("pk", "name"))
+    latest = (ReplicaStart.objects.filter(deployment_id__in=names, ready_at__isnull=False, failed=False)
+              .order_by("deployment_id", "-started_at", "-id").distinct("deployment_id"))
+    for start in sorted(latest, key=lambda s: names[s.deployment_id]):
+        for phase, value in start.seconds().items():
+            if value is not None:
+                seconds.add_metric([names[start.deployment_id], phase], value)
+    counts = (ReplicaStart.objects.filter(deployment_id__in=names).values("deployment_id", "cause")
+              .annotate(n=Count("id")).order_by("deployment_id", "cause"))
+    for row in sorted(counts, key=lambda r: (names[r["deployment_id"]], r["cause"])):
+        starts.add_metric([names[row["deployment_id"]], row["cause"]], row["n"])
+    yield from (seconds, starts)
+
+
 def entry_time_s(entry_id: bytes | str) -> float:
     """A stream entry id's milliseconds part, the time Redis appended it."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
@@ -200,7 +224,8 @@ def registry() -> CollectorRegistry:
 
 @extend_schema(tags=["prometheus"], summary="The control plane's own metrics (Prometheus text format)",
                description="SLO budgets and burn rates, SLI event counters, open alerts, degradation levels, "
-                           "rollout state, usage ingestion lag and Celery task failures, read at scrape time. "
+                           "rollout state, replica cold starts, usage ingestion lag and Celery task failures, read "
+                           "at scrape time. "
                            "Authenticate as for the service-discovery endpoint: "
                            "`authorization: {credentials: <viewer API token>}`.",
                responses={(200, "text/plain"): OpenApiResponse(OpenApiTypes.STR), **ERRORS})

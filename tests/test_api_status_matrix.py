@@ -63,6 +63,7 @@ ADDED_FIELDS = {
     "batch_tokens": "issue 41: the cost report's offline batch tokens",
     "batch_usd": "issue 41: the cost report's offline batch tokens' share of the cost",
     "batch_revenue_usd": "issue 41: the cost report's revenue of offline batches at the batch price",
+    "cold_start": "issue 42: a replica's latest start and the seconds of its cold start's phases",
 }
 
 

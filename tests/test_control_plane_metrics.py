@@ -184,3 +184,29 @@ def test_a_real_worker_process_counts_its_failures_where_web_reads_them(make_use
         log.close()
     samples = [s for s in scrape(make_user("viewer"))["inferops_celery_task_failures"] if s.name.endswith("_total")]
     assert values(samples) == {(fail.name,): 1}
+
+
+def test_cold_start_phases_of_the_latest_ready_start_and_starts_by_cause(make_user):
+    from datetime import timedelta
+
+    from deployments.models import Replica, ReplicaStart
+
+    chat, idle = make_deployment("chat"), make_deployment("idle")
+    replica = Replica.objects.create(deployment=chat, version=chat.version, node="test")
+
+    def started(ago_s, cause, failed=False, **phases):
+        at = NOW - timedelta(seconds=ago_s)
+        return ReplicaStart.objects.create(replica=replica, deployment=chat, version=chat.version, cause=cause,
+                                           started_at=at, failed=failed,
+                                           **{k: at + timedelta(seconds=s) for k, s in phases.items()})
+
+    started(600, "from_zero", process_started_at=1, weights_loaded_at=20, ready_at=22, first_token_at=23)
+    started(300, "restart", process_started_at=0.5, weights_loaded_at=9, ready_at=10)  # no first token yet
+    started(100, "restart", failed=True, process_started_at=0.5)  # failed: not the latest ready one
+    started(10, "scale", process_started_at=0.25)  # still starting
+    metrics = scrape(make_user("viewer"))
+    assert values(metrics["inferops_replica_cold_start_seconds"]) == {
+        ("chat", "process"): 0.5, ("chat", "weights_loaded"): 9.0, ("chat", "ready"): 10.0}
+    starts = [s for s in metrics["inferops_replica_starts"] if s.name.endswith("_total")]
+    assert values(starts) == {("restart", "chat"): 2, ("from_zero", "chat"): 1, ("scale", "chat"): 1}
+    assert idle.name not in {s.labels["deployment"] for s in metrics["inferops_replica_cold_start_seconds"]}

@@ -24,7 +24,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from deployments.choices import ACTIVE_ROLLOUT, DeploymentStatus, ReplicaState, RolloutStatus, Strategy
-from deployments.models import Deployment, Replica, Rollout
+from deployments.models import Deployment, Replica, ReplicaStart, Rollout
 from deployments.replicas import routing
 from deployments.replicas.drivers import DriverError, driver_for
 from deployments.replicas.drivers.base import NoCapacity, ReplicaSpec
@@ -158,6 +158,8 @@ class Reconciler:
         replica.save(update_fields=[*fields, "updated_at"])
 
     def fail(self, replica: Replica, reason: str) -> None:
+        if replica.state == ReplicaState.STARTING:
+            latest_start_of(replica).update(failed=True)
         replica.state = ReplicaState.FAILED
         replica.consecutive_failures += 1
         replica.crash_looping = replica.consecutive_failures >= self.timings.crash_loop_after
@@ -199,7 +201,12 @@ class Reconciler:
             if self.check_health(replica):
                 replica.state = ReplicaState.READY
                 replica.ready_at = self.now
-                self.save(replica, "state", "ready_at")
+                # The start's phase ends when /health answered, which may be well into a pass that
+                # probed other replicas first (never before the pass's own time, which tests set).
+                answered = max(self.now, timezone.now())
+                with transaction.atomic():
+                    self.save(replica, "state", "ready_at")
+                    latest_start_of(replica).filter(ready_at__isnull=True).update(ready_at=answered)
             elif (self.now - replica.started_at).total_seconds() > self.timings.start_timeout_s:
                 reason = f"not ready {self.timings.start_timeout_s:.0f}s after start"
                 self.driver.kill(replica, why=reason)
@@ -340,20 +347,37 @@ class Reconciler:
                 continue
             self.start(replica)
 
+    def start_cause(self, replica: Replica) -> str:
+        """Why this start: replacing a failed process (or one that waited for capacity since), the
+        first of a deployment with nothing ready, or one more beside ready ones."""
+        if replica.state == ReplicaState.FAILED or replica.restarts:
+            return "restart"
+        if not any(r.state == ReplicaState.READY for r in self.replicas):
+            return "from_zero"
+        return "scale"
+
     def start(self, replica: Replica) -> None:
+        cause = self.start_cause(replica)
         if replica.state == ReplicaState.FAILED:
             replica.restarts += 1
         replica.state = ReplicaState.STARTING
         replica.started_at = self.now
         replica.ready_at = None
         replica.identity = {}
-        self.save(replica, "state", "started_at", "ready_at", "identity", "restarts")
+        # The start's row with the replica's: a worker killed before the process exists leaves both,
+        # and the next pass fails the start it cannot adopt.
+        with transaction.atomic():
+            self.save(replica, "state", "started_at", "ready_at", "identity", "restarts")
+            record = ReplicaStart.objects.create(replica=replica, deployment=self.deployment,
+                                                 version_id=replica.version_id, cause=cause, started_at=self.now)
         try:
             started = self.driver.start(replica, replica_spec(self.deployment, replica))
         except NoCapacity as exc:  # waiting is no failure: no backoff growth, no crash loop
             replica.state, replica.started_at, replica.last_error = ReplicaState.PENDING, None, f"waiting: {exc}"
             replica.not_before = self.now + timedelta(seconds=self.timings.backoff_base_s)
-            self.save(replica, "state", "started_at", "last_error", "not_before")
+            with transaction.atomic():
+                self.save(replica, "state", "started_at", "last_error", "not_before")
+                record.delete()  # no start happened: waiting is not a cold start
             return
         except (DriverError, CheckpointError) as exc:
             self.fail(replica, f"could not start: {exc}")
@@ -418,6 +442,11 @@ class Reconciler:
                 self.deployment, [("candidate", candidates[0].version.number, 100, candidates)], name=preview))
         elif routing.is_published(preview):
             routing.unpublish(preview)
+
+
+def latest_start_of(replica: Replica):
+    """The replica's latest start, as a queryset of one row to update."""
+    return ReplicaStart.objects.filter(pk__in=replica.starts.order_by("-started_at", "-id").values("pk")[:1])
 
 
 def _node_name(driver: str) -> str:

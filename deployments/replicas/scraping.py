@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import httpx
 from django.db import transaction
@@ -38,7 +38,7 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.choices import DriverName, ReplicaState
-from deployments.models import Replica, ReplicaMetricsMinute
+from deployments.models import Replica, ReplicaMetricsMinute, ReplicaStart
 from deployments.replicas.drivers import DriverError, driver_for
 from inferops.locks import LockId, try_advisory_lock
 
@@ -67,6 +67,10 @@ HISTOGRAMS = {
 }
 # vLLM exposes it; a changed value proves a restart even when counters grew past the old ones.
 PROCESS_START_FAMILY = "process_start_time_seconds"
+# The built-in engine's cold-start moments (Unix seconds, 0 until they happen): with the process's
+# start, they fill the phases of the replica's latest ReplicaStart (deployments/replicas/cold_start.py).
+WEIGHTS_LOADED_FAMILY = "inferops:weights_loaded_time_seconds"
+FIRST_TOKEN_FAMILY = "inferops:first_token_time_seconds"
 # The built-in engine's SLO scheduling (docs/serving.md): counters into the row's `slo_scheduling`
 # map, which stays empty for a replica without them (vLLM), so "no data" never reads as "no misses".
 SLO_COUNTERS = {
@@ -81,8 +85,8 @@ SLO_TARGET_FAMILIES = {"ttft_target_s": "inferops:slo_target_ttft_seconds",
                        "tpot_target_s": "inferops:slo_target_tpot_seconds"}
 
 _WANTED_FAMILIES = (*GAUGES.values(), *COUNTERS.values(), REQUESTS_FAMILY, *HISTOGRAMS.values(),
-                    PROCESS_START_FAMILY, *SLO_COUNTERS.values(), SLO_MISSES_FAMILY, SLO_SLACK_FAMILY,
-                    SLO_POLICY_FAMILY, *SLO_TARGET_FAMILIES.values())
+                    PROCESS_START_FAMILY, WEIGHTS_LOADED_FAMILY, FIRST_TOKEN_FAMILY, *SLO_COUNTERS.values(),
+                    SLO_MISSES_FAMILY, SLO_SLACK_FAMILY, SLO_POLICY_FAMILY, *SLO_TARGET_FAMILIES.values())
 # A vLLM /metrics page is ~650 lines of which ~120 matter; parsing only those is ~8x faster,
 # which is what lets one worker scrape hundreds of replicas well inside the interval.
 _WANTED_LINE = re.compile(
@@ -128,6 +132,8 @@ class MetricsSample:
     requests_by_reason: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, HistogramValues] = field(default_factory=dict)
     process_start: float | None = None
+    weights_loaded: float | None = None  # Unix seconds; None until loaded, or where not exported (vLLM)
+    first_token: float | None = None  # likewise, until the process's first output
     slo: dict[str, float] = field(default_factory=dict)  # SLO scheduling counters (built-in engine)
     slo_info: dict = field(default_factory=dict)  # its policy and replica-wide targets, as last seen
 
@@ -162,8 +168,16 @@ def parse_metrics(text: str) -> MetricsSample:
             parsed.histograms[key] = _histogram(by_name, name)
     starts = [s.value for s in by_name.get(PROCESS_START_FAMILY, [])]
     parsed.process_start = min(starts) if starts else None
+    parsed.weights_loaded = _moment(by_name, WEIGHTS_LOADED_FAMILY)
+    parsed.first_token = _moment(by_name, FIRST_TOKEN_FAMILY)
     _parse_slo_scheduling(by_name, parsed)
     return parsed
+
+
+def _moment(by_name: dict[str, list], name: str) -> float | None:
+    """The earliest moment a gauge of Unix seconds reports (0: not yet), or None."""
+    moments = [s.value for s in by_name.get(name, []) if s.value > 0]
+    return min(moments) if moments else None
 
 
 def _parse_slo_scheduling(by_name: dict[str, list], parsed: MetricsSample) -> None:
@@ -508,6 +522,8 @@ def _store_batch(groups: dict[int, list[ScrapeResult]], report: StoreReport) -> 
                 unique_fields=["replica", "start"], update_fields=_MINUTE_FIELDS)
         if changed:
             Replica.objects.bulk_update(changed, ["scrape_state", "last_error"])
+        fill_cold_starts({replica_id: [r.sample for r in group if r.sample is not None]
+                          for replica_id, group in groups.items() if replica_id in replicas})
 
 
 def _minute_rows(keys: set[MinuteKey]) -> dict[MinuteKey, ReplicaMetricsMinute]:
@@ -616,6 +632,54 @@ def _fresh(replica: Replica, result: ScrapeResult) -> bool:
     if result.pod and result.sample.process_start is not None:
         moments = [datetime.fromtimestamp(result.sample.process_start, tz=result.scraped_at.tzinfo)]
     return bool(moments) and result.scraped_at - max(moments) <= FRESH_REPLICA_WINDOW
+
+
+# --- cold starts ----------------------------------------------------------------------------
+
+# A process that started this long before its start was asked for is another one (an older process,
+# or a pod this start did not make); the slack covers the clocks of other nodes.
+START_CLOCK_SLACK = timedelta(seconds=5)
+_PHASE_FIELDS = ("process_started_at", "weights_loaded_at", "first_token_at")
+
+
+def start_phases(start: ReplicaStart, sample: MetricsSample) -> list[str]:
+    """Set the phases of `start` that its replica's /metrics `sample` tells and the row still lacks;
+    returns the fields set. A sample of another process than this start's sets nothing."""
+    if start.failed:
+        return []
+    began = sample.process_start if sample.process_start is not None else sample.weights_loaded
+    if began is None or began < (start.started_at - START_CLOCK_SLACK).timestamp():
+        return []
+    changed = []
+    for name, moment in zip(_PHASE_FIELDS, (sample.process_start, sample.weights_loaded, sample.first_token),
+                            strict=True):
+        if moment is not None and getattr(start, name) is None:
+            setattr(start, name, datetime.fromtimestamp(moment, tz=UTC))
+            changed.append(name)
+    return changed
+
+
+def fill_cold_starts(samples: dict[int, list[MetricsSample]]) -> int:
+    """Fill each replica's latest start from its samples (a replica's own, or one per pod); returns
+    how many starts changed. One query reads the starts, one writes those that changed."""
+    replica_ids = [replica_id for replica_id, found in samples.items() if found]
+    if not replica_ids:
+        return 0
+    latest = (ReplicaStart.objects.filter(replica_id__in=replica_ids)
+              .order_by("replica_id", "-started_at", "-id").distinct("replica_id"))
+    changed: list[ReplicaStart] = []
+    fields: set[str] = set()
+    for start in latest:
+        if start.failed or all(getattr(start, name) is not None for name in _PHASE_FIELDS):
+            continue
+        for sample in samples[start.replica_id]:
+            if done := start_phases(start, sample):
+                changed.append(start)
+                fields.update(done)
+                break
+    if changed:
+        ReplicaStart.objects.bulk_update(changed, sorted(fields))
+    return len(changed)
 
 
 # --- one cycle ------------------------------------------------------------------------------

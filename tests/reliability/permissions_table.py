@@ -180,6 +180,7 @@ TABLE: dict[str, Rule] = {
     "api-deployment-detail": api(V, OP, "patch", "delete"),
     "api-deployment-replicas": api(V),
     "api-deployment-metrics": api(V),
+    "api-deployment-cold-starts": api(V),
     "api-rollout-list": api(V, OP),
     "api-rollout-undo": api(None, OP),
     "api-rollout-detail": api(V, OP, "patch"),
