@@ -200,9 +200,11 @@ def decide(*, policy: Policy, samples: list[Sample], current: int, last_change_a
         return decision(floor, DecisionKind.BOUND, _floor_reason(policy, boost))
     if current > policy.maximum:
         return decision(policy.maximum, DecisionKind.BOUND, f"above max_replicas ({policy.maximum})")
-    if policy.minimum == 0 and floor == 0 and latest is not None:
+    woken_long_ago = last_change_at is None or now - last_change_at >= policy.park_after_s
+    if policy.minimum == 0 and floor == 0 and latest is not None and woken_long_ago:
+        # Idle while serving: samples of the parked time before a wake (nothing ready) prove nothing.
         idle = _window(samples, now, policy.park_after_s)
-        if idle is not None and all(samples[i].idle for i in idle):
+        if idle is not None and all(samples[i].idle and samples[i].ready for i in idle):
             return decision(0, DecisionKind.PARK, f"idle for {policy.park_after_s:g} s: parked until the next request")
     if last_change_at is not None and now - last_change_at < policy.cooldown_s:
         return Decision(current, signals=parts)

@@ -119,6 +119,14 @@ def test_parks_after_idling_for_park_after_s_and_only_with_min_zero():
     assert run(series(*[IDLE] * 61, replicas=1), current=1, minimum=0, boost=1).kind != "park"
 
 
+def test_a_woken_deployment_is_not_parked_again_before_it_has_served_park_after_s():
+    parked_then_woken = series(*[IDLE] * 60, replicas=0, ready=0) + series(IDLE, replicas=1)[-1:]
+    assert not run(parked_then_woken, current=1, minimum=0).changes  # the parked samples prove nothing
+    idle_since_wake = series(*[IDLE] * 61, replicas=1)
+    assert not run(idle_since_wake, current=1, minimum=0, last=NOW - 100).changes  # woken 100 s ago
+    assert run(idle_since_wake, current=1, minimum=0, last=NOW - 300).kind == "park"
+
+
 def test_normal_scale_down_never_parks():
     decision = run(series(*[IDLE] * 25), current=2, minimum=0)
     assert (decision.target, decision.kind) == (1, "down")

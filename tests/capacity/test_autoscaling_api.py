@@ -9,7 +9,7 @@ import pytest
 
 from capacity import scaling
 from capacity.models import ScalingDecision, ScalingState
-from deployments.models import Deployment
+from deployments.models import Deployment, Replica
 from inferops.models import AuditEvent
 from slo.services import slo_create
 
@@ -102,10 +102,14 @@ def test_roles_and_unknown_deployments(api, deployment):
 
 
 def test_one_tick_parks_an_idle_deployment_and_a_held_request_wakes_it(api, deployment, monkeypatch):
-    """No replica is ready, so the samples are empty of load: with min 0 the deployment parks once the
-    series covers park_after_s, and a held request asks for one replica back."""
+    """One ready replica that serves nothing (its /metrics stood in for: no process runs here): with min 0
+    the deployment parks once the series covers park_after_s, and a held request asks for a replica back."""
     api("operator").put(URL, body(park_after_s=30, cooldown_s=0), format="json")
     Deployment.objects.filter(pk=deployment.pk).update(replicas=1)
+    replica = Replica.objects.create(deployment=deployment, version=deployment.version, node="n", state="ready",
+                                     url="http://127.0.0.1:9")
+    idle = {"gauges": {"waiting": 0.0, "running": 0.0, "kv_cache_usage": 0.0}, "requests": 5.0, "ttft": {}, "itl": {}}
+    monkeypatch.setattr(scaling, "_scrape", lambda replicas: {replica.pk: idle} if replicas else {})
     monkeypatch.setattr(scaling, "request_reconcile", lambda deployment: None)
     start = 1_800_000_000.0
     for tick in range(6):  # 25 s of samples: not yet
@@ -115,7 +119,9 @@ def test_one_tick_parks_an_idle_deployment_and_a_held_request_wakes_it(api, depl
     assert decision.kind == "park"
     deployment.refresh_from_db()
     assert deployment.replicas == 0
-    assert len(ScalingState.objects.get(deployment=deployment).samples) == 7
+    samples = ScalingState.objects.get(deployment=deployment).samples
+    assert len(samples) == 7 and samples[-1]["rps"] == 0 and samples[-1]["ready"] == 1
+    Replica.objects.filter(pk=replica.pk).update(state="stopped")
     woken = scaling.autoscale(deployment.pk, now=start + 31, held={"chat"})
     assert woken.kind == "wake"
     kinds = list(ScalingDecision.objects.filter(deployment=deployment).order_by("at")
