@@ -12,7 +12,7 @@ from rest_framework.response import Response
 
 from capacity import views
 from capacity.models import ScalingDecision, ScalingState
-from capacity.policy import PolicySerializer, document, policy_save
+from capacity.policy import AutoscalingPolicySerializer, document, policy_save
 from deployments.choices import ReplicaState
 from deployments.models import Deployment
 from inferops.api import ERRORS, ErrorSerializer, PlainMetadata
@@ -25,13 +25,13 @@ MAX_DECISIONS = 500
 AUTOSCALING_ERRORS = {**ERRORS, 404: OpenApiResponse(ErrorSerializer, description="Unknown deployment.")}
 
 
-class DecisionSerializer(serializers.ModelSerializer):
+class ScalingDecisionSerializer(serializers.ModelSerializer):
     class Meta:
         model = ScalingDecision
         fields = ["at", "kind", "from_replicas", "to_replicas", "reason", "signals"]
 
 
-class AutoscalingSerializer(PolicySerializer):
+class AutoscalingSerializer(AutoscalingPolicySerializer):
     """What GET answers: the policy (defaults filled in), where the deployment stands, recent decisions."""
 
     replicas = serializers.IntegerField(help_text="Replicas asked for now (0: parked).")
@@ -39,11 +39,11 @@ class AutoscalingSerializer(PolicySerializer):
     parked = serializers.BooleanField()
     last_sample = serializers.DictField(allow_null=True, help_text=(
         "The autoscaler's newest sample: queue, running, KV usage, req/s, burn rate, and when."))
-    decisions = DecisionSerializer(many=True, help_text=f"The newest {DECISIONS_SHOWN}, newest first.")
+    decisions = ScalingDecisionSerializer(many=True, help_text=f"The newest {DECISIONS_SHOWN}, newest first.")
 
 
 def policy_context(deployment: Deployment) -> dict:
-    """What PolicySerializer checks a policy against: the SLO thresholds and whether any SLO can burn."""
+    """What AutoscalingPolicySerializer checks a policy against: the SLO thresholds and whether any SLO can burn."""
     slos = Slo.objects.filter(Q(deployment=deployment) | Q(model_id=deployment.model_id, deployment__isnull=True))
     return {"deployment": deployment, "slo_targets": deployment_targets(deployment),
             "has_slo": slos.exclude(sli_kind=SliKind.QUALITY).exists()}
@@ -60,7 +60,7 @@ def autoscaling_document(deployment: Deployment) -> dict:
         "ready_replicas": deployment.replica_set.filter(state=ReplicaState.READY).count(),
         "parked": deployment.autoscale and deployment.replicas == 0,
         "last_sample": last,
-        "decisions": DecisionSerializer(deployment.scaling_decisions.all()[:DECISIONS_SHOWN], many=True).data,
+        "decisions": ScalingDecisionSerializer(deployment.scaling_decisions.all()[:DECISIONS_SHOWN], many=True).data,
     }
 
 
@@ -78,16 +78,16 @@ class AutoscalingViewSet(viewsets.GenericViewSet):
     def retrieve(self, request, name: str):
         return Response(autoscaling_document(_deployment(name)))
 
-    @extend_schema(request=PolicySerializer, responses={200: AutoscalingSerializer, **AUTOSCALING_ERRORS},
+    @extend_schema(request=AutoscalingPolicySerializer, responses={200: AutoscalingSerializer, **AUTOSCALING_ERRORS},
                    summary="Replace a deployment's autoscaling policy")
     def update(self, request, name: str):
         deployment = _deployment(name)
-        serializer = PolicySerializer(data=request.data, context=policy_context(deployment))
+        serializer = AutoscalingPolicySerializer(data=request.data, context=policy_context(deployment))
         serializer.is_valid(raise_exception=True)
         deployment = policy_save(deployment=deployment, actor=request.user, data=serializer.validated_data)
         return Response(autoscaling_document(deployment))
 
-    @extend_schema(responses={200: DecisionSerializer(many=True), **AUTOSCALING_ERRORS},
+    @extend_schema(responses={200: ScalingDecisionSerializer(many=True), **AUTOSCALING_ERRORS},
                    parameters=[OpenApiParameter("limit", int, description=f"At most this many, newest first "
                                                                           f"(default 100, at most {MAX_DECISIONS}).")],
                    summary="The autoscaler's decisions for a deployment, newest first")
@@ -97,7 +97,7 @@ class AutoscalingViewSet(viewsets.GenericViewSet):
         raw = request.query_params.get("limit", "100")
         if not raw.isdigit() or not 1 <= int(raw) <= MAX_DECISIONS:
             raise serializers.ValidationError({"limit": [f"A whole number from 1 to {MAX_DECISIONS}."]})
-        return Response(DecisionSerializer(deployment.scaling_decisions.all()[: int(raw)], many=True).data)
+        return Response(ScalingDecisionSerializer(deployment.scaling_decisions.all()[: int(raw)], many=True).data)
 
 
 urlpatterns = [

@@ -65,7 +65,7 @@ class Strict(RejectUnknownFields, serializers.Serializer):
     """Unknown keys are refused with a 400 naming each of them, at any depth."""
 
 
-class StepSerializer(Strict):
+class ScalingStepSerializer(Strict):
     # A key left out keeps its default (policy.DEFAULTS).
     step = serializers.IntegerField(min_value=1, max_value=MAX_REPLICAS, required=False,
                                     help_text="At most this many replicas a change.")
@@ -74,15 +74,15 @@ class StepSerializer(Strict):
         help_text="The load must ask for the change over this whole window (0: the latest sample decides).")
 
 
-class HoldSerializer(Strict):
-    # A key left out keeps its default (policy.DEFAULTS), as in StepSerializer.
+class HoldLimitsSerializer(Strict):
+    # A key left out keeps its default (policy.DEFAULTS), as in ScalingStepSerializer.
     max_wait_s = serializers.FloatField(min_value=1, max_value=600, required=False,
                                         help_text="How long a gateway holds a request for a parked deployment.")
     max_queue = serializers.IntegerField(min_value=1, max_value=10000, required=False,
                                          help_text="How many requests a gateway holds for it at most.")
 
 
-class PolicySerializer(Strict):
+class AutoscalingPolicySerializer(Strict):
     enabled = serializers.BooleanField()
     min_replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS,
                                             help_text="0 lets the deployment park when idle (scale to zero).")
@@ -90,13 +90,13 @@ class PolicySerializer(Strict):
     signals = serializers.DictField(child=serializers.FloatField(), required=False, help_text=(
         "Signal name -> target: " + "; ".join(f"{name}: {meaning}" for name, (meaning, _, _) in SIGNAL_TARGETS.items())
         + ". The autoscaler runs the most replicas any of them asks for."))
-    scale_up = StepSerializer(required=False)
-    scale_down = StepSerializer(required=False)
+    scale_up = ScalingStepSerializer(required=False)
+    scale_down = ScalingStepSerializer(required=False)
     cooldown_s = serializers.FloatField(min_value=0, max_value=MAX_WINDOW_S, required=False,
                                         help_text="No change within this long of the last one.")
     park_after_s = serializers.FloatField(min_value=30, max_value=86400, required=False,
                                           help_text="With min_replicas 0: park after this long without a request.")
-    hold = HoldSerializer(required=False)
+    hold = HoldLimitsSerializer(required=False)
 
     def validate_signals(self, value: dict) -> dict:
         if not value:
@@ -132,7 +132,7 @@ class PolicySerializer(Strict):
 
 
 def policy_save(*, deployment: Deployment, actor, data: dict) -> Deployment:
-    """Write a validated policy (PolicySerializer's data) and audit it. A deployment outside its new
+    """Write a validated policy (AutoscalingPolicySerializer's data) and audit it. A deployment outside its new
     bounds is brought inside them at once, recorded as the autoscaler's decision."""
     from capacity.scaling import record_decision
 

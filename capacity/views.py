@@ -14,7 +14,7 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from capacity.autoscaler import SIGNALS
-from capacity.policy import SIGNAL_TARGETS, PolicySerializer, document, policy_save
+from capacity.policy import SIGNAL_TARGETS, AutoscalingPolicySerializer, document, policy_save
 from deployments.api import deployment_queryset
 from deployments.views import render_detail
 from inferops.forms import add_api_errors, serializer_check
@@ -81,7 +81,7 @@ def policy_edit(request, name: str):
     deployment = get_object_or_404(deployment_queryset(), name=name)
     form = PolicyForm(deployment, request.POST)
     form.is_valid()
-    data, errors = serializer_check(PolicySerializer, form.api_body(), refused=set(form.errors),
+    data, errors = serializer_check(AutoscalingPolicySerializer, form.api_body(), refused=set(form.errors),
                                     context=policy_context(deployment))
     add_api_errors(form, errors)
     if form.errors:

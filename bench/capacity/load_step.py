@@ -146,7 +146,7 @@ def finished_requests(url: str) -> float:
 
 
 def run_arm(arm: str, index: int, model, gateway: str, key: str, clients: int, warm_s: float) -> dict:
-    from capacity.policy import PolicySerializer, policy_save
+    from capacity.policy import AutoscalingPolicySerializer, policy_save
     from deployments.choices import ReplicaState
     from deployments.models import Deployment, Replica
     from deployments.services import deployment_create, deployment_delete
@@ -155,7 +155,7 @@ def run_arm(arm: str, index: int, model, gateway: str, key: str, clients: int, w
     deployment = deployment_create(name=name, model=model, version=1, actor=None,
                                    engine_args={"max_num_seqs": MAX_NUM_SEQS, "cpu_threads": 1})
     if arm == "per-deployment":
-        policy = PolicySerializer(data={"enabled": True, "min_replicas": 1, "max_replicas": 2},
+        policy = AutoscalingPolicySerializer(data={"enabled": True, "min_replicas": 1, "max_replicas": 2},
                                   context={"deployment": deployment})
         policy.is_valid(raise_exception=True)
         policy_save(deployment=deployment, actor=None, data=policy.validated_data)

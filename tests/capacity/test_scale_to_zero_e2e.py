@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from capacity.models import ScalingDecision
-from capacity.policy import PolicySerializer, policy_save
+from capacity.policy import AutoscalingPolicySerializer, policy_save
 from deployments import services as deployment_services
 from deployments.choices import DeploymentStatus
 from deployments.models import Deployment, Replica, ReplicaStart
@@ -48,7 +48,7 @@ def test_a_parked_deployment_wakes_for_held_requests_and_parks_again(private_red
     model = registry_services.model_create(name="tiny", task="generate", actor=actor)
     registry_services.version_register(model=model, artifact_uri=str(tiny_llama_dir), actor=actor)
     chat = deployment_services.deployment_create(name="chat", model=model, version=1, actor=actor)
-    policy = PolicySerializer(data={"enabled": True, "min_replicas": 0, "max_replicas": 1, "cooldown_s": 0,
+    policy = AutoscalingPolicySerializer(data={"enabled": True, "min_replicas": 0, "max_replicas": 1, "cooldown_s": 0,
                                     "park_after_s": PARK_AFTER_S, "hold": {"max_wait_s": 120, "max_queue": 10}},
                               context={"deployment": chat})
     assert policy.is_valid(), policy.errors

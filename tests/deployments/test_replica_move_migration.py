@@ -144,7 +144,7 @@ def test_a_database_from_before_the_move_keeps_its_replicas_and_metrics(make_dat
     assert after["new_id"] == 4  # the table's identity sequence carries on
     assert after["audit"] == ["model.create", "version.register"]  # registry 0001's table, kept by inferops 0002
     assert after["content_types"] == [["deployments", "replica"], ["deployments", "replicametricshour"],
-                                      ["deployments", "replicametricsminute"]]
+                                      ["deployments", "replicametricsminute"], ["deployments", "replicastart"]]
 
     new = make_database("after_move")
     run(new, "manage.py", "migrate", "--verbosity", "0")
