@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,7 @@ def global_policy():
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("global_autoscale", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["global_autoscale"] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -250,7 +252,7 @@ def main() -> int:
     summary = {}
     for arm in ("global", "per-deployment"):
         rows = [row for row in results if row["arm"] == arm]
-        summary[arm] = {key: sorted(row[key] for row in rows)[len(rows) // 2]
+        summary[arm] = {key: statistics.median(row[key] for row in rows)
                         for key in ("decision_s", "ready_s", "serving_s")} if rows else {}
     out = HERE / "results" / f"load-step-{datetime.now(UTC):%Y-%m-%d}.json"
     out.parent.mkdir(exist_ok=True)
