@@ -17,7 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("project.launcher", "start the whole platform (web, gateway, worker, beat, demo) on embedded defaults"),
     "serve": ("runtime.engine.server", "serve a local HF checkpoint with the built-in engine"),
     "demo-model": ("runtime.engine.demo_model", "write a small deterministic demo checkpoint"),
-    "bench": ("runtime.loadgen", "load-test any OpenAI-compatible endpoint"),
+    "bench": ("project.bench_cli", "load-test any OpenAI-compatible endpoint; --rates measures a goodput curve"),
     "gateway": ("runtime.gateway.server", "the API gateway: keys, rate limits, routing, usage events"),
     "rollout": ("project.rollout_cli", "start a progressive rollout through the REST API and follow it (for CI)"),
     "eval": ("project.eval_cli", "score a deployment or a model version on an eval set through the REST API (for CI)"),

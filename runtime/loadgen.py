@@ -24,6 +24,12 @@ before the random part, as vLLM's `--random-prefix-len` does; `--shared-prefix-r
 fraction of requests that share one prefix, the others get a private prefix of the same length
 so that only cacheability differs.
 
+With `--rates 1,2,4,8 --step-seconds 20` it measures a goodput curve instead: one step per rate, each
+a run of its own at that Poisson rate for that long (rate × seconds requests, the server idle again
+before the next step), reported per step as offered, throughput and goodput req/s, TTFT and TPOT
+p95, completed and failed (`run_curve`). `inferops bench --save-curve DEPLOYMENT` also stores the
+curve in the control plane, for the capacity planner (project/bench_cli.py).
+
 `request_classes` (Python callers only) splits the requests into classes, each sent with its own
 API key (e.g. keys of different priorities behind a gateway) in an exact share of the requests,
 interleaved in one arrival process; the result then holds each class's own summary under
@@ -47,7 +53,7 @@ import os
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -153,6 +159,9 @@ class BenchConfig:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    # The built-in engine's scheduling priority, sent with every request when set (capacity runs send
+    # the lowest, so a replica's live traffic goes first).
+    priority: int | None = None
     ignore_eos: bool = True
     timeout_s: float = 600.0
     tokenizer_dir: str | None = None
@@ -358,6 +367,8 @@ class StreamingClient:
         for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
             if getattr(self.config, name) is not None:
                 body[name] = getattr(self.config, name)
+        if self.config.priority is not None:
+            body["priority"] = self.config.priority
         if self.config.ignore_eos:
             body["ignore_eos"] = True
         if self.config.endpoint == "chat":
@@ -571,6 +582,8 @@ def run_benchmark(config: BenchConfig) -> dict:
     results, duration, started_at = asyncio.run(drive(config, planned))
     metrics = summarize(results, duration, config.goodput_slos_ms)
     metrics["started_at"] = started_at  # Unix time of the first send: lines up with other logs
+    # When the last request went: the rate actually sent is (requests - 1) / this, not the one asked for.
+    metrics["send_span_s"] = max(result.sent_at_s for result in results)
     metrics["config"] = config_summary(config)
     metrics["error_messages"] = first_error_messages(results)
     metrics["input_lens"] = [result.prompt_len for result in results]
@@ -590,6 +603,94 @@ def run_benchmark(config: BenchConfig) -> dict:
     if config.result_json:
         Path(config.result_json).write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+# ---------------------------------------------------------------------------- goodput curves
+
+MAX_CURVE_STEPS = 50
+# Each step's prompts are drawn with a seed of its own: the same prompts again would hit the
+# server's prefix cache and make the later (busier) steps look faster than they are.
+STEP_SEED_STRIDE = 1000
+
+
+def validate_curve(rates: list[float], step_s: float) -> None:
+    if not rates:
+        raise BenchConfigError("rates: give at least one request rate")
+    if len(rates) > MAX_CURVE_STEPS:
+        raise BenchConfigError(f"rates: at most {MAX_CURVE_STEPS} steps, got {len(rates)}")
+    if not all(math.isfinite(rate) and rate > 0 for rate in rates):
+        raise BenchConfigError("rates: every rate must be a finite number of requests per second > 0")
+    if any(later <= earlier for earlier, later in zip(rates, rates[1:], strict=False)):
+        raise BenchConfigError("rates: must rise from step to step (e.g. 1,2,4,8)")
+    if not (math.isfinite(step_s) and step_s > 0):
+        raise BenchConfigError("step-seconds: must be a finite number of seconds > 0")
+
+
+def curve_point(rate: float, metrics: dict) -> dict:
+    """One step of a curve, as the capacity planner stores it. A latency with nothing measured is
+    None (no request completed; no answer longer than one token), never a made-up 0. `sent_rps`: the
+    rate the step actually sent, where it sent more than one request."""
+    completed = metrics["completed"]
+    tpot_measured = completed and any(tokens > 1 for tokens in metrics["output_lens"])
+    sent = len(metrics["output_lens"])
+    point = {
+        "rps": rate,
+        "throughput_rps": metrics["request_throughput"],
+        "goodput_rps": metrics["request_goodput"],
+        "ttft_p95_ms": metrics["p95_ttft_ms"] if completed else None,
+        "tpot_p95_ms": metrics["p95_tpot_ms"] if tpot_measured else None,
+        "completed": completed,
+        "failed": metrics["failed"] + metrics["rejected"],
+    }
+    if sent > 1 and metrics["send_span_s"] > 0:
+        # A short Poisson step sends more or fewer requests a second than asked, by far more than 5 %.
+        point["sent_rps"] = (sent - 1) / metrics["send_span_s"]
+    return point
+
+
+def run_curve(config: BenchConfig, rates: list[float], step_s: float) -> list[dict]:
+    """One benchmark step per rate (rising), each a Poisson run at that rate of rate × step_s
+    requests that ends when its last request does; returns the steps' points (`curve_point`)."""
+    validate_curve(rates, step_s)
+    config.validate()
+    points = []
+    steps = tqdm(rates, desc="steps", unit="step", disable=not config.show_progress)
+    for index, rate in enumerate(steps):
+        steps.set_description(f"step {index + 1}/{len(rates)} at {rate:g} req/s")
+        step = replace(config, request_rate=rate, num_prompts=max(1, round(rate * step_s)),
+                       seed=config.seed + STEP_SEED_STRIDE * index, result_json=None, show_progress=False)
+        point = curve_point(rate, run_benchmark(step))
+        points.append(point)
+        steps.set_postfix_str(f"{point['throughput_rps']:.2f} req/s done, TTFT p95 "
+                              f"{_ms(point['ttft_p95_ms'])}")
+    steps.close()
+    if config.result_json:
+        result = {"config": config_summary(config), "rates": rates, "step_s": step_s, "points": points}
+        Path(config.result_json).write_text(json.dumps(result, indent=2) + "\n")
+    return points
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def format_curve(points: list[dict]) -> str:
+    columns = ("offered req/s", "throughput", "goodput", "TTFT p95 ms", "TPOT p95 ms", "completed", "failed")
+    lines = ["{s:{c}^96}".format(s=" Goodput Curve ", c="="), "".join(f"{name:>14}" for name in columns)]
+    for point in points:
+        cells = [point["rps"], point["throughput_rps"], point["goodput_rps"], point["ttft_p95_ms"],
+                 point["tpot_p95_ms"], point["completed"], point["failed"]]
+        lines.append("".join(f"{'-' if cell is None else f'{cell:.2f}' if isinstance(cell, float) else cell:>14}"
+                             for cell in cells))
+    lines.append("=" * 96)
+    return "\n".join(lines)
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        return [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise BenchConfigError(f"rates={text!r}: expected request rates separated by commas, e.g. 1,2,4,8") from None
 
 
 def config_summary(config: BenchConfig) -> dict:
@@ -719,6 +820,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="folder with tokenizer.json: build prompts to exact token lengths",
     )
+    parser.add_argument(
+        "--rates", "--request-rates",
+        type=parse_rates,
+        default=None,
+        metavar="R1,R2,...",
+        help="measure a goodput curve: one step per rate (rising req/s); replaces --request-rate "
+             "and --num-prompts",
+    )
+    parser.add_argument(
+        "--step-seconds",
+        type=float,
+        default=20.0,
+        help="with --rates: seconds of arrivals per step (rate x seconds requests; default 20)",
+    )
+    parser.add_argument("--priority", type=int, default=None,
+                        help="the built-in engine's scheduling priority, sent with each request if set")
     parser.add_argument("--result-json", default=None, metavar="FILE")
     parser.add_argument(
         "--ignore-eos",
@@ -751,6 +868,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty,
         repetition_penalty=args.repetition_penalty,
+        priority=args.priority,
         ignore_eos=args.ignore_eos,
         timeout_s=args.timeout,
         tokenizer_dir=args.tokenizer,
@@ -758,13 +876,28 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-def main(args: argparse.Namespace) -> int:
+def execute(args: argparse.Namespace) -> tuple[int, BenchConfig, dict | list[dict]]:
+    """Run what the options ask for and print its report: (exit code, config, the metrics, or the
+    curve's points with --rates). Exit 1 when no request completed (in no step, for a curve)."""
     try:
         config = config_from_args(args)
-        metrics = run_benchmark(config)
+        if args.rates is not None:
+            points = run_curve(config, args.rates, args.step_seconds)
+        else:
+            metrics = run_benchmark(config)
     except BenchConfigError as error:
         raise SystemExit(f"inferops bench: {error}") from None
-    print(format_report(metrics))
+    if args.rates is not None:
+        print(format_curve(points))
+        result: dict | list[dict] = points
+        completed = sum(point["completed"] for point in points)
+    else:
+        print(format_report(metrics))
+        result, completed = metrics, metrics["completed"]
     if config.result_json:
         print(f"results written to {config.result_json}")
-    return 0 if metrics["completed"] else 1
+    return (0 if completed else 1), config, result
+
+
+def main(args: argparse.Namespace) -> int:
+    return execute(args)[0]
