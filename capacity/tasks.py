@@ -48,3 +48,11 @@ def record_first_token(deployment_id: int, until: float) -> bool:
     if not recorded and time.time() < until:
         record_first_token.apply_async((deployment_id, until), countdown=1, expires=until)
     return recorded
+
+
+@shared_task(name="capacity.execute_capacity_run", ignore_result=True)
+def execute_capacity_run(run_id: int) -> str:
+    """A capacity run's steps against one replica, its curve stored (enqueued by capacity.runs.capacity_run_create)."""
+    from capacity import runs
+
+    return runs.capacity_run_execute(run_id)

@@ -241,6 +241,13 @@ TABLE: dict[str, Rule] = {
     "api-costing-budget": api(V, OP, "patch", "delete"),
     "api-costing-report": api(V),
     "api-model-compare": api(V),
+    # Capacity planning (issue 42).
+    "api-capacity-curves": api(V, OP),
+    "api-capacity-curve": api(V),
+    "api-capacity-plan": api(V),
+    "api-capacity-runs": api(V, OP),
+    "api-capacity-run": api(V),
+    "capacity-run-start": action(OP),
 }
 
 # Console pages whose GET answers with a redirect, not a page, for whoever may read them.
