@@ -72,6 +72,7 @@ class AutoscalingViewSet(viewsets.GenericViewSet):
     # A deployment's autoscaling policy (get, replace) and its decisions.
     # Comments, not a docstring: drf-spectacular would print a docstring as every operation's description.
     metadata_class = PlainMetadata
+    pagination_class = None  # decisions: the newest `limit`, as a plain list
 
     @extend_schema(responses={200: AutoscalingSerializer, **AUTOSCALING_ERRORS},
                    summary="A deployment's autoscaling policy, where it stands and its recent decisions")

@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from capacity.autoscaler import Decision, Sample, Targets, decide
 from capacity.models import ScalingDecision, ScalingState
+from capacity.planner import deployment_capacity
 from capacity.policy import policy_of
 from deployments.choices import ReplicaState
 from deployments.models import Deployment, Replica
@@ -121,7 +122,9 @@ def take_sample(deployment: Deployment, state: ScalingState, now: float, held: b
 
 def targets_of(deployment: Deployment) -> Targets:
     slo = deployment_targets(deployment)
-    return Targets(ttft_ms=slo.get("ttft_ms"), tpot_ms=slo.get("tpot_ms"))
+    capacity = deployment_capacity(deployment)
+    return Targets(ttft_ms=slo.get("ttft_ms"), tpot_ms=slo.get("tpot_ms"),
+                   capacity_rps=capacity.rps if capacity else None)
 
 
 def record_decision(deployment: Deployment, target: int, kind: str, reason: str, signals: dict,

@@ -262,7 +262,9 @@ CELERY_TIMEZONE = "UTC"
 # A batch's runner holds its worker slot for as long as the batch runs (hours): it gets a queue of its
 # own, which a worker of its own consumes (`celery worker -Q batches`; `inferops run`, compose and the
 # Kubernetes manifests start one), so batches never take the slots reconcile, ingestion and SLOs need.
-CELERY_TASK_ROUTES = {"batches.run_batch": {"queue": "batches"}}
+# A capacity run (minutes of stepped load against one replica) holds its slot the same way, so it goes there too.
+CELERY_TASK_ROUTES = {"batches.run_batch": {"queue": "batches"},
+                      "capacity.execute_capacity_run": {"queue": "batches"}}
 # The whole beat schedule, one place; later issues add their periodic tasks here.
 CELERY_BEAT_SCHEDULE: dict[str, dict] = {
     "heartbeat": {

@@ -52,6 +52,9 @@ CHANGED: dict[tuple[tuple[str, ...], str], str] = {
         "issue 41: the usage buckets and totals add the offline batches' batch_* counters",
     (("GET /api/v1/costing/list-prices/", "POST /api/v1/costing/list-prices/"), "/batch_discount_percent/"):
         "issue 41: a list price's batch discount (optional on create, 50 by default)",
+    (("GET /api/v1/deployments/", "POST /api/v1/deployments/", "GET /api/v1/deployments/{name}/",
+      "PATCH /api/v1/deployments/{name}/", "DELETE /api/v1/deployments/{name}/"), "/properties/status/"):
+        "issue 42: a deployment's status may be `parked` (scaled to zero by its autoscaler)",
     (("GET /api/v1/deployments/{name}/replicas/",), "/responses/200/"):
         "issue 42: each replica's latest start and the seconds of its cold start's phases (`cold_start`, required)",
 }
@@ -59,6 +62,16 @@ CHANGED: dict[tuple[tuple[str, ...], str], str] = {
 # entry the live schema lacks fails the test.
 ADDED_OPERATIONS: dict[str, str] = {
     "GET /api/v1/deployments/{name}/cold-starts/": "issue 42: a deployment's replica starts, phase by phase",
+    "GET /api/v1/deployments/{name}/autoscaling/": "issue 42: a deployment's autoscaling policy and decisions",
+    "PUT /api/v1/deployments/{name}/autoscaling/": "issue 42: replace a deployment's autoscaling policy",
+    "GET /api/v1/deployments/{name}/autoscaling/decisions/": "issue 42: the autoscaler's decisions",
+    "GET /api/v1/capacity/curves/": "issue 42: goodput curves",
+    "POST /api/v1/capacity/curves/": "issue 42: store a goodput curve (inferops bench --save-curve)",
+    "GET /api/v1/capacity/curves/{id}/": "issue 42: one goodput curve",
+    "GET /api/v1/capacity/plan/": "issue 42: the capacity planner",
+    "GET /api/v1/deployments/{name}/capacity-runs/": "issue 42: a deployment's capacity runs",
+    "POST /api/v1/deployments/{name}/capacity-runs/": "issue 42: start a capacity run",
+    "GET /api/v1/deployments/{name}/capacity-runs/{run_id}/": "issue 42: one capacity run",
 }
 
 

@@ -248,6 +248,9 @@ TABLE: dict[str, Rule] = {
     "api-capacity-runs": api(V, OP),
     "api-capacity-run": api(V),
     "capacity-run-start": action(OP),
+    "api-autoscaling": api(V, OP, "put"),
+    "api-autoscaling-decisions": api(V),
+    "autoscaling-edit": action(OP),
 }
 
 # Console pages whose GET answers with a redirect, not a page, for whoever may read them.

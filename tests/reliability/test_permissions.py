@@ -37,9 +37,10 @@ from alerts.services import ack_token
 from batches.choices import BatchStatus, FilePurpose
 from batches.models import Batch, BatchFile
 from batches.services import storage
+from capacity.models import CapacityCurve, CapacityRun
 from costing import services as costing_services
 from deployments.choices import RolloutStatus
-from deployments.models import Rollout
+from deployments.models import Deployment, Replica, Rollout
 from deployments.rollouts import services as rollouts
 from evals.runs import services as run_services
 from evals.sets import services as set_services
@@ -139,6 +140,7 @@ def world(api, settings, tmp_path):
     })
     key, secret = tenant_services.key_create(tenant=Tenant.objects.get(name="acme"), name="gateway", actor=None)
     ids.update(batch_objects(settings, tmp_path, key))
+    ids.update(capacity_objects())
     root = User.objects.create_superuser("root", password="pw-12345678")
     clients = {None: APIClient()}
     for role in (VIEWER, OPERATOR, ADMIN):
@@ -172,6 +174,23 @@ def batch_objects(settings, tmp_path, key) -> dict:
         completion_window="24h", model="chat", status=BatchStatus.IN_PROGRESS, input_file=file,
         input_file_ref=file.id, total=1, expires_at=timezone.now() + timedelta(days=1), in_progress_at=timezone.now())
     return {("files", "file_id"): file.id, ("batches", "batch_id"): batch.id}
+
+
+def capacity_objects() -> dict:
+    """A goodput curve of chat's version and a finished capacity run of chat."""
+    chat = Deployment.objects.get(name="chat")
+    curve = CapacityCurve.objects.create(version=chat.version, hardware="cpu:1", source="bench", input_len=8,
+                                         output_len=8, points=[CAPACITY_POINT])
+    run = CapacityRun.objects.create(deployment=chat, status="succeeded", rates=[1], step_s=5, input_len=8,
+                                     output_len=8, curve=curve)
+    return {("curves", "pk"): curve.pk, ("capacity-runs", "run_id"): run.pk}
+
+
+def ready_replica_of_chat() -> None:
+    """What a capacity run measures: one ready replica of chat's version at its engine arguments."""
+    chat = Deployment.objects.get(name="chat")
+    Replica.objects.create(deployment=chat, version=chat.version, node="test", url="http://127.0.0.1:9",
+                           state="ready", engine_args=chat.engine_args)
 
 
 def url_of(route: str, ids: dict) -> str:
@@ -418,6 +437,7 @@ DEGRADATION = {"enabled": True, "window": "5m", "hold_s": 60, "slos": [], "level
 SLO = {"name": "chat-e2e", "deployment": "chat", "sli": {"kind": "latency", "ttft_ms": 800}, "objective": 0.99,
        "window": "1d", "budgeting": "occurrences"}
 NDJSON = "application/x-ndjson"
+CAPACITY_POINT = {"rps": 1, "throughput_rps": 1, "ttft_p95_ms": 20, "completed": 5, "failed": 0}
 
 # (url name, method) -> how to make one valid write through it (Write -> response).
 WRITES = {
@@ -492,6 +512,10 @@ WRITES = {
     ("api-costing-budgets", "post"): lambda w: w.send({"tenant": "acme", "deployment": "chat", "monthly_usd": "9.00"}),
     ("api-costing-budget", "patch"): lambda w: w.send({"monthly_usd": "8.00"}),
     ("api-costing-budget", "delete"): lambda w: w.send(),
+    ("api-capacity-curves", "post"): lambda w: w.send({"deployment": "chat", "input_len": 8, "output_len": 8,
+                                                       "points": [CAPACITY_POINT]}),
+    ("api-capacity-runs", "post"): lambda w: (ready_replica_of_chat(), w.send({"rates": [1, 2], "step_s": 5}))[1],
+    ("api-autoscaling", "put"): lambda w: w.send({"enabled": True, "min_replicas": 0, "max_replicas": 2}),
     # The console.
     ("users", "post"): lambda w: w.send({"username": "dana", "email": "", "role": "operator", "password": ""}),
     ("user-role", "post"): lambda w: w.send({"role": "operator"}),
@@ -566,6 +590,10 @@ WRITES = {
     ("costing:budgets", "post"): lambda w: w.send({"tenant": "acme", "deployment": "chat", "monthly_usd": "9",
                                                    "thresholds": "50, 100"}),
     ("batch-detail", "post"): lambda w: w.send(),
+    ("capacity-run-start", "post"): lambda w: (ready_replica_of_chat(), w.send({"rates": "1, 2", "step_s": "5"}))[1],
+    ("autoscaling-edit", "post"): lambda w: w.send({"autoscaling-enabled": "on", "autoscaling-min_replicas": "1",
+                                                    "autoscaling-max_replicas": "2",
+                                                    "autoscaling-signal_kv_usage": "0.8"}),
 }
 ACTOR = {VIEWER: "viewer-api", OPERATOR: "operator-api", ADMIN: "admin-api", SUPERUSER: "root"}
 
