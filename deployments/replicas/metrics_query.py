@@ -287,7 +287,8 @@ MAX_EVENTS = 200
 def deployment_events(deployment, start: datetime, end: datetime) -> list[dict]:
     """What happened to the deployment in [start, end), oldest first: [{"at", "kind", "text"}].
 
-    Kinds: `deploy` (created, version or replica count changed: from the audit log), `rollout`
+    Kinds: `deploy` (created, version or replica count changed: from the audit log), `scale` (the
+    autoscaler's decisions, with their reasons, from the audit log too), `rollout`
     (started, promoted, aborted, succeeded, rolled back: from the rollouts' timelines), `restart`
     (a replica's latest restart with its last error) and `alert` (fired or resolved, for alerts
     labelled with the deployment).
@@ -302,6 +303,12 @@ def deployment_events(deployment, start: datetime, end: datetime) -> list[dict]:
     version_ids = {snap.get("version") for a in audits for snap in (a.before or {}, a.after or {})}
     numbers = dict(ModelVersion.objects.filter(pk__in=version_ids - {None}).values_list("pk", "number"))
     for audit in audits:
+        if audit.action == "deployment.autoscale":  # the autoscaler's decision, with its reason
+            after = audit.after or {}
+            events.append({"at": audit.created_at, "kind": "scale", "text": (
+                f"Autoscaler: replicas {(audit.before or {}).get('replicas')} → {after.get('replicas')} "
+                f"({after.get('kind', 'scale')}): {after.get('reason', '')}")})
+            continue
         text = _deploy_text(audit, numbers)
         if text:
             events.append({"at": audit.created_at, "kind": "deploy", "text": f"{text} by {audit.actor_name}"})

@@ -4,12 +4,15 @@ autoscaler against the database (the replicas' /metrics are not reached: none is
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import pytest
+from django.utils import timezone
 
 from capacity import scaling
 from capacity.models import ScalingDecision, ScalingState
 from deployments.models import Deployment, Replica
+from deployments.replicas.metrics_query import deployment_events
 from inferops.models import AuditEvent
 from slo.services import slo_create
 
@@ -129,6 +132,12 @@ def test_one_tick_parks_an_idle_deployment_and_a_held_request_wakes_it(api, depl
     assert kinds == [("park", 0), ("wake", 1)]
     events = AuditEvent.objects.filter(action="deployment.autoscale").order_by("id")
     assert [e.after["kind"] for e in events] == ["park", "wake"]
+    # Each decision is a marker on the deployment's charts, with its reason.
+    now = timezone.now()
+    markers = [e for e in deployment_events(deployment, now - timedelta(hours=1), now + timedelta(minutes=1))
+               if e["kind"] == "scale"]
+    assert [m["text"].split(":")[1] for m in markers] == [" replicas 1 → 0 (park)", " replicas 0 → 1 (wake)"]
+    assert "idle for 30 s" in markers[0]["text"] and "held by the gateway" in markers[1]["text"]
 
 
 def test_the_console_form_saves_the_policy_and_shows_refusals_on_its_fields(client, make_user, deployment):
