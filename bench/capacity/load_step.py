@@ -187,6 +187,12 @@ def run_arm(arm: str, index: int, model, gateway: str, key: str, clients: int, w
                            "the second replica's first answer", 0.2)
         figures = {"arm": arm, "run": index, "decision_s": decided - step, "ready_s": ready - step,
                    "serving_s": serving - step, "served": load.done, "failed": load.failed}
+        if arm == "per-deployment":  # the series the decision was taken on, for tests to replay
+            from capacity.models import ScalingState
+
+            figures["step_at"] = time.time() - (time.monotonic() - step)
+            figures["samples"] = [{k: v for k, v in sample.items() if k != "raw"}
+                                  for sample in ScalingState.objects.get(deployment=deployment).samples]
         log(f"{arm} #{index}: decided {figures['decision_s']:.1f} s, ready {figures['ready_s']:.1f} s, "
             f"serving {figures['serving_s']:.1f} s after the step")
         return figures
@@ -205,6 +211,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=2, help="runs of each arm, alternating (default 2)")
     parser.add_argument("--clients", type=int, default=4 * MAX_NUM_SEQS, help="clients after the step")
     parser.add_argument("--warm-s", type=float, default=20, help="light load before the step (default 20 s)")
+    parser.add_argument("--arms", nargs="+", default=["global", "per-deployment"], choices=["global", "per-deployment"])
+    parser.add_argument("--out", default=None, help="results file (default results/load-step-<date>.json)")
     args = parser.parse_args()
     data_dir = Path(tempfile.mkdtemp(prefix="load-step-"))
     os.environ["INFEROPS_DATA_DIR"] = str(data_dir)
@@ -234,7 +242,7 @@ def main() -> int:
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(f"{base}/health", timeout=1).status_code == 200, 30, "gateway /health")
         for index in range(args.runs):
-            arms = ("global", "per-deployment") if index % 2 == 0 else ("per-deployment", "global")
+            arms = args.arms if index % 2 == 0 else args.arms[::-1]
             for arm in arms:
                 results.append(run_arm(arm, index, model, base, key, args.clients, args.warm_s))
     finally:
@@ -254,7 +262,7 @@ def main() -> int:
         rows = [row for row in results if row["arm"] == arm]
         summary[arm] = {key: statistics.median(row[key] for row in rows)
                         for key in ("decision_s", "ready_s", "serving_s")} if rows else {}
-    out = HERE / "results" / f"load-step-{datetime.now(UTC):%Y-%m-%d}.json"
+    out = Path(args.out) if args.out else HERE / "results" / f"load-step-{datetime.now(UTC):%Y-%m-%d}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": platform.node(), "cpus": os.cpu_count(), "runs": results,
                                "median": summary, "intervals_s": {"scrape": SCRAPE_S, "reconcile": RECONCILE_S,

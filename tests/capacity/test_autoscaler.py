@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from capacity.autoscaler import Policy, Sample, Step, Targets, decide, quantile
@@ -153,3 +156,24 @@ def test_quantile_interpolates_inside_the_bucket():
     assert quantile(0.5, {"1": 0, "2": 10, "+Inf": 10}) == pytest.approx(1.5)
     assert quantile(0.95, {}) is None
     assert quantile(0.95, {"1": 0, "+Inf": 4}) == 1.0  # in +Inf: the highest finite bound
+
+
+def test_a_recorded_load_step_scales_up_once_the_window_is_overloaded_and_holds_before():
+    """A series the autoscaler sampled from a real replica (bench/capacity/load_step.py): one client, then a
+    step to 16 on a replica that runs 4 at once. Replayed tick by tick with the default policy, as the bench
+    ran it: every tick holds until the 30 s window holds nothing but queued samples, then it asks for one more."""
+    recorded = json.loads((Path(__file__).parents[1] / "fixtures" / "autoscaling" / "load-step-tiny.json").read_text())
+    samples = [Sample.from_json(s) for s in recorded["samples"]]
+    default = Policy(minimum=1, maximum=2, signals={"waiting_per_replica": 2.0, "kv_usage": 0.85})
+    decisions = [decide(policy=default, samples=samples[: i + 1], current=1, last_change_at=None, now=sample.at)
+                 for i, sample in enumerate(samples)]
+    changed = [(round(samples[i].at - recorded["step_at"], 1), d.kind, d.target) for i, d in enumerate(decisions)
+               if d.changes]
+    assert changed[0][1:] == ("up", 2)
+    assert 25 <= changed[0][0] <= 35 and abs(changed[0][0] - recorded["decided_after_s"]) < 1
+    assert decisions[-1].signals["waiting_per_replica"] == {"value": 12.0, "target": 2.0, "replicas": 6}
+    # With the window at 0 the first queued sample decides (and the step limits it to one more).
+    eager = Policy(minimum=1, maximum=2, signals=default.signals, scale_up=Step(1, 0))
+    first = next(i for i, s in enumerate(samples) if s.waiting)
+    assert decide(policy=eager, samples=samples[: first + 1], current=1, last_change_at=None,
+                  now=samples[first].at).target == 2

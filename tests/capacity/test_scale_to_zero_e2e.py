@@ -8,8 +8,6 @@ reconciles and scrapes.
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 
@@ -22,11 +20,10 @@ from deployments import services as deployment_services
 from deployments.choices import DeploymentStatus
 from deployments.models import Deployment, Replica, ReplicaStart
 from deployments.replicas import routing
-from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services as registry_services
 from tenants import services as tenant_services
 from tenants.publish import publish_keys
-from tests.e2e.conftest import private_redis, start_gateway  # noqa: F401
+from tests.e2e.conftest import private_redis, start_gateway, stop_stack  # noqa: F401
 from tests.services import start_worker
 from tests.waiting import wait_until
 
@@ -104,9 +101,4 @@ def test_a_parked_deployment_wakes_for_held_requests_and_parks_again(private_red
         kinds = list(ScalingDecision.objects.filter(deployment=chat).order_by("at").values_list("kind", flat=True))
         assert kinds == ["park", "wake", "park"], kinds
     finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(30)
-        if gateway is not None and gateway.poll() is None:
-            gateway.send_signal(signal.SIGKILL)
-        for leftover in Replica.objects.all():
-            LocalProcessDriver().kill(leftover)
+        stop_stack(worker, gateway)

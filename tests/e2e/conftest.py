@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -57,6 +58,19 @@ def start_gateway(redis_url: str, spool_dir, extra_env=None) -> tuple[subprocess
     wait_until(lambda: httpx.get(f"{base}/health", timeout=1).status_code == 200, "gateway /health", 30, 0.2,
                ignore=(httpx.TransportError,))
     return process, base
+
+
+def stop_stack(worker: subprocess.Popen, gateway: subprocess.Popen | None) -> None:
+    """Kill a test's worker (and the beat in its session), its gateway, and every replica left running."""
+    from deployments.models import Replica
+    from deployments.replicas.drivers.local import LocalProcessDriver
+
+    os.killpg(worker.pid, signal.SIGKILL)
+    worker.wait(30)
+    if gateway is not None and gateway.poll() is None:
+        gateway.send_signal(signal.SIGKILL)
+    for leftover in Replica.objects.all():
+        LocalProcessDriver().kill(leftover)
 
 
 def gateway_client(redis_url: str, spool_dir, key: str) -> tuple[subprocess.Popen, str, openai.OpenAI]:

@@ -9,8 +9,6 @@ the evaluation cycles itself (beat's are pushed out to an hour), so it can count
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from collections import Counter
@@ -25,7 +23,6 @@ from degradation import services as degradation_services
 from degradation.models import DegradationState, LevelChange
 from deployments import services as deployment_services
 from deployments.models import Replica
-from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services as registry_services
 from slo.services import slo_create
 from slo.tasks import evaluation_cycle
@@ -33,7 +30,7 @@ from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.models import UsageEvent
 from tenants.publish import publish_keys
-from tests.e2e.conftest import start_gateway
+from tests.e2e.conftest import start_gateway, stop_stack
 from tests.services import start_worker
 from tests.waiting import wait_until
 
@@ -110,12 +107,7 @@ def platform(private_redis, worker_env, tmp_path, make_user, tiny_llama_dir, mon
         yield {"actor": actor, "chat": chat, "small": small, "base": base, "high": high, "low": low,
                "replica": Replica.objects.get(deployment=chat, state="ready")}
     finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(30)
-        if gateway is not None and gateway.poll() is None:
-            gateway.send_signal(signal.SIGKILL)
-        for leftover in Replica.objects.all():
-            LocalProcessDriver().kill(leftover)
+        stop_stack(worker, gateway)
 
 
 def set_fault(replica: Replica, ms: float) -> None:

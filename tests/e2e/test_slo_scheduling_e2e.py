@@ -9,22 +9,18 @@ before the engine first sees the request, and a 60 s one is never missed.
 
 from __future__ import annotations
 
-import os
-import signal
-
 import httpx
 import pytest
 
 from deployments import services as deployment_services
 from deployments.models import Replica
-from deployments.replicas.drivers.local import LocalProcessDriver
 from registry import services as registry_services
 from slo.services import slo_create, slo_update
 from tenants import services as tenant_services
 from tenants.ingest import ingest_usage
 from tenants.models import UsageEvent
 from tenants.publish import publish_keys
-from tests.e2e.conftest import start_gateway
+from tests.e2e.conftest import start_gateway, stop_stack
 from tests.services import start_worker
 from tests.waiting import wait_until
 
@@ -60,12 +56,7 @@ def platform(private_redis, worker_env, tmp_path, make_user, tiny_llama_dir, mon
         yield {"actor": actor, "chat": chat, "base": base, "acme": acme_key, "globex": globex_key,
                "replica": Replica.objects.get(deployment=chat, state="ready")}
     finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait(30)
-        if gateway is not None and gateway.poll() is None:
-            gateway.send_signal(signal.SIGKILL)
-        for leftover in Replica.objects.all():
-            LocalProcessDriver().kill(leftover)
+        stop_stack(worker, gateway)
 
 
 def ask(base: str, key: str, stream: bool = False) -> httpx.Response:
