@@ -128,15 +128,18 @@ def targets_of(deployment: Deployment) -> Targets:
 
 
 def record_decision(deployment: Deployment, target: int, kind: str, reason: str, signals: dict,
-                    now: datetime | None = None, save: bool = True) -> ScalingDecision:
-    """Set the deployment's replica count with why: a ScalingDecision, an audit event, a reconcile."""
+                    now: datetime | None = None, save: bool = True) -> ScalingDecision | None:
+    """Set the deployment's replica count with why: a ScalingDecision, an audit event, a reconcile. With
+    `save`, only if the count is still the one decided on (a wake or an operator may have changed it
+    meanwhile: then None, and nothing is written)."""
     now = now or timezone.now()
     before = deployment.replicas
+    if save and not Deployment.objects.filter(pk=deployment.pk, replicas=before).update(replicas=target,
+                                                                                       last_scaled_at=now):
+        return None
     decision = ScalingDecision.objects.create(deployment=deployment, at=now, kind=kind, from_replicas=before,
                                               to_replicas=target, reason=reason, signals=signals)
     deployment.replicas, deployment.last_scaled_at = target, now
-    if save:
-        Deployment.objects.filter(pk=deployment.pk).update(replicas=target, last_scaled_at=now)
     audit_record(actor=None, action="deployment.autoscale", obj=deployment, before={"replicas": before},
                  after={"replicas": target, "reason": reason, "kind": kind})
     request_reconcile(deployment)

@@ -158,3 +158,14 @@ def test_the_console_form_saves_the_policy_and_shows_refusals_on_its_fields(clie
     assert b'id="autoscaling-form"' not in client.get("/deployments/chat/").content
     assert client.post("/capacity/deployments/chat/autoscaling/", form).status_code == 403
 
+
+
+def test_a_decision_on_a_count_changed_meanwhile_writes_nothing(deployment, monkeypatch):
+    """The tick and the wake task may both see a parked deployment: the second to write finds the count
+    moved and records nothing, so one wake is one decision."""
+    monkeypatch.setattr(scaling, "request_reconcile", lambda deployment: None)
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=0)
+    seen_by_both = [Deployment.objects.get(pk=deployment.pk) for _ in range(2)]
+    assert scaling.record_decision(seen_by_both[0], 1, "wake", "held", {}) is not None
+    assert scaling.record_decision(seen_by_both[1], 1, "wake", "held", {}) is None
+    assert ScalingDecision.objects.filter(deployment=deployment).count() == 1
