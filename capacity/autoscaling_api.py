@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from django.db.models import Q
 from django.shortcuts import get_object_or_404
 from django.urls import path
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -10,15 +9,12 @@ from rest_framework import serializers, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from capacity import views
 from capacity.models import ScalingDecision, ScalingState
-from capacity.policy import AutoscalingPolicySerializer, document, policy_save
+from capacity.policy import AutoscalingPolicySerializer, document, policy_context
+from capacity.scaling import policy_save
 from deployments.choices import ReplicaState
 from deployments.models import Deployment
 from inferops.api import ERRORS, ErrorSerializer, PlainMetadata
-from slo.choices import SliKind
-from slo.engine_targets import deployment_targets
-from slo.models import Slo
 
 DECISIONS_SHOWN = 50
 MAX_DECISIONS = 500
@@ -40,13 +36,6 @@ class AutoscalingSerializer(AutoscalingPolicySerializer):
     last_sample = serializers.DictField(allow_null=True, help_text=(
         "The autoscaler's newest sample: queue, running, KV usage, req/s, burn rate, and when."))
     decisions = ScalingDecisionSerializer(many=True, help_text=f"The newest {DECISIONS_SHOWN}, newest first.")
-
-
-def policy_context(deployment: Deployment) -> dict:
-    """What AutoscalingPolicySerializer checks a policy against: the SLO thresholds and whether any SLO can burn."""
-    slos = Slo.objects.filter(Q(deployment=deployment) | Q(model_id=deployment.model_id, deployment__isnull=True))
-    return {"deployment": deployment, "slo_targets": deployment_targets(deployment),
-            "has_slo": slos.exclude(sli_kind=SliKind.QUALITY).exists()}
 
 
 def autoscaling_document(deployment: Deployment) -> dict:
@@ -106,7 +95,4 @@ urlpatterns = [
          name="api-autoscaling"),
     path("deployments/<str:name>/autoscaling/decisions/", AutoscalingViewSet.as_view({"get": "decisions"}),
          name="api-autoscaling-decisions"),
-]
-console_urlpatterns = [
-    path("deployments/<str:name>/autoscaling/", views.policy_edit, name="autoscaling-edit"),
 ]

@@ -20,7 +20,7 @@ from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_sche
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
 
-from capacity import planning_views, runs
+from capacity import runs
 from capacity.choices import CurveSource
 from capacity.curves import curve_create, deployment_hardware, validate_hardware
 from capacity.models import CapacityCurve, CapacityRun
@@ -468,7 +468,4 @@ urlpatterns = [
          name="api-capacity-runs"),
     path("deployments/<str:name>/capacity-runs/<int:run_id>/", CapacityRunViewSet.as_view({"get": "retrieve"}),
          name="api-capacity-run"),
-]
-console_urlpatterns = [
-    path("deployments/<str:name>/capacity-runs/", planning_views.capacity_run_start, name="capacity-run-start"),
 ]

@@ -10,6 +10,7 @@ from django.views.decorators.http import require_POST
 from rest_framework.exceptions import APIException
 
 from capacity import runs
+from capacity.planning_api import CapacityRunCreateSerializer
 from deployments.models import Deployment
 from inferops.forms import error_lines
 from inferops.roles import require_operator
@@ -31,7 +32,6 @@ def run_body(post) -> tuple[dict, list[str]]:
 @login_required
 @require_POST
 def capacity_run_start(request, name: str):
-    from capacity.planning_api import CapacityRunCreateSerializer
 
     require_operator(request, "Starting a capacity run")
     deployment = get_object_or_404(Deployment.objects.select_related("model", "version"), name=name,

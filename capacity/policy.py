@@ -2,20 +2,21 @@
 
 On/off and the bounds stay in the deployment's own columns (`autoscale`, `min_replicas`,
 `max_replicas`), which the deployment API and the degradation policy read; the rest is the
-deployment's `autoscaling` document. `policy_save` writes both at once and audits the change.
+deployment's `autoscaling` document. `scaling.policy_save` writes both at once and audits the change.
 """
 
 from __future__ import annotations
 
-from django.db import transaction
+from django.db.models import Q
 from rest_framework import serializers
 
 from capacity.autoscaler import SIGNALS, Policy, Step
-from capacity.choices import DecisionKind
 from deployments.models import Deployment
 from inferops.api import RejectUnknownFields
-from inferops.audit import audit_record
 from runtime.gateway.contract import DEFAULT_HOLD_MAX_QUEUE, DEFAULT_HOLD_MAX_WAIT_S
+from slo.choices import SliKind
+from slo.engine_targets import deployment_targets
+from slo.models import Slo
 
 MAX_REPLICAS = 256  # as the deployment API allows
 MAX_WINDOW_S = 3600
@@ -131,29 +132,8 @@ class AutoscalingPolicySerializer(Strict):
         return attrs
 
 
-def policy_save(*, deployment: Deployment, actor, data: dict) -> Deployment:
-    """Write a validated policy (AutoscalingPolicySerializer's data) and audit it. A deployment outside its new
-    bounds is brought inside them at once, recorded as the autoscaler's decision."""
-    from capacity.scaling import record_decision
-
-    stored = {key: _plain(data[key]) for key in DEFAULTS if key in data}
-    with transaction.atomic():
-        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
-        before = document(locked)
-        locked.autoscale = data["enabled"]
-        locked.min_replicas, locked.max_replicas = data["min_replicas"], data["max_replicas"]
-        locked.autoscaling = stored
-        fields = ["autoscale", "min_replicas", "max_replicas", "autoscaling"]
-        bounded = min(max(locked.replicas, locked.min_replicas), locked.max_replicas)
-        if bounded != locked.replicas:
-            record_decision(locked, bounded, DecisionKind.BOUND,
-                            f"policy changed: min_replicas {locked.min_replicas}, max_replicas {locked.max_replicas}",
-                            {}, save=False)
-            fields += ["replicas", "last_scaled_at"]
-        locked.save(update_fields=fields)
-        audit_record(actor=actor, action="deployment.autoscaling", obj=locked, before=before, after=document(locked))
-    return locked
-
-
-def _plain(value):
-    return {key: _plain(item) for key, item in value.items()} if isinstance(value, dict) else value
+def policy_context(deployment: Deployment) -> dict:
+    """What AutoscalingPolicySerializer checks a policy against: the SLO thresholds and whether any SLO can burn."""
+    slos = Slo.objects.filter(Q(deployment=deployment) | Q(model_id=deployment.model_id, deployment__isnull=True))
+    return {"deployment": deployment, "slo_targets": deployment_targets(deployment),
+            "has_slo": slos.exclude(sli_kind=SliKind.QUALITY).exists()}

@@ -26,9 +26,10 @@ from django.db.models import Q
 from django.utils import timezone
 
 from capacity.autoscaler import Decision, Sample, Targets, decide
+from capacity.choices import DecisionKind
 from capacity.models import ScalingDecision, ScalingState
 from capacity.planner import deployment_capacity
-from capacity.policy import policy_of
+from capacity.policy import DEFAULTS, document, policy_of
 from deployments.choices import ReplicaState
 from deployments.models import Deployment, Replica
 from deployments.replicas import reconcile
@@ -36,6 +37,7 @@ from deployments.replicas.cold_start import record_cold_start
 from deployments.replicas.scraping import MetricsFetcher, ScrapeTarget
 from deployments.services import request_reconcile
 from inferops.audit import audit_record
+from inferops.celery import enqueue
 from inferops.locks import LockId, try_advisory_lock
 from inferops.redis_client import redis_client
 from runtime.gateway.contract import ACTIVATION_KEY
@@ -205,11 +207,9 @@ def wake_requested() -> list[int]:
         # Only the request seen here is answered: a gateway that asks again meanwhile stays asked.
         client.eval("if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then redis.call('HDEL', KEYS[1], ARGV[1]) end",
                     1, ACTIVATION_KEY, name, value)
-    from capacity.tasks import wake_deployment
-
     for deployment_id, name in parked:
         logger.info("waking %s for requests held at %s", name, json.loads(names[name]).get("gateway", "a gateway"))
-        wake_deployment.delay(deployment_id)
+        enqueue("capacity.wake_deployment", deployment_id)
     return [deployment_id for deployment_id, _ in parked]
 
 
@@ -244,3 +244,28 @@ def record_woken_start(deployment_id: int) -> bool:
         return False
     start = record_cold_start(replica)
     return start is not None and start.first_token_at is not None
+
+
+def policy_save(*, deployment: Deployment, actor, data: dict) -> Deployment:
+    """Write a validated policy (AutoscalingPolicySerializer's data) and audit it. A deployment outside its new
+    bounds is brought inside them at once, recorded as the autoscaler's decision."""
+    stored = {key: _plain(data[key]) for key in DEFAULTS if key in data}
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().get(pk=deployment.pk)
+        before = document(locked)
+        locked.autoscale = data["enabled"]
+        locked.min_replicas, locked.max_replicas = data["min_replicas"], data["max_replicas"]
+        locked.autoscaling = stored
+        fields = ["autoscale", "min_replicas", "max_replicas", "autoscaling"]
+        bounded = min(max(locked.replicas, locked.min_replicas), locked.max_replicas)
+        if bounded != locked.replicas:
+            reason = f"policy changed: min_replicas {locked.min_replicas}, max_replicas {locked.max_replicas}"
+            record_decision(locked, bounded, DecisionKind.BOUND, reason, {}, save=False)
+            fields += ["replicas", "last_scaled_at"]
+        locked.save(update_fields=fields)
+        audit_record(actor=actor, action="deployment.autoscaling", obj=locked, before=before, after=document(locked))
+    return locked
+
+
+def _plain(value):
+    return {key: _plain(item) for key, item in value.items()} if isinstance(value, dict) else value

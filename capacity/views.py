@@ -14,7 +14,8 @@ from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from capacity.autoscaler import SIGNALS
-from capacity.policy import SIGNAL_TARGETS, AutoscalingPolicySerializer, document, policy_save
+from capacity.policy import SIGNAL_TARGETS, AutoscalingPolicySerializer, document, policy_context
+from capacity.scaling import policy_save
 from deployments.api import deployment_queryset
 from deployments.views import render_detail
 from inferops.forms import add_api_errors, serializer_check
@@ -75,8 +76,6 @@ def _given(values: dict) -> dict:
 @login_required
 @require_POST
 def policy_edit(request, name: str):
-    from capacity.autoscaling_api import policy_context
-
     require_operator(request, "Changing autoscaling")
     deployment = get_object_or_404(deployment_queryset(), name=name)
     form = PolicyForm(deployment, request.POST)

@@ -148,7 +148,8 @@ def finished_requests(url: str) -> float:
 
 
 def run_arm(arm: str, index: int, model, gateway: str, key: str, clients: int, warm_s: float) -> dict:
-    from capacity.policy import AutoscalingPolicySerializer, policy_save
+    from capacity.policy import AutoscalingPolicySerializer
+    from capacity.scaling import policy_save
     from deployments.choices import ReplicaState
     from deployments.models import Deployment, Replica
     from deployments.services import deployment_create, deployment_delete

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from capacity.models import ScalingDecision
-from capacity.policy import AutoscalingPolicySerializer, policy_save
+from capacity.policy import AutoscalingPolicySerializer
+from capacity.scaling import policy_save
 from deployments import services as deployment_services
 from deployments.choices import DeploymentStatus
 from deployments.models import Deployment, Replica, ReplicaStart
