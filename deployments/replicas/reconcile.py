@@ -410,7 +410,8 @@ class Reconciler:
             status = DeploymentStatus.PROGRESSING
             message = (f"Rollout {self.rollout.pk} {self.rollout.status}: {self.rollout.weight}% on "
                        f"v{self.rollout.candidate_version.number}. {self.rollout.message}").strip()
-        elif deployment.replicas == 0 and not target and not outdated:
+        elif deployment.replicas == 0 and deployment.autoscale and deployment.min_replicas == 0 and not (
+                target or outdated):
             status = DeploymentStatus.PARKED
             message = "Scaled to zero; the gateway holds the next request while a replica starts."
         elif ready >= deployment.replicas and not outdated:

@@ -169,3 +169,14 @@ def test_a_decision_on_a_count_changed_meanwhile_writes_nothing(deployment, monk
     assert scaling.record_decision(seen_by_both[0], 1, "wake", "held", {}) is not None
     assert scaling.record_decision(seen_by_both[1], 1, "wake", "held", {}) is None
     assert ScalingDecision.objects.filter(deployment=deployment).count() == 1
+
+
+@pytest.mark.parametrize(("autoscale", "status"), [(True, "parked"), (False, "ready")])
+def test_a_deployment_at_zero_reads_parked_only_when_its_autoscaler_may_wake_it(deployment, autoscale, status):
+    from deployments.replicas.reconcile import Reconciler
+
+    Deployment.objects.filter(pk=deployment.pk).update(replicas=0, min_replicas=0, autoscale=autoscale)
+    deployment.refresh_from_db()
+    Reconciler(deployment).update_status()
+    deployment.refresh_from_db()
+    assert deployment.status == status
