@@ -25,7 +25,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from capacity.autoscaler import Decision, Sample, Targets, decide
+from capacity.autoscaler import LATENCY_WINDOW_S, Decision, Sample, Targets, decide
 from capacity.choices import DecisionKind
 from capacity.models import ScalingDecision, ScalingState
 from capacity.planner import deployment_capacity
@@ -72,7 +72,8 @@ def _scrape(replicas: list[Replica]) -> dict[int, dict]:
 def _delta(now: dict[str, float], before: dict[str, float] | None) -> dict[str, float]:
     if before is None or any(now.get(le, 0) < count for le, count in before.items()):
         return {}  # a new replica, or a restarted one: no interval to speak of yet
-    return {le: count - before.get(le, 0) for le, count in now.items()}
+    delta = {le: count - before.get(le, 0) for le, count in now.items()}
+    return delta if any(delta.values()) else {}  # nothing observed: kept as nothing
 
 
 def burn_rate(deployment: Deployment) -> float | None:
@@ -129,6 +130,10 @@ def targets_of(deployment: Deployment) -> Targets:
                    capacity_rps=capacity.rps if capacity else None)
 
 
+def _lean(sample: Sample) -> dict:
+    return {**sample.as_json(), "ttft_buckets": {}, "itl_buckets": {}}
+
+
 def record_decision(deployment: Deployment, target: int, kind: str, reason: str, signals: dict,
                     now: datetime | None = None, save: bool = True) -> ScalingDecision | None:
     """Set the deployment's replica count with why: a ScalingDecision, an audit event, a reconcile. With
@@ -169,7 +174,11 @@ def autoscale(deployment_id: int, now: float | None = None, held: set[str] | Non
         decision = decide(policy=policy, samples=series, current=deployment.replicas, last_change_at=last, now=now,
                           targets=targets_of(deployment), boost=boost)
         with transaction.atomic():
-            state.samples = [s.as_json() for s in series[:-1]] + [{**sample.as_json(), "raw": raw}]
+            # Histograms only as far back as a latency signal looks at them: the rest of the series
+            # serves the idle rule, which needs none, and it is written every tick.
+            histograms_from = now - max(windows[:2]) - LATENCY_WINDOW_S
+            state.samples = [_lean(s) if s.at < histograms_from else s.as_json() for s in series[:-1]] + [
+                {**sample.as_json(), "raw": raw}]
             state.save(update_fields=["samples", "updated_at"])
             if decision.changes:
                 record_decision(deployment, decision.target, decision.kind, decision.reason, decision.signals,

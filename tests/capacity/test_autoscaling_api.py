@@ -180,3 +180,26 @@ def test_a_deployment_at_zero_reads_parked_only_when_its_autoscaler_may_wake_it(
     Reconciler(deployment).update_status()
     deployment.refresh_from_db()
     assert deployment.status == status
+
+
+def test_samples_keep_histograms_only_as_far_back_as_the_latency_signals_look(api, deployment, monkeypatch):
+    api("operator").put(URL, body(min_replicas=1, scale_up={"stabilization_s": 30},
+                                  scale_down={"stabilization_s": 60}), format="json")
+    replica = Replica.objects.create(deployment=deployment, version=deployment.version, node="n", state="ready",
+                                     url="http://127.0.0.1:9")
+    ticks = iter(range(1, 1000))
+
+    def busy(replicas):
+        n = next(ticks)  # one more request a tick, each with a 0.2 s TTFT
+        gauges = {"waiting": 0.0, "running": 1.0, "kv_cache_usage": 0.1}
+        return {replica.pk: {"gauges": gauges, "requests": float(n), "ttft": {"0.1": 0.0, "0.5": n, "+Inf": n},
+                             "itl": {}}}
+
+    monkeypatch.setattr(scaling, "_scrape", busy)
+    start = 1_800_000_000.0
+    for tick in range(41):  # 200 s
+        scaling.autoscale(deployment.pk, now=start + tick * 5, held=set())
+    samples = ScalingState.objects.get(deployment=deployment).samples
+    kept = [s["at"] - start for s in samples if s["ttft_buckets"]]
+    assert kept and min(kept) >= 200 - 60 - 60 and len(samples) == 41  # the series itself is whole
+    assert samples[-1]["ttft_buckets"] == {"0.1": 0.0, "0.5": 1.0, "+Inf": 1.0} and samples[-1]["rps"] == 0.2
