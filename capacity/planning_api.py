@@ -28,7 +28,7 @@ from capacity.planner import DEFAULT_HEADROOM, MAX_HEADROOM, PlanError, plan_for
 from deployments.models import Deployment
 from inferops.api import ERRORS, ErrorSerializer, PlainMetadata, RejectUnknownFields
 from registry.models import ModelVersion
-from runtime.loadgen import MAX_CURVE_STEPS, SLO_METRICS
+from runtime.goodput import MAX_CURVE_STEPS, SLO_METRICS
 
 MAX_PLAN_RPS = 1_000_000.0
 MAX_TOKENS = 1_000_000

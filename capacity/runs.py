@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from django.db import transaction
 from django.utils import timezone
@@ -30,8 +31,10 @@ from deployments.models import Deployment, Replica
 from inferops.api import Conflict
 from inferops.audit import actor_or_none, audit_record, snapshot
 from inferops.celery import enqueue
-from runtime.loadgen import BenchConfig, BenchConfigError, LengthRange, run_curve
 from slo.engine_targets import deployment_targets
+
+if TYPE_CHECKING:
+    from runtime.loadgen import BenchConfig
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,8 @@ def _finish(run: CapacityRun, status: str, error: str = "", curve=None) -> None:
 
 
 def bench_config(run: CapacityRun, replica: Replica, goodput_slos_ms: dict[str, float]) -> BenchConfig:
+    from runtime.loadgen import BenchConfig, LengthRange  # the worker's image has it; the web image need not
+
     deployment = run.deployment
     tokenizer = Path(deployment.version.artifact_uri)
     return BenchConfig(
@@ -144,6 +149,8 @@ def bench_config(run: CapacityRun, replica: Replica, goodput_slos_ms: dict[str, 
 
 
 def capacity_run_execute(run_id: int) -> str:
+    from runtime.loadgen import BenchConfigError, run_curve
+
     """Run one queued run to its end: its steps against one ready replica, then its curve stored."""
     run = _claim(run_id)
     if run is None:

@@ -61,11 +61,11 @@ import numpy as np
 from tqdm import tqdm
 
 from runtime.gateway.contract import SLO_LATE
+from runtime.goodput import MAX_CURVE_STEPS, SLO_METRICS
 
 PERCENTILES = (50, 90, 95, 99)
 MAX_SSE_LINE_BYTES = 4 << 20  # aiohttp refuses longer lines; a chunk that long is not a token
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
-SLO_METRICS = ("ttft", "tpot", "e2el")
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 # Common, short English words: nearly all are one token in any English vocabulary, so a word
@@ -607,7 +607,6 @@ def run_benchmark(config: BenchConfig) -> dict:
 
 # ---------------------------------------------------------------------------- goodput curves
 
-MAX_CURVE_STEPS = 50
 # Each step's prompts are drawn with a seed of its own: the same prompts again would hit the
 # server's prefix cache and make the later (busier) steps look faster than they are.
 STEP_SEED_STRIDE = 1000
