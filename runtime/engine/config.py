@@ -13,6 +13,18 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 OPS_BACKENDS = ("auto", "kernels", "torch")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+# vLLM's default share of a GPU's memory that the engine may take (weights, activations, KV cache).
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """("cpu", None), ("cuda", None) or ("cuda", N) for "cpu", "cuda", "cuda:N"; ValueError else."""
+    kind, _, index = device.partition(":")
+    if kind == "cpu" and not index:
+        return "cpu", None
+    if kind == "cuda" and (not index or index.isdigit()):
+        return "cuda", int(index) if index else None
+    raise ValueError(f"device must be cpu, cuda or cuda:N, not {device!r}")
 
 
 @dataclass
@@ -57,6 +69,16 @@ class EngineConfig:
     # holds twice the tokens a float32 one does in the same memory; "float32" or "bfloat16"
     # force it (attention arithmetic is float32 with the kernels either way).
     kv_cache_dtype: str = "auto"
+    # Where the model runs: "cpu" (the compiled C kernels and oneDNN), or "cuda" / "cuda:N"
+    # (half-precision weights, torch's SDPA and a paged decode over the KV blocks in GPU memory):
+    # plan.resolve_plan picks the back end from it.
+    device: str = "cpu"
+    # cuda: the share of the GPU's memory the engine may fill; the KV cache gets what the weights
+    # and a profiled step's activations leave of it (unless num_kv_blocks / kv_cache_memory say).
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    # vLLM's flag: no CUDA graphs. This engine always runs eagerly (it captures none yet), so the
+    # flag is accepted for engine arguments shared with vLLM and changes nothing.
+    enforce_eager: bool = False
     # How the queues are ordered (runtime/engine/scheduler.py): priority | fcfs | slo.
     scheduling_policy: str = "priority"
     # Targets of requests that bring none (the replica's own, or the control plane's, win).
@@ -82,6 +104,9 @@ class EngineConfig:
             raise ValueError(
                 f"ops_backend must be auto, kernels or torch, not {self.ops_backend!r}"
             )
+        parse_device(self.device)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

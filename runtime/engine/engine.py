@@ -148,12 +148,11 @@ class LLMEngine:
         self.served_model_name = config.served_model_name or config.model
         self.plan = resolve_plan(config, self.model_config.checkpoint_dtype)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.num_kv_blocks = num_kv_blocks_for(
-            config, self.model_config, self.max_model_len, self.plan.kv_cache_dtype
-        )
         self.runner = ModelRunner(
-            config, self.model_config, self.plan, self.max_model_len, self.num_kv_blocks
+            config, self.model_config, self.plan, self.max_model_len,
+            num_kv_blocks_for(config, self.model_config, self.max_model_len, self.plan.kv_cache_dtype),
         )
+        self.num_kv_blocks = self.runner.num_blocks
         self.block_manager = BlockManager(
             self.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -309,23 +308,25 @@ class LLMEngine:
         self.scheduler.on_chunks_computed(scheduled, time.monotonic() - started)
         sampled = [c.seq for c in scheduled.chunks if c.completes_sequence]
         if len(prompt_hidden):
-            self._record_prompt_logprobs(scheduled.prefills, prompt_hidden)
+            with self.runner.sampling_device():
+                self._record_prompt_logprobs(scheduled.prefills, prompt_hidden)
         states = [self._states[seq.seq_id] for seq in sampled]
         params = [self._requests[seq.request_id].params for seq in sampled]
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Taken before the logits change below: logprobs report the model's own
         # distribution, as vLLM's do by default.
-        raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
-        self._process_logits(logits, states, params)
-        token_ids = self.sampler(logits, params, [s.generator for s in states])
         logprobs: dict[int, TokenLogprob] = {}
-        if raw_logprobs is not None:
-            usable = [j for j, i in enumerate(logprob_rows) if token_ids[i] != INVALID_TOKEN]
-            if usable:
-                rows = [logprob_rows[j] for j in usable]
-                logprobs = dict(zip(rows, token_logprobs(
-                    raw_logprobs[usable], [token_ids[i] for i in rows],
-                    [params[i].logprobs for i in rows]), strict=True))
+        with self.runner.sampling_device():
+            raw_logprobs = logits[logprob_rows].log_softmax(dim=-1) if logprob_rows else None
+            self._process_logits(logits, states, params)
+            token_ids = self.sampler(logits, params, [s.generator for s in states])
+            if raw_logprobs is not None:
+                usable = [j for j, i in enumerate(logprob_rows) if token_ids[i] != INVALID_TOKEN]
+                if usable:
+                    rows = [logprob_rows[j] for j in usable]
+                    logprobs = dict(zip(rows, token_logprobs(
+                        raw_logprobs[usable], [token_ids[i] for i in rows],
+                        [params[i].logprobs for i in rows]), strict=True))
         for row, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
             request_id = state.seq.request_id
             if request_id not in self._requests:  # a sibling failed earlier in this loop

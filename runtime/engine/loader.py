@@ -26,11 +26,15 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_state_dict(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_state_dict(model_dir: str | Path, dtype: torch.dtype,
+                    device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, floating-point ones in `dtype`, on `device`: a file's
+    tensors are read to the CPU, one file at a time, and each is copied over as it is cast."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         for name, tensor in load_file(str(path)).items():
-            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            state[name] = (tensor.to(device=device, dtype=dtype) if tensor.is_floating_point()
+                           else tensor.to(device))
     return state

@@ -79,6 +79,23 @@ class AttentionMetadata:
     # (ExecutionPlan.prefill_attention_dtype).
     prefill_dtype: torch.dtype | None = None
 
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """This step's tables on `device` (built on the CPU; the torch path's only: the
+        compiled kernels' paged tables stay on the CPU they run on)."""
+        def move(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            return None if tensor is None else tensor.to(device, non_blocking=True)
+
+        return AttentionMetadata(
+            slot_mapping=move(self.slot_mapping),
+            num_decodes=self.num_decodes,
+            paged_decode=self.paged_decode,
+            decode_groups=[DecodeGroup(g.start, g.end, move(g.blocks), move(g.mask))
+                           for g in self.decode_groups],
+            prefills=[PrefillAttention(p.q_start, p.q_end, move(p.context_blocks), move(p.mask), p.paged)
+                      for p in self.prefills],
+            prefill_dtype=self.prefill_dtype,
+        )
+
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float) / head_dim
@@ -103,13 +120,14 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 class RotaryTables:
     """cos/sin for every position up to max_len, computed once in float32."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, dtype: torch.dtype):
+    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
         inv_freq = rope_inverse_frequencies(rope, head_dim)
         positions = torch.arange(max_len, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = angles.cos().to(dtype)
-        self.sin = angles.sin().to(dtype)
+        self.cos = angles.cos().to(device=device, dtype=dtype)
+        self.sin = angles.sin().to(device=device, dtype=dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [len(positions), head_dim], contiguous."""
@@ -285,7 +303,8 @@ class CausalLM:
         plan: ExecutionPlan,
     ):
         """Activations (the residual stream, norms, rotary, attention) in
-        plan.activation_dtype; the matmul weights keep the dtype `state` holds them in."""
+        plan.activation_dtype; the matmul weights keep the dtype `state` holds them in, on the
+        device `state` holds them on (plan.device)."""
         self.config = config
         self.dtype = dtype = plan.activation_dtype
         linear_backend = plan.linear_backend
@@ -306,7 +325,7 @@ class CausalLM:
             # The torch fallback's W^T holds the same numbers: look rows up through a strided
             # view of it rather than keeping the table twice.
             self.embed_tokens = self.lm_head.weight_t.t()
-        self.rotary = RotaryTables(config.rope, config.head_dim, max_len, dtype)
+        self.rotary = RotaryTables(config.rope, config.head_dim, max_len, dtype, plan.device)
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -9,7 +10,7 @@ import logging
 import numpy as np
 import torch
 
-from runtime.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig
+from runtime.engine.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig, ModelConfig, parse_device
 from runtime.engine.loader import load_state_dict
 from runtime.engine.model import (
     AttentionMetadata,
@@ -25,8 +26,10 @@ from runtime.engine.scheduler import ScheduledChunk, SchedulerOutput
 logger = logging.getLogger(__name__)
 
 # What one more decode group costs per layer (two gathers and an SDPA call), in blocks of
-# context per sequence: measured on CPU, see _decode_groups.
+# context per sequence: measured on CPU, see _decode_groups. On a GPU a group costs kernel
+# launches (tens of microseconds) against nanoseconds per gathered block: estimated, not measured.
 GROUP_OVERHEAD_BLOCKS = 32
+GPU_GROUP_OVERHEAD_BLOCKS = 1024
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -36,9 +39,13 @@ def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) 
 
 def num_kv_blocks_for(
     config: EngineConfig, model: ModelConfig, max_model_len: int, dtype: torch.dtype
-) -> int:
+) -> int | None:
+    """The KV blocks `config` asks for; None on a GPU where it names no size, for the runner to
+    size the cache from the memory the weights and a profiled step leave (gpu_kv_blocks)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
+    if config.kv_cache_memory is None and parse_device(config.device)[0] == "cuda":
+        return None
     per_block = kv_bytes_per_block(model, config.block_size, dtype)
     if config.kv_cache_memory is not None:
         blocks = config.kv_cache_memory // per_block
@@ -77,6 +84,23 @@ def keep_freed_memory_for_reuse() -> bool:
     )
 
 
+def gpu_kv_blocks(total: int, used: int, activation_peak: int, utilization: float,
+                  per_block: int) -> int:
+    """KV blocks that fit in `utilization` of a GPU's `total` bytes once what is `used` now (the
+    weights, the CUDA context, other processes) and a step's `activation_peak` are set aside;
+    ValueError with the figures where none does."""
+    available = int(total * utilization) - used - activation_peak
+    if available < per_block:
+        gib = 2**30
+        raise ValueError(
+            f"no room for the KV cache: {utilization:g} of the GPU's {total / gib:.1f} GiB is "
+            f"{total * utilization / gib:.1f} GiB, and {used / gib:.1f} GiB are in use (weights, CUDA "
+            f"context, other processes) with {activation_peak / gib:.2f} GiB more at a step's peak. "
+            "Raise --gpu-memory-utilization, lower --max-num-batched-tokens or --max-num-seqs, or "
+            "serve a smaller model.")
+    return available // per_block
+
+
 def long_tensor(values: list[int]) -> torch.Tensor:
     """torch.tensor(values, dtype=torch.long) through numpy, which converts a list of a
     step's 2,048 ints 3.5x faster (160 vs 550 us)."""
@@ -90,24 +114,67 @@ class ModelRunner:
         model_config: ModelConfig,
         plan: ExecutionPlan,
         max_model_len: int,
-        num_blocks: int,
+        num_blocks: int | None,
     ):
+        """`num_blocks` None (a GPU): as many as gpu_memory_utilization leaves (gpu_kv_blocks)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)  # process-wide: the engine owns the CPU
         if not keep_freed_memory_for_reuse():
             logger.info("not glibc: malloc left as it is")
         self.block_size = config.block_size
         self.plan = plan
-        state = load_state_dict(config.model, plan.weight_dtype)
+        self.device = plan.device
+        self.on_gpu = plan.device.type == "cuda"
+        if self.on_gpu:
+            torch.cuda.set_device(self.device)
+        self.group_overhead_blocks = GPU_GROUP_OVERHEAD_BLOCKS if self.on_gpu else GROUP_OVERHEAD_BLOCKS
+        state = load_state_dict(config.model, plan.weight_dtype, plan.device)
         self.model = CausalLM(model_config, state, max_model_len, plan)
         del state  # the layers hold what they need (packed copies, with oneDNN)
-        shape = (num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim)
-        kv_dtype = plan.kv_cache_dtype
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
-            for _ in range(model_config.num_layers)
-        ]
         self.sliding_window = model_config.sliding_window
+        self.model_config = model_config
+        if num_blocks is None:
+            num_blocks = self._profile_kv_blocks(config, max_model_len)
+        self.num_blocks = num_blocks
+        self.kv_caches = self._kv_caches(num_blocks)
+
+    def _kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_config
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv_dtype = self.plan.kv_cache_dtype
+        return [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                 torch.zeros(shape, dtype=kv_dtype, device=self.device))
+                for _ in range(cfg.num_layers)]
+
+    @torch.inference_mode()
+    def _profile_kv_blocks(self, config: EngineConfig, max_model_len: int) -> int:
+        """Run the largest step the scheduler can make (a fresh prefill of the whole token
+        budget, logits for max_num_seqs rows) to find the activations' peak, as vLLM does, then
+        give the KV cache what gpu_memory_utilization leaves."""
+        tokens = min(config.max_num_batched_tokens, max_model_len)
+        blocks = -(-tokens // self.block_size)
+        scratch = self._kv_caches(blocks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        positions = torch.arange(tokens, device=self.device)
+        meta = AttentionMetadata(slot_mapping=positions,
+                                 prefills=[PrefillAttention(0, tokens, context_blocks=None, mask=None)])
+        hidden = self.model.forward(torch.zeros(tokens, dtype=torch.long, device=self.device),
+                                    positions, meta, scratch)
+        rows = min(config.max_num_seqs, tokens)
+        self.model.compute_logits(hidden[-rows:]).softmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, hidden, positions, meta
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.plan.kv_cache_dtype)
+        num_blocks = gpu_kv_blocks(total, total - free, peak, config.gpu_memory_utilization, per_block)
+        logger.info("GPU memory: %.1f GiB total, %.1f GiB in use after loading, a step peaks at "
+                    "%.2f GiB more; %d KV blocks fit in %g of it", total / 2**30, (total - free) / 2**30,
+                    peak / 2**30, num_blocks, config.gpu_memory_utilization)
+        return num_blocks
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +184,18 @@ class ModelRunner:
         does). Those are left to `prompt_logits`, a slice at a time: a 2,048-token chunk's
         logits over a 152k vocabulary would take 1.2 GB at once."""
         input_ids, positions, meta, sample_rows, prompt_rows = self.prepare(out)
+        if self.on_gpu:
+            input_ids, positions, sample_rows, prompt_rows = (
+                t.to(self.device, non_blocking=True) for t in (input_ids, positions, sample_rows, prompt_rows))
+            meta = meta.to(self.device)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
         return self.model.compute_logits(hidden[sample_rows]), hidden[prompt_rows]
+
+    def sampling_device(self) -> contextlib.AbstractContextManager:
+        """Where what reads the logits (processors, sampler, logprobs) makes its tensors: the
+        logits' device. A no-op on the CPU, where a device mode would only add overhead to
+        every torch call."""
+        return torch.device(self.device) if self.on_gpu else contextlib.nullcontext()
 
     @torch.inference_mode()
     def prompt_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -188,7 +265,7 @@ class ModelRunner:
 
         One gather for the whole batch pads every context to the longest one, so with mixed
         lengths most gathered and attended keys are padding. A group costs a fixed overhead
-        per layer (two gathers and an SDPA call), worth about GROUP_OVERHEAD_BLOCKS blocks per
+        per layer (two gathers and an SDPA call), worth about group_overhead_blocks blocks per
         sequence, so a new group starts only where the padding it saves the sequences left
         outweighs that: their count times the difference in blocks.
         """
@@ -198,7 +275,7 @@ class ModelRunner:
         for i in range(1, len(decodes) + 1):
             if i < len(decodes):
                 saved = (num_blocks[start] - num_blocks[i]) * (len(decodes) - i)
-                if saved <= GROUP_OVERHEAD_BLOCKS:
+                if saved <= self.group_overhead_blocks:
                     continue
             groups.append(self._decode_group(decodes, start, i, num_blocks[start]))
             start = i

@@ -1,8 +1,13 @@
 """The execution plan: every dtype and backend choice of the engine, resolved once.
 
 EngineConfig says what was asked for ("auto" included); the plan says what runs here, decided
-from the checkpoint's dtype and what this CPU and toolchain can do. The engine sizes the KV
-cache from it, and the runner and the model read it and decide nothing themselves.
+from the checkpoint's dtype and what this CPU and toolchain (or GPU) can do. The engine sizes the
+KV cache from it, and the runner and the model read it and decide nothing themselves.
+
+There are two device back ends, chosen here and nowhere else. CPU: oneDNN-packed weights and
+the compiled C kernels (csrc/), each with a torch fallback. CUDA: half-precision weights and
+torch ops on the GPU, prefill attention by SDPA and decode attention over the paged cache by
+SDPA over gathered blocks (the torch path the CPU falls back to, on the device).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.engine import kernels
-from runtime.engine.config import EngineConfig
+from runtime.engine.config import EngineConfig, parse_device
 from runtime.engine.loader import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -37,13 +42,15 @@ class ExecutionPlan:
     # by SDPA in prefill_attention_dtype.
     prefill_attention: str
     prefill_attention_dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
 
     @property
     def ops_backend(self) -> str:
         return "torch" if self.kernels is None else "kernels"
 
     def describe(self) -> str:
-        return (f"weights {dtype_name(self.weight_dtype)}, activations "
+        where = "" if self.device.type == "cpu" else f"on {self.device}: "
+        return (f"{where}weights {dtype_name(self.weight_dtype)}, activations "
                 f"{dtype_name(self.activation_dtype)}, KV cache {dtype_name(self.kv_cache_dtype)}; "
                 f"linear {self.linear_backend}, ops {self.ops_backend}, prefill attention "
                 f"{self.prefill_attention} in {dtype_name(self.prefill_attention_dtype)}")
@@ -68,6 +75,22 @@ def cpu_has_amx() -> bool:
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
+def cuda_unavailable_reason(index: int | None) -> str | None:
+    """None where CUDA device `index` (None: the current one) can run the engine; else why not."""
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        return (f"torch {torch.__version__} ({build}) sees no CUDA device: install a CUDA build of "
+                "torch on a GPU node, check CUDA_VISIBLE_DEVICES, or serve with --device cpu")
+    if index is not None and index >= torch.cuda.device_count():
+        return (f"cuda:{index} does not exist: {torch.cuda.device_count()} CUDA device(s) are visible "
+                "(indexes count from 0 within CUDA_VISIBLE_DEVICES)")
+    return None
+
+
+def cuda_bf16_supported() -> bool:
+    return torch.cuda.is_bf16_supported()
+
+
 def resolve_plan(
     config: EngineConfig,
     checkpoint_dtype: str,
@@ -75,12 +98,18 @@ def resolve_plan(
     packs: Callable[[torch.dtype], bool] = onednn_packs,
     load_kernels: Callable[[], kernels.CpuKernels] = kernels.cpu_kernels,
     has_amx: Callable[[], bool] = cpu_has_amx,
+    cuda_reason: Callable[[int | None], str | None] = cuda_unavailable_reason,
+    bf16_on_gpu: Callable[[], bool] = cuda_bf16_supported,
 ) -> ExecutionPlan:
     """The plan for `config` over a checkpoint stored in `checkpoint_dtype` (config.json's
     name for it). The keyword arguments are what this machine can do: whether oneDNN
     multiplies a dtype natively, the compiled kernels (raising KernelUnavailableError where
-    they cannot be built), whether the CPU has AMX tiles. Raises ValueError where an explicit
-    choice cannot run here; "auto" falls back with a warning."""
+    they cannot be built), whether the CPU has AMX tiles, whether a CUDA device is usable and
+    takes bf16. Raises ValueError where an explicit choice cannot run here; "auto" falls back
+    with a warning."""
+    kind, index = parse_device(config.device)
+    if kind == "cuda":
+        return cuda_plan(config, checkpoint_dtype, index, cuda_reason, bf16_on_gpu)
     weights = weight_dtype(config.dtype, checkpoint_dtype, packs)
     ops, activations = ops_kernels(config.ops_backend, weights, load_kernels)
     kv = weights if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
@@ -164,3 +193,41 @@ def linear_backend(
         raise ValueError(f"linear backend 'onednn' cannot run here: oneDNN cannot multiply "
                          f"{dtype_name(weights)} weights on this CPU")
     return "torch"
+
+
+def cuda_plan(
+    config: EngineConfig,
+    checkpoint_dtype: str,
+    index: int | None,
+    cuda_reason: Callable[[int | None], str | None],
+    bf16_on_gpu: Callable[[], bool],
+) -> ExecutionPlan:
+    """Weights, activations and the KV cache in one half-precision dtype on the GPU; torch ops
+    throughout. `auto` keeps a half-precision checkpoint's dtype and runs a float32 one in bf16
+    (fp16 where the GPU has no bf16), as vLLM does; float32 is kept only when asked for."""
+    reason = cuda_reason(index)
+    if reason is not None:
+        raise ValueError(f"--device {config.device} cannot run here: {reason}")
+    if config.ops_backend == "kernels" or config.linear_backend == "onednn":
+        raise ValueError("--ops-backend kernels and --linear-backend onednn are CPU back ends; "
+                         f"with --device {config.device} leave them at auto or torch")
+    half = torch.bfloat16 if bf16_on_gpu() else torch.float16
+    if config.dtype != "auto":
+        weights = TORCH_DTYPES[config.dtype]
+        if weights == torch.bfloat16 and half != torch.bfloat16:
+            raise ValueError("this GPU has no bfloat16 arithmetic: use --dtype float16")
+    else:
+        weights = TORCH_DTYPES.get(checkpoint_dtype.removeprefix("torch."), torch.float32)
+        if weights == torch.float32 or (weights == torch.bfloat16 and half != torch.bfloat16):
+            weights = half
+    kv = weights if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
+    return ExecutionPlan(
+        weight_dtype=weights,
+        activation_dtype=weights,
+        kv_cache_dtype=kv,
+        linear_backend="torch",
+        kernels=None,
+        prefill_attention="sdpa",
+        prefill_attention_dtype=weights,
+        device=torch.device("cuda", index if index is not None else 0),
+    )

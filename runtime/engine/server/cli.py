@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from runtime.engine.async_engine import AsyncEmbedder, AsyncEngine
-from runtime.engine.config import KV_CACHE_DTYPES, LINEAR_BACKENDS, OPS_BACKENDS, GenerationDefaults
+from runtime.engine.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    KV_CACHE_DTYPES,
+    LINEAR_BACKENDS,
+    OPS_BACKENDS,
+    GenerationDefaults,
+    parse_device,
+)
 from runtime.engine.metrics import DEFAULT_BUCKETS
 from runtime.engine.server.draining import DrainingServer
 from runtime.engine.server.routes import ReplicaServer
@@ -83,7 +90,8 @@ def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
             linear_backend=args.linear_backend, ops_backend=args.ops_backend,
             kv_cache_dtype=args.kv_cache_dtype, scheduling_policy=args.scheduling_policy,
             slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-            slo_reject_late=args.slo_reject_late))
+            slo_reject_late=args.slo_reject_late, device=args.device,
+            gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager))
     return AsyncEngine(load_engine)
 
 
@@ -126,6 +134,21 @@ def _target_ms(text: str) -> float:
     value = float(text)
     if not 0 < value <= MAX_TARGET_MS:
         raise argparse.ArgumentTypeError(f"must be above 0 and at most {MAX_TARGET_MS} ms, got {text}")
+    return value
+
+
+def _device(text: str) -> str:
+    try:
+        parse_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def _gpu_share(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, got {text}")
     return value
 
 
@@ -209,6 +232,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--cpu-threads", type=int, default=None,
                         help="torch intra-op threads for the forward pass (default: torch's, "
                              "one per core); on a busy or small host, 1 avoids oversubscription")
+    engine.add_argument("--device", type=_device, default="cpu",
+                        help="where the model runs: cpu, or cuda / cuda:N (bf16 or fp16 weights, the "
+                             "KV cache in GPU memory; a replica sees the GPUs its driver gave it)")
+    engine.add_argument("--gpu-memory-utilization", type=_gpu_share,
+                        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                        help="with --device cuda: the share of the GPU's memory the engine may fill; the "
+                             "KV cache gets what the weights and a step's activations leave")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="vLLM's flag (no CUDA graphs); accepted for shared engine arguments: this "
+                             "engine always runs eagerly")
     engine.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                         help="weight matmuls: onednn packs weights once (2-3x faster on CPU), "
                              "torch uses F.linear, auto picks oneDNN where this CPU supports it")

@@ -441,3 +441,27 @@ def test_min_tokens_holds_off_stop_tokens_and_stop_strings(make_engine, prompts)
 def run_all_of(engine, prompt, params) -> Result:
     engine.add_request("one", prompt, params)
     return run_all(engine)[("one", 0)]
+
+
+def test_gpu_kv_blocks_take_what_the_weights_and_a_step_leave_of_the_share():
+    from runtime.engine.model_runner import gpu_kv_blocks
+
+    gib = 2**30
+    # 80 GiB at 0.9 is 72; 10 in use and 2 at the step's peak leave 60 GiB: 60 blocks of 1 GiB.
+    assert gpu_kv_blocks(80 * gib, 10 * gib, 2 * gib, 0.9, gib) == 60
+    assert gpu_kv_blocks(80 * gib, 10 * gib, 2 * gib, 0.9, 7 * gib) == 8
+    with pytest.raises(ValueError, match=r"no room for the KV cache: 0.1 of the GPU's 80.0 GiB is 8.0 GiB, "
+                                         r"and 10.0 GiB are in use .* Raise --gpu-memory-utilization"):
+        gpu_kv_blocks(80 * gib, 10 * gib, 2 * gib, 0.1, gib)
+
+
+def test_a_gpu_engine_sizes_its_cache_itself_unless_told(tiny_llama_dir):
+    from runtime.engine.config import EngineConfig, ModelConfig
+    from runtime.engine.model_runner import num_kv_blocks_for
+
+    model = ModelConfig.from_dir(tiny_llama_dir)
+    for device, options, expected in [("cuda", {}, None), ("cuda:0", {"num_kv_blocks": 9}, 9),
+                                      ("cuda", {"kv_cache_memory": 2**20}, 2**20 // 8192)]:
+        config = EngineConfig(model=str(tiny_llama_dir), device=device, **options)
+        assert num_kv_blocks_for(config, model, 128, torch.float32) == expected
+    assert num_kv_blocks_for(EngineConfig(model=str(tiny_llama_dir)), model, 128, torch.float32) > 0

@@ -196,3 +196,61 @@ def test_the_plan_is_frozen():
     plan = plan_for()
     with pytest.raises(AttributeError):
         plan.kernels = None
+
+
+# -- the CUDA back end (the GPU's abilities passed in, so these run without one) --------------
+
+def cuda_plan_for(checkpoint="float32", *, bf16=True, reason=None, **options):
+    return resolve_plan(EngineConfig(model="unused", device=options.pop("device", "cuda"), **options),
+                        checkpoint, packs=lambda dtype: True, load_kernels=builds, has_amx=lambda: True,
+                        cuda_reason=lambda index: reason, bf16_on_gpu=lambda: bf16)
+
+
+@pytest.mark.parametrize(("checkpoint", "requested", "bf16", "expected"), [
+    ("float32", "auto", True, BF16),  # vLLM's rule: a float32 checkpoint serves in bf16 on a GPU
+    ("float32", "auto", False, F16),  # a GPU without bf16 (before Ampere)
+    ("bfloat16", "auto", True, BF16),
+    ("bfloat16", "auto", False, F16),
+    ("float16", "auto", True, F16),
+    ("float32", "float32", True, F32),  # kept when asked for (the parity tests)
+    ("bfloat16", "float16", True, F16),
+])
+def test_the_cuda_back_end_runs_torch_ops_in_one_dtype_on_the_device(checkpoint, requested, bf16, expected):
+    plan = cuda_plan_for(checkpoint, dtype=requested, bf16=bf16)
+    assert plan.device == torch.device("cuda", 0)
+    assert plan.weight_dtype == plan.activation_dtype == plan.kv_cache_dtype == expected
+    assert plan.prefill_attention_dtype == expected
+    assert (plan.linear_backend, plan.ops_backend, plan.prefill_attention) == ("torch", "torch", "sdpa")
+    assert plan.describe().startswith("on cuda:0: weights ")
+
+
+def test_the_cuda_back_end_names_its_device_and_refuses_cpu_only_choices():
+    assert cuda_plan_for(device="cuda:1").device == torch.device("cuda", 1)
+    assert cuda_plan_for(kv_cache_dtype="float32").kv_cache_dtype == F32
+    with pytest.raises(ValueError, match="CPU back ends"):
+        cuda_plan_for(ops_backend="kernels")
+    with pytest.raises(ValueError, match="CPU back ends"):
+        cuda_plan_for(linear_backend="onednn")
+    with pytest.raises(ValueError, match="no bfloat16 arithmetic: use --dtype float16"):
+        cuda_plan_for(dtype="bfloat16", bf16=False)
+    with pytest.raises(ValueError, match="--device cuda:3 cannot run here: only two"):
+        cuda_plan_for(device="cuda:3", reason="only two")
+
+
+def test_without_cuda_the_refusal_says_what_to_do():
+    # This machine's torch is the CPU build: the real check, not a stand-in.
+    with pytest.raises(ValueError, match=r"--device cuda cannot run here: torch .* sees no CUDA device.*--device cpu"):
+        resolve_plan(EngineConfig(model="unused", device="cuda"), "float32")
+
+
+@pytest.mark.parametrize(("device", "error"), [
+    ("gpu", "device must be cpu, cuda or cuda:N"), ("cuda:x", "device must be"), ("cpu:0", "device must be")])
+def test_engine_config_refuses_unknown_devices(device, error):
+    with pytest.raises(ValueError, match=error):
+        EngineConfig(model="unused", device=device)
+
+
+@pytest.mark.parametrize("share", [0, -0.5, 1.01])
+def test_engine_config_refuses_a_gpu_share_outside_0_to_1(share):
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        EngineConfig(model="unused", gpu_memory_utilization=share)
