@@ -126,6 +126,21 @@ class MetricsBucket(models.Model):
     e2e_buckets = models.JSONField(default=dict, blank=True)
     e2e_sum = models.FloatField(default=0)
     e2e_count = models.BigIntegerField(default=0)
+    # GPU telemetry (dcgm-exporter's series: the replica's own, NVML's on its node, or the node's
+    # dcgm-exporter; deployments/replicas/gpu_metrics.py). gpu_devices 0: none seen, so every other
+    # gpu_* column is "not measured", never "idle". Per scrape: utilisation and SM clock are means
+    # over the devices, memory and power sums, temperature the hottest device; over the period they
+    # are averaged over the `gpu_scrapes` that carried GPU series (and maxed where named _max).
+    gpu_devices = models.PositiveSmallIntegerField(default=0, help_text="GPUs seen (0: no GPU telemetry).")
+    gpu_scrapes = models.PositiveIntegerField(default=0, help_text="Scrapes that carried GPU series.")
+    gpu_minutes = models.PositiveSmallIntegerField(default=0, help_text="Minutes of the period with GPU series.")
+    gpu_util_avg = models.FloatField(default=0, help_text="Percent, mean over the devices.")
+    gpu_util_max = models.FloatField(default=0)
+    gpu_memory_used_avg = models.FloatField(default=0, help_text="MiB, summed over the devices.")
+    gpu_memory_total = models.FloatField(default=0, help_text="MiB (used + free), summed over the devices.")
+    gpu_power_avg = models.FloatField(default=0, help_text="Watts, summed over the devices.")
+    gpu_temp_max = models.FloatField(default=0, help_text="Degrees C, the hottest device.")
+    gpu_sm_clock_avg = models.FloatField(default=0, help_text="MHz, mean over the devices.")
 
     class Meta:
         abstract = True

@@ -55,6 +55,7 @@ def combine_buckets(rows: Iterable[MetricsBucket], into: MetricsBucket) -> Metri
     for row in rows:
         into.requests_by_reason = add_counts(into.requests_by_reason, row.requests_by_reason)
         into.slo_scheduling = add_counts(into.slo_scheduling, row.slo_scheduling)
+    _combine_gpu(rows, into)
     for key in HISTOGRAMS:
         buckets: dict = {}
         for row in rows:
@@ -63,6 +64,23 @@ def combine_buckets(rows: Iterable[MetricsBucket], into: MetricsBucket) -> Metri
         setattr(into, f"{key}_sum", sum(getattr(row, f"{key}_sum") for row in rows))
         setattr(into, f"{key}_count", sum(getattr(row, f"{key}_count") for row in rows))
     return into
+
+
+GPU_AVERAGES = ("gpu_util_avg", "gpu_memory_used_avg", "gpu_power_avg", "gpu_sm_clock_avg")
+GPU_MAXIMA = ("gpu_devices", "gpu_util_max", "gpu_memory_total", "gpu_temp_max")
+
+
+def _combine_gpu(rows: list[MetricsBucket], into: MetricsBucket) -> None:
+    """GPU averages weighted by the scrapes that carried GPU series, maxima of maxima; periods
+    without telemetry weigh nothing (rather than pulling the average towards an idle 0)."""
+    measured = [row for row in rows if row.gpu_scrapes]
+    into.gpu_scrapes = sum(row.gpu_scrapes for row in measured)
+    into.gpu_minutes = sum(row.gpu_minutes for row in measured)
+    for column in GPU_AVERAGES:
+        weighted = sum(getattr(row, column) * row.gpu_scrapes for row in measured)
+        setattr(into, column, weighted / into.gpu_scrapes if measured else 0.0)
+    for column in GPU_MAXIMA:
+        setattr(into, column, max((getattr(row, column) for row in measured), default=0))
 
 
 _HOUR_FIELDS = [f.name for f in ReplicaMetricsHour._meta.concrete_fields

@@ -19,6 +19,11 @@ Kubernetes version are slots, not pods: the version's ready pods are dealt over 
 row, with its own previous sample; a row with two pods sums their deltas and combines their
 gauges. A pod dealt to another row than last time continues from its newest sample on any row of
 the version, so moves neither lose nor repeat an increase.
+
+GPU series (dcgm-exporter's names) come from the replica's own page, else from the target's
+`GpuSource`: NVML on this node for a local replica holding GPUs, the node's dcgm-exporter for a
+Kubernetes pod (deployments/replicas/gpu_metrics.py). A scrape without them leaves the minute's
+GPU columns as they were, so a replica without telemetry never reads as an idle GPU.
 """
 
 from __future__ import annotations
@@ -40,6 +45,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from deployments.choices import DriverName, ReplicaState
 from deployments.models import Replica, ReplicaMetricsMinute, ReplicaStart
 from deployments.replicas.drivers import DriverError, driver_for
+from deployments.replicas.gpu_metrics import (
+    GPU_FAMILIES,
+    GpuParseError,
+    GpuSource,
+    GpuStats,
+    combine_gpu,
+    gpu_stats,
+    nvml_text,
+    parse_gpu_text,
+)
 from inferops.locks import LockId, try_advisory_lock
 
 logger = logging.getLogger(__name__)
@@ -86,7 +101,8 @@ SLO_TARGET_FAMILIES = {"ttft_target_s": "inferops:slo_target_ttft_seconds",
 
 _WANTED_FAMILIES = (*GAUGES.values(), *COUNTERS.values(), REQUESTS_FAMILY, *HISTOGRAMS.values(),
                     PROCESS_START_FAMILY, WEIGHTS_LOADED_FAMILY, FIRST_TOKEN_FAMILY, *SLO_COUNTERS.values(),
-                    SLO_MISSES_FAMILY, SLO_SLACK_FAMILY, SLO_POLICY_FAMILY, *SLO_TARGET_FAMILIES.values())
+                    SLO_MISSES_FAMILY, SLO_SLACK_FAMILY, SLO_POLICY_FAMILY, *SLO_TARGET_FAMILIES.values(),
+                    *GPU_FAMILIES.values())
 # A vLLM /metrics page is ~650 lines of which ~120 matter; parsing only those is ~8x faster,
 # which is what lets one worker scrape hundreds of replicas well inside the interval.
 _WANTED_LINE = re.compile(
@@ -136,6 +152,8 @@ class MetricsSample:
     first_token: float | None = None  # likewise, until the process's first output
     slo: dict[str, float] = field(default_factory=dict)  # SLO scheduling counters (built-in engine)
     slo_info: dict = field(default_factory=dict)  # its policy and replica-wide targets, as last seen
+    gpu: GpuStats | None = None  # its GPUs, from its own page or its target's GpuSource
+    gpu_note: str = ""  # why the GPU figures are missing or partial (a source's error, no pod mapping)
 
 
 def parse_metrics(text: str) -> MetricsSample:
@@ -171,6 +189,7 @@ def parse_metrics(text: str) -> MetricsSample:
     parsed.weights_loaded = _moment(by_name, WEIGHTS_LOADED_FAMILY)
     parsed.first_token = _moment(by_name, FIRST_TOKEN_FAMILY)
     _parse_slo_scheduling(by_name, parsed)
+    parsed.gpu, _ = gpu_stats(by_name)
     return parsed
 
 
@@ -278,6 +297,7 @@ def state_to_json(sample: MetricsSample, scraped_at: datetime) -> dict:
         "histograms": {key: value.as_json() for key, value in sample.histograms.items()},
         "process_start": sample.process_start,
         **({"slo": sample.slo, "slo_info": sample.slo_info} if sample.slo or sample.slo_info else {}),
+        **({"gpu_note": sample.gpu_note} if sample.gpu_note else {}),
     }
 
 
@@ -319,6 +339,7 @@ class ScrapeTarget:
     url: str  # the replica's base URL, or one of its pods'
     pod: str = ""  # the pod's URL when the target is one pod of a Kubernetes replica
     error: str = ""  # set when the targets could not even be listed: nothing to fetch
+    gpu: GpuSource | None = None  # where its GPU series are when its own page lacks them
 
 
 @dataclass
@@ -357,11 +378,17 @@ class MetricsFetcher:
 
     async def _fetch_all(self, targets: list[ScrapeTarget]) -> list[ScrapeResult]:
         semaphore = asyncio.Semaphore(self.concurrency)
+        # A node's dcgm-exporter serves every replica pod on the node: fetched once a cycle.
+        self._shared_pages: dict[str, asyncio.Task] = {}
         timeout = httpx.Timeout(self.total_timeout, connect=self.connect_timeout)
         limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=0)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
-            return await asyncio.gather(
-                *(self._fetch_one(client, semaphore, target) for target in targets))
+            try:
+                return await asyncio.gather(
+                    *(self._fetch_one(client, semaphore, target) for target in targets))
+            finally:
+                for task in self._shared_pages.values():  # one every reader gave up on
+                    task.cancel()
 
     async def _fetch_one(self, client: httpx.AsyncClient, semaphore: asyncio.Semaphore,
                          target: ScrapeTarget) -> ScrapeResult:
@@ -374,8 +401,10 @@ class MetricsFetcher:
             try:
                 async with asyncio.timeout(self.total_timeout):
                     text = await self._get_text(client, metrics_url(target.url))
-                return ScrapeResult(target.replica_id, scraped_at, sample=parse_metrics(text),
-                                    pod=target.pod)
+                sample = parse_metrics(text)
+                if sample.gpu is None and target.gpu is not None:
+                    await self._add_gpu(client, target.gpu, sample)
+                return ScrapeResult(target.replica_id, scraped_at, sample=sample, pod=target.pod)
             except TimeoutError:
                 error = f"no complete response within {self.total_timeout:g} s"
             except httpx.HTTPError as exc:
@@ -385,6 +414,32 @@ class MetricsFetcher:
             if target.pod:
                 error = f"pod {target.pod}: {error}"
             return ScrapeResult(target.replica_id, scraped_at, error=error, pod=target.pod)
+
+    async def _add_gpu(self, client: httpx.AsyncClient, source: GpuSource, sample: MetricsSample) -> None:
+        """Fill the sample's GPUs from the source; a failure is a note, never a failed scrape."""
+        where = f"dcgm-exporter {source.url}" if source.url else f"NVML (devices {','.join(source.devices)})"
+        try:
+            async with asyncio.timeout(self.total_timeout):
+                if source.devices:
+                    text = await asyncio.to_thread(nvml_text, list(source.devices), source.hostname)
+                elif source.url:
+                    text = await self._shared_text(client, metrics_url(source.url))
+                else:
+                    sample.gpu_note = source.error
+                    return
+            sample.gpu, sample.gpu_note = parse_gpu_text(text, pod=source.pod, namespace=source.namespace)
+            if sample.gpu is None and not sample.gpu_note:
+                sample.gpu_note = f"{where} reported no GPU series" + (f" for pod {source.pod}" if source.pod else "")
+        except TimeoutError:
+            sample.gpu_note = f"{where}: no complete response within {self.total_timeout:g} s"
+        except (httpx.HTTPError, GpuParseError, MetricsParseError, UnicodeDecodeError) as exc:
+            sample.gpu_note = f"{where}: {exc or type(exc).__name__}"
+
+    async def _shared_text(self, client: httpx.AsyncClient, url: str) -> str:
+        if url not in self._shared_pages:
+            self._shared_pages[url] = asyncio.ensure_future(self._get_text(client, url))
+        # Shielded: one reader's deadline must not cancel the fetch the others wait on.
+        return await asyncio.shield(self._shared_pages[url])
 
     async def _get_text(self, client: httpx.AsyncClient, url: str) -> str:
         async with client.stream("GET", url) as response:
@@ -433,6 +488,24 @@ class MinuteAccumulator:
             maximum = getattr(row, f"{key}_max")
             setattr(row, f"{key}_max", value if row.scrapes == 0 else max(maximum, value))
         row.scrapes += 1
+
+    def add_gpu(self, gpu: GpuStats | None) -> None:
+        """Running means over the minute's scrapes that carried GPU series (a scrape without
+        them changes nothing: no telemetry is not an idle GPU)."""
+        if gpu is None:
+            return
+        row = self.row
+        n = row.gpu_scrapes
+        for column, value in (("gpu_util_avg", gpu.util_percent), ("gpu_memory_used_avg", gpu.memory_used_mib),
+                              ("gpu_power_avg", gpu.power_watts), ("gpu_sm_clock_avg", gpu.sm_clock_mhz)):
+            average = getattr(row, column)
+            setattr(row, column, average + (value - average) / (n + 1))
+        row.gpu_util_max = gpu.util_percent if n == 0 else max(row.gpu_util_max, gpu.util_percent)
+        row.gpu_temp_max = gpu.temp_max_c if n == 0 else max(row.gpu_temp_max, gpu.temp_max_c)
+        row.gpu_memory_total = gpu.memory_total_mib if n == 0 else max(row.gpu_memory_total, gpu.memory_total_mib)
+        row.gpu_devices = gpu.devices if n == 0 else max(row.gpu_devices, gpu.devices)
+        row.gpu_scrapes = n + 1
+        row.gpu_minutes = 1
 
     def add_deltas(self, deltas: SampleDeltas) -> None:
         row = self.row
@@ -585,7 +658,7 @@ def _fold_samples(replica: Replica, row: ReplicaMetricsMinute, results: list[Scr
         # Pods only: a state from when the replica was scraped through its Service is no pod's.
         states = {pod: state for pod, state in states.items() if pod}
     accumulator = MinuteAccumulator(row)
-    gauges = []
+    gauges, gpus = [], []
     for result in results:
         stored = states.get(result.pod)
         if result.pod:
@@ -604,11 +677,14 @@ def _fold_samples(replica: Replica, row: ReplicaMetricsMinute, results: list[Scr
         else:
             report.baselines += 1
         gauges.append(result.sample.gauges)
+        if result.sample.gpu is not None:
+            gpus.append(result.sample.gpu)
         states[result.pod] = state_to_json(result.sample, result.scraped_at)
         report.stored += 1
     if not gauges:
         return False
     accumulator.add_gauges(combine_gauges(gauges))
+    accumulator.add_gpu(combine_gpu(gpus))
     # A pod gone for longer than a delta may span will only ever re-baseline: forget it.
     horizon = max(result.scraped_at for result in results) - MAX_DELTA_SPAN
     replica.scrape_state = targets_to_json(
@@ -711,7 +787,8 @@ def exclusive_cycle():
     return try_advisory_lock(LockId.SCRAPE)
 
 
-PodLister = Callable[[Replica], list[str]]
+# A version's ready pods: base URLs, or (base URL, where its GPU series are) pairs.
+PodLister = Callable[[Replica], list[str] | list[tuple[str, GpuSource | None]]]
 
 
 def ready_targets(*, pod_urls: PodLister | None = None) -> list[ScrapeTarget]:
@@ -719,43 +796,60 @@ def ready_targets(*, pod_urls: PodLister | None = None) -> list[ScrapeTarget]:
     healthy replicas' fetches instead of after them, and the cycle ends sooner.
 
     A Kubernetes version's ready pods are targets of their own, dealt over its ready rows;
-    `pod_urls` lists them (the Kubernetes driver's `ready_pod_urls` by default), once a version.
+    `pod_urls` lists them (the Kubernetes driver's `scrape_pods` by default, which also finds the
+    dcgm-exporter on each pod's node), once a version. A local replica holding GPUs of this node
+    gets them read through NVML when its own page has no GPU series (vLLM).
     """
     rows = (Replica.objects.filter(state=ReplicaState.READY).exclude(url="")
-            .order_by("pk").values_list("pk", "url", "last_error", "driver", "version_id"))
+            .order_by("pk").values_list("pk", "url", "last_error", "driver", "version_id", "identity"))
     rows = sorted(rows, key=lambda row: not row[2].startswith(SCRAPE_ERROR_PREFIX))
     slots: dict[int, list[int]] = defaultdict(list)  # Kubernetes version id -> its ready rows
-    for pk, _, _, driver, version_id in rows:
+    for pk, _, _, driver, version_id, _ in rows:
         if driver == DriverName.KUBERNETES:
             slots[version_id].append(pk)
     pods = _pod_targets(slots, pod_urls)
+    gpus = _local_gpu_sources([(pk, identity) for pk, _, _, driver, _, identity in rows
+                               if driver == DriverName.LOCAL and (identity or {}).get("gpus")])
     targets: list[ScrapeTarget] = []
-    for pk, url, _, driver, _ in rows:
+    for pk, url, _, driver, _, _ in rows:
         if driver != DriverName.KUBERNETES:
-            targets.append(ScrapeTarget(pk, url))
+            targets.append(ScrapeTarget(pk, url, gpu=gpus.get(pk)))
         else:
             targets += pods.get(pk, [])
     return targets
+
+
+def _local_gpu_sources(rows: list[tuple[int, dict]]) -> dict[int, GpuSource]:
+    """NVML sources for local replicas holding GPUs of this worker's node (NVML sees no other)."""
+    if not rows:
+        return {}
+    driver = driver_for(DriverName.LOCAL)
+    sources = {}
+    for pk, identity in rows:
+        if devices := driver.held_gpus(pk, identity):
+            sources[pk] = GpuSource(devices=tuple(devices), hostname=identity.get("node", ""))
+    return sources
 
 
 def _pod_targets(slots: dict[int, list[int]], pod_urls: PodLister | None) -> dict[int, list[ScrapeTarget]]:
     if not slots:
         return {}
     if pod_urls is None:
-        pod_urls = driver_for(DriverName.KUBERNETES).ready_pod_urls
+        pod_urls = driver_for(DriverName.KUBERNETES).scrape_pods
     listed_on = {min(row_ids): sorted(row_ids) for row_ids in slots.values()}
     targets: dict[int, list[ScrapeTarget]] = defaultdict(list)
     for replica in Replica.objects.filter(pk__in=listed_on).select_related("deployment", "version"):
         row_ids = listed_on[replica.pk]
         try:
-            urls = sorted(pod_urls(replica))
+            pods = sorted(((item, None) if isinstance(item, str) else item for item in pod_urls(replica)),
+                          key=lambda pod: pod[0])
         except DriverError as exc:
             targets[replica.pk].append(ScrapeTarget(replica.pk, "", error=f"listing its pods: {exc}"))
             continue
         # Sorted pods over sorted rows: the same pods land on the same rows from cycle to cycle.
-        for index, url in enumerate(urls):
+        for index, (url, gpu) in enumerate(pods):
             row_id = row_ids[index % len(row_ids)]
-            targets[row_id].append(ScrapeTarget(row_id, url, pod=url))
+            targets[row_id].append(ScrapeTarget(row_id, url, pod=url, gpu=gpu))
     return targets
 
 

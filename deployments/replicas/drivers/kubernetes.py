@@ -44,6 +44,12 @@ same name; platform/kubernetes/base/config.yaml sets them):
     INFEROPS_K8S_TERMINATION_GRACE_S  grace when engine_args has no drain_timeout (default 60)
     INFEROPS_K8S_STARTUP_TIMEOUT_S  how long model loading may take before the pod restarts (1800)
     INFEROPS_K8S_CLUSTER_DOMAIN     cluster DNS suffix of the Service URL (default "cluster.local")
+    INFEROPS_K8S_DCGM_NAMESPACE     namespace of the dcgm-exporter pods the scraper reads GPU series
+                                    from (default "gpu-operator", where the NVIDIA GPU Operator runs it)
+    INFEROPS_K8S_DCGM_SELECTOR      label selector of those pods (default
+                                    "app.kubernetes.io/name=dcgm-exporter", the Helm chart's label;
+                                    the GPU Operator's pods carry "app=nvidia-dcgm-exporter")
+    INFEROPS_K8S_DCGM_PORT          their metrics port (default 9400); the path is /metrics
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ from deployments.choices import ReplicaState
 from deployments.engine_args import to_argv
 from deployments.models import Replica
 from deployments.replicas.drivers.base import DriverError, ReplicaSpec, Started
+from deployments.replicas.gpu_metrics import GpuSource
 from inferops.models import installation_id
 from inferops.replica_admin import ADMIN_TOKEN_ENV, replica_admin_token, replica_admin_token_digest
 
@@ -115,6 +122,9 @@ class KubernetesSettings:
     termination_grace_s: int = 60
     startup_timeout_s: int = 1800
     cluster_domain: str = "cluster.local"
+    dcgm_namespace: str = "gpu-operator"
+    dcgm_selector: str = "app.kubernetes.io/name=dcgm-exporter"
+    dcgm_port: int = 9400
 
     @classmethod
     def from_django(cls) -> KubernetesSettings:
@@ -538,6 +548,10 @@ def _pod_ready(pod: k8s.V1Pod) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in conditions)
 
 
+def _pod_url(pod: k8s.V1Pod) -> str:
+    return f"http://{pod.status.pod_ip}:{PORT}"
+
+
 def _log_tail_order(pod: k8s.V1Pod) -> tuple[bool, float]:
     """Not-ready pods first (their log says why), then the newest."""
     created = pod.metadata.creation_timestamp
@@ -704,10 +718,41 @@ class KubernetesDriver:
         The Service URL reaches one pod at random per request; a scraper that must see every
         pod's own counters (and never mistake another pod's for a reset) asks for these instead.
         """
+        return sorted(_pod_url(pod) for pod in self._ready_pods(replica))
+
+    def scrape_pods(self, replica) -> list[tuple[str, GpuSource | None]]:
+        """The version's ready pods (as ready_pod_urls) with where each one's GPU series are, for
+        a deployment that holds GPUs: the dcgm-exporter on the pod's node, filtered to the pod."""
+        pods = self._ready_pods(replica)
+        if not pods or not (replica.deployment.resources or {}).get("gpu_count"):
+            return [(url, None) for url in sorted(_pod_url(pod) for pod in pods)]
+        exporters, error = self._dcgm_exporters
+        sources = []
+        for pod in pods:
+            node = pod.spec.node_name if pod.spec else None
+            url = exporters.get(node or "")
+            source = (GpuSource(url=url, pod=pod.metadata.name, namespace=pod.metadata.namespace) if url else
+                      GpuSource(error=error or f"no ready dcgm-exporter pod ({self.config.dcgm_selector} in "
+                                               f"namespace {self.config.dcgm_namespace}) on node {node}"))
+            sources.append((_pod_url(pod), source))
+        return sorted(sources, key=lambda pair: pair[0])
+
+    @cached_property
+    def _dcgm_exporters(self) -> tuple[dict[str, str], str]:
+        """dcgm-exporter's base URL on each node, and why there are none when its pods could not be
+        listed. Listed once per driver object: the scraper makes one a cycle."""
+        config = self.config
+        try:
+            pods = self.cluster.pods(config.dcgm_namespace, config.dcgm_selector)
+        except DriverError as exc:
+            return {}, f"listing the dcgm-exporter pods: {exc}"
+        return {pod.spec.node_name: f"http://{pod.status.pod_ip}:{config.dcgm_port}" for pod in pods
+                if _pod_ready(pod) and pod.status.pod_ip and pod.spec and pod.spec.node_name}, ""
+
+    def _ready_pods(self, replica) -> list[k8s.V1Pod]:
         objects = self._objects(replica)
-        pods = self.cluster.pods(objects.namespace, objects.selector)
-        return sorted(f"http://{pod.status.pod_ip}:{PORT}" for pod in pods
-                      if _pod_ready(pod) and pod.status.pod_ip)
+        return [pod for pod in self.cluster.pods(objects.namespace, objects.selector)
+                if _pod_ready(pod) and pod.status.pod_ip]
 
     def live_replicas(self, replica) -> int:
         """Live rows of replica's deployment version on this driver, not counting replica itself."""

@@ -231,6 +231,11 @@ class GpuLedger:
         self.write({**held, **dict.fromkeys(chosen, marker)})
         return chosen
 
+    def held_by(self, marker: str) -> list[str]:
+        """The devices the ledger gives marker, in index order (read without the lock: a snapshot)."""
+        held = [device for device, holder in self.read().items() if holder == marker]
+        return sorted(held, key=lambda device: (not device.isdigit(), int(device) if device.isdigit() else 0, device))
+
 
 def supervised(argv: list[str], status_path: Path) -> list[str]:
     return [sys.executable, "-m", "runtime.replica_supervisor", "--status-file", str(status_path), "--", *argv]
@@ -277,6 +282,13 @@ class LocalProcessDriver:
     @cached_property
     def gpu_ledger(self) -> GpuLedger:
         return GpuLedger(Path(settings.INFEROPS_DATA_DIR) / "gpus.json")
+
+    def held_gpus(self, replica_id: int, identity: dict) -> list[str]:
+        """The GPUs of this node that the ledger gives the replica, for reading them through NVML;
+        [] for a replica on another node (NVML sees only the devices of the node it runs on)."""
+        if identity.get("node") != node_name():
+            return []
+        return self.gpu_ledger.held_by(replica_marker(self.installation, replica_id))
 
     def start(self, replica, spec: ReplicaSpec) -> Started:
         gpu_count = spec.resources.get("gpu_count") or 0
