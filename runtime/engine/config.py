@@ -76,8 +76,7 @@ class EngineConfig:
     # cuda: the share of the GPU's memory the engine may fill; the KV cache gets what the weights
     # and a profiled step's activations leave of it (unless num_kv_blocks / kv_cache_memory say).
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
-    # vLLM's flag: no CUDA graphs. This engine always runs eagerly (it captures none yet), so the
-    # flag is accepted for engine arguments shared with vLLM and changes nothing.
+    # cuda: no CUDA graphs of decode steps (runtime/engine/cuda_graphs.py), as vLLM's flag says.
     enforce_eager: bool = False
     # How the queues are ordered (runtime/engine/scheduler.py): priority | fcfs | slo.
     scheduling_policy: str = "priority"

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from runtime.gpu_telemetry import GpuCollector
+
 # vLLM 0.32's default buckets (bench/scrape/vllm-0.32-cpu-metrics.txt, as recorded).
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                     60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -150,11 +152,16 @@ class ColdStartCollector(Collector):
 
 
 class ServerMetrics:
-    """The replica's private registry: request histograms plus the engine and cold-start collectors."""
+    """The replica's private registry: request histograms plus the engine, cold-start and GPU collectors.
+
+    `gpu_collector` (default: the devices of this process's CUDA_VISIBLE_DEVICES, read through NVML)
+    serves dcgm-exporter's series; it yields none on a replica without GPUs.
+    """
 
     def __init__(self, model_name: str, read_stats: Callable[[], Any | None],
                  buckets: dict[str, tuple[float, ...]] | None = None, settings: Any | None = None,
-                 loaded_at: Callable[[], float | None] = lambda: None) -> None:
+                 loaded_at: Callable[[], float | None] = lambda: None,
+                 gpu_collector: Collector | None = None) -> None:
         chosen = {**DEFAULT_BUCKETS, **(buckets or {})}
         self.registry = CollectorRegistry()
         # process_start_time_seconds (and the other process_* series vLLM exposes too) lets the
@@ -204,6 +211,7 @@ class ServerMetrics:
         self.slo_misses = {phase: misses.labels(phase=phase, **labels) for phase in ("ttft", "tpot")}
         self.registry.register(EngineStatsCollector(model_name, read_stats, settings))
         self.registry.register(ColdStartCollector(model_name, loaded_at, lambda: self.first_output_at))
+        self.registry.register(GpuCollector() if gpu_collector is None else gpu_collector)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

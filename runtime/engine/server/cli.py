@@ -240,8 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --device cuda: the share of the GPU's memory the engine may fill; the "
                              "KV cache gets what the weights and a step's activations leave")
     engine.add_argument("--enforce-eager", action="store_true",
-                        help="vLLM's flag (no CUDA graphs); accepted for shared engine arguments: this "
-                             "engine always runs eagerly")
+                        help="with --device cuda: launch every decode step's kernels from Python instead "
+                             "of replaying CUDA graphs captured at start-up (slower; saves their capture "
+                             "time and memory)")
     engine.add_argument("--linear-backend", default="auto", choices=LINEAR_BACKENDS,
                         help="weight matmuls: onednn packs weights once (2-3x faster on CPU), "
                              "torch uses F.linear, auto picks oneDNN where this CPU supports it")

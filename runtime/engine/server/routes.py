@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
+from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
@@ -146,13 +147,15 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 class ReplicaServer:
     """The HTTP endpoints of one replica serving one model."""
 
-    def __init__(self, backend: AsyncEngine | AsyncEmbedder, settings: ServerSettings) -> None:
+    def __init__(self, backend: AsyncEngine | AsyncEmbedder, settings: ServerSettings,
+                 gpu_collector: Collector | None = None) -> None:
         self.backend = backend
         self.settings = settings
         self.faults = settings.faults
         self.lifecycle = Lifecycle()
         self.metrics = ServerMetrics(settings.served_model_name, backend.stats,
-                                     settings.histogram_buckets, settings, loaded_at=lambda: backend.loaded_at)
+                                     settings.histogram_buckets, settings, loaded_at=lambda: backend.loaded_at,
+                                     gpu_collector=gpu_collector)
         self.started_at = int(time.time())
 
     def build_app(self) -> Starlette:

@@ -465,3 +465,48 @@ def test_a_gpu_engine_sizes_its_cache_itself_unless_told(tiny_llama_dir):
         config = EngineConfig(model=str(tiny_llama_dir), device=device, **options)
         assert num_kv_blocks_for(config, model, 128, torch.float32) == expected
     assert num_kv_blocks_for(EngineConfig(model=str(tiny_llama_dir)), model, 128, torch.float32) > 0
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral-sliding-window"])
+def test_a_cuda_graph_step_computes_what_an_eager_decode_step_does(case, make_engine, checkpoint_factory,
+                                                                   prompts):
+    """The step a CUDA graph records (static buffers, padding rows, a fixed context width), run
+    eagerly on the CPU against the runner's own decode path; capture and replay need a GPU
+    (tests/runtime/engine/test_gpu.py)."""
+    from runtime.engine.cuda_graphs import DecodeGraphs, smallest_at_least
+    from runtime.engine.model_runner import decode_inputs
+
+    model_dir = None if case == "llama" else checkpoint_factory("graph-mistral", "mistral", sliding_window=6)
+    engine = make_engine(model_dir, ops_backend="torch", linear_backend="torch", num_kv_blocks=64,
+                         max_model_len=64)
+    runner = engine.runner
+    # The last block is never handed out here (the prompts need far fewer): it takes the padding rows.
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, block_size=4, max_num_seqs=8, max_model_len=64,
+                          sliding_window=runner.sliding_window, spare_block=63, device=torch.device("cpu"))
+    assert (graphs.sizes, graphs.widths) == ([1, 2, 4, 8], [16])
+    eager_execute, compared = runner.execute, []
+
+    def both(out):
+        logits, hidden = eager_execute(out)
+        if out.decodes and not out.prefills:
+            inputs = decode_inputs(out.decodes, 4)
+            size = smallest_at_least(graphs.sizes, len(out.decodes))
+            graphs.fill(size, inputs)
+            stepped = graphs.step(size, smallest_at_least(graphs.widths, inputs.block_tables.shape[1]))
+            assert torch.allclose(stepped[: len(out.decodes)], logits, atol=1e-5)
+            compared.append(len(out.decodes))
+        return logits, hidden
+
+    runner.execute = both
+    engine.generate(prompts[:3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert compared and max(compared) == 3 and min(compared) < 4  # padded to 4: one padding row
+
+
+def test_cuda_graph_sizes_cover_every_batch_and_context():
+    from runtime.engine.cuda_graphs import capture_sizes, capture_widths, smallest_at_least
+
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert capture_sizes(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert capture_widths(128) == [16, 32, 64, 128] and capture_widths(100) == [16, 32, 64, 100]
+    assert capture_widths(8) == [8]
+    assert smallest_at_least([16, 32, 64, 100], 33) == 64 and smallest_at_least([16, 32], 33) is None
