@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_WHEELS ?= /opt/wheels
 TORCH_SOURCE := $(if $(wildcard $(TORCH_WHEELS)/torch-2.13.0*),--find-links $(TORCH_WHEELS),)
 
-.PHONY: install run test test-deps lint clean vllm fuzz chaos
+.PHONY: install run test test-deps lint clean vllm fuzz chaos gpu-bundle gpu-check
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "Python 3.11 is required ($(PYTHON) not found)"; exit 1; }
@@ -79,6 +79,15 @@ vllm:
 
 lint:
 	$(BIN)/ruff check --fix .
+
+# The GPU check (bench/gpu/README.md): `make gpu-bundle` where a package index is reachable (the wheels
+# a GPU machine without network may lack), then `make gpu-check` on the GPU machine, in its own Python
+# with torch and transformers (PYTHON=...; not the project's CPU virtualenv).
+gpu-bundle: install
+	bash bench/gpu/gpu-check.sh bundle
+
+gpu-check:
+	bash bench/gpu/gpu-check.sh $(if $(DRY_RUN),--dry-run,)
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache

