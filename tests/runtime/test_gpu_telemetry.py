@@ -216,3 +216,26 @@ def test_a_cpu_replica_serves_no_dcgm_series(tiny_llama_dir):
     text = replica_metrics(tiny_llama_dir, GpuCollector(nvml=ReplayNvml(NO_LIBRARY)))
     assert "vllm:num_requests_running" in text
     assert "DCGM_" not in text
+
+
+def live_cuda_reason() -> str | None:
+    from runtime.engine.plan import cuda_unavailable_reason
+
+    return cuda_unavailable_reason(None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(live_cuda_reason() is not None, reason=f"the live NVML test: {live_cuda_reason()}")
+def test_the_live_devices_answer_through_nvml():
+    """On a GPU machine (make gpu-check): NVML itself, not a recording."""
+    import torch
+
+    samples = read_gpus()
+    assert len(samples) == torch.cuda.device_count()
+    assert {s.name for s in samples} == {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+    for sample in samples:
+        assert sample.uuid.startswith("GPU-") and sample.fb_total_mib > 1024
+        assert sample.fb_used_mib + sample.fb_free_mib <= sample.fb_total_mib + 1
+        assert 0 <= sample.util_percent <= 100 and 0 < sample.temp_c < 120 and sample.sm_clock_mhz > 0
+    families = {f.name: f for f in text_string_to_metric_families(render_dcgm(samples))}
+    assert len(families["DCGM_FI_DEV_FB_USED"].samples) == len(samples)
