@@ -30,6 +30,8 @@ from registry.models import RegisteredModel
 SERIES_UNITS = {
     "requests_per_s": "requests/s", "output_tokens_per_s": "tokens/s", "ttft_p50": "ms", "ttft_p95": "ms",
     "ttft_p99": "ms", "itl_p95": "ms", "kv_cache_usage": "fraction", "queue_depth": "requests",
+    # GPU telemetry (null points where no replica reported GPU series) and model FLOPs utilisation.
+    "gpu_utilization": "fraction", "gpu_memory_used": "MiB", "gpu_memory_total": "MiB", "mfu": "fraction",
     # The built-in engine's SLO scheduling (docs/serving.md); null points where no replica exports them.
     **{f"slo_{key}_per_s": "requests/s" for key in ("judged", "missed_ttft", "missed_tpot", "rejected_late",
                                                    "served_late")},

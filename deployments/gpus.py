@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from registry.checkpoint import DTYPE_BYTES
+
 MIB = 1024 ** 2
 GIB = 1024 ** 3
 
@@ -26,6 +28,23 @@ GPU_MEMORY_BYTES: dict[str, int] = {
     "nvidia-t4": 15360 * MIB,
     "nvidia-v100-32gb": 32768 * MIB,
     "nvidia-v100-16gb": 16384 * MIB,
+}
+# Peak dense (no 2:4 sparsity) BF16 tensor-core TFLOP/s per device, the denominator of model FLOPs
+# utilisation, from NVIDIA's data sheets (which print the sparse figure, twice these, first).
+# T4 and V100 have no BF16: their FP16 tensor-core peak.
+PEAK_DENSE_BF16_TFLOPS: dict[str, float] = {
+    "nvidia-h200": 989.0,  # H200 SXM
+    "nvidia-h100": 989.0,  # H100 SXM; the PCIe card's is 756
+    "nvidia-a100-80gb": 312.0,
+    "nvidia-a100-40gb": 312.0,
+    "nvidia-l40s": 362.0,  # 362.05
+    "nvidia-l4": 121.0,
+    # AWS's A10G, not the A10 (125): as MosaicML Composer's speed monitor and Baseten's "A10 vs A10G"
+    # comparison give it.
+    "nvidia-a10g": 70.0,
+    "nvidia-t4": 65.0,  # FP16
+    "nvidia-v100-32gb": 125.0,  # FP16, SXM2 (PCIe: 112)
+    "nvidia-v100-16gb": 125.0,
 }
 # What each backend reserves of a GPU unless engine_args says otherwise (vLLM's own default).
 DEFAULT_MEMORY_UTILIZATION = {"vllm": 0.9, "builtin": 1.0}
@@ -104,3 +123,20 @@ def check(*, version, backend: str, engine_args: dict, resources: dict) -> dict[
             utilization = engine_args.get("gpu_memory_utilization", DEFAULT_MEMORY_UTILIZATION.get(backend, 1.0))
             errors["resources"] = [f"{version} does not fit: " + need.explain(gpu_type, gpu_count, utilization)]
     return errors
+
+
+def peak_flops(gpu_type: str) -> float | None:
+    """Peak dense BF16 FLOP/s of one device of gpu_type, None when the table does not know it."""
+    name = known_type(gpu_type)
+    return PEAK_DENSE_BF16_TFLOPS[name] * 1e12 if name in PEAK_DENSE_BF16_TFLOPS else None
+
+
+def parameters(version) -> tuple[int | None, str]:
+    """The version's parameter count and how it is known: the registry's count (read from the
+    checkpoint's tensors), else its weight bytes over its dtype's bytes per parameter."""
+    if version.parameter_count and version.parameter_count > 0:
+        return version.parameter_count, "the registry's parameter count"
+    size = DTYPE_BYTES.get(version.dtype)
+    if size and version.weight_bytes and version.weight_bytes > 0:
+        return version.weight_bytes // size, f"weight bytes / {size} bytes per {version.dtype} parameter"
+    return None, f"{version} records neither a parameter count nor weight bytes of a known dtype"

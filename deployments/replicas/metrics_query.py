@@ -11,6 +11,12 @@ JSON), so charts show a gap rather than a false zero. Units:
 - `kv_cache_usage`: fraction 0..1, the mean over replicas (per period, then over the step);
 - `queue_depth` / `running`: requests, the sum over replicas of their average (per period,
   then averaged over the step).
+- `gpu_utilization`: fraction 0..1, the mean over the replicas' GPUs (per period, then over the
+  step); `gpu_memory_used` / `gpu_memory_total`: MiB, summed over the replicas' GPUs. Only rows
+  with GPU telemetry count: a step where no replica reported GPU series is None, never 0.
+- `mfu`: model FLOPs utilisation, fraction 0..1 (see `mfu_facts`): the step's FLOPs, 2 x
+  parameters per prompt or generated token, over the peak FLOPs of the GPUs its replicas held
+  (resources.gpu_count per replica, for every period a replica has a row); None where unknown.
 
 Minute rows serve ranges that start inside the minute retention; older ranges use hour rows,
 for which a step shorter than an hour leaves gaps. A rate's last step, cut short by `end` or by
@@ -25,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.db import connection
@@ -33,6 +39,7 @@ from django.utils import timezone
 
 from alerts.models import Alert
 from deployments.choices import ReplicaState
+from deployments.gpus import known_type, parameters, peak_flops
 from deployments.models import ReplicaMetricsHour, ReplicaMetricsMinute, Rollout
 from deployments.replicas.retention import minute_retention
 from deployments.replicas.scraping import targets_from_json
@@ -101,7 +108,19 @@ class GaugeSeries:
     across_replicas: str  # "sum" or "mean"
 
 
-SERIES: dict[str, PercentileSeries | RateSeries | GaugeSeries | SloSeries] = {
+@dataclass(frozen=True)
+class GpuSeries:
+    column: str  # a gpu_* column
+    across_replicas: str  # "sum", or "devices": the mean over every replica's devices
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class MfuSeries:
+    pass
+
+
+SERIES: dict[str, PercentileSeries | RateSeries | GaugeSeries | SloSeries | GpuSeries | MfuSeries] = {
     "requests_per_s": RateSeries("requests"),
     "output_tokens_per_s": RateSeries("generation_tokens"),
     "prompt_tokens_per_s": RateSeries("prompt_tokens"),
@@ -111,6 +130,10 @@ SERIES: dict[str, PercentileSeries | RateSeries | GaugeSeries | SloSeries] = {
     "kv_cache_usage": GaugeSeries("kv_cache_usage_avg", "mean"),
     "queue_depth": GaugeSeries("waiting_avg", "sum"),
     "running": GaugeSeries("running_avg", "sum"),
+    "gpu_utilization": GpuSeries("gpu_util_avg", "devices", scale=0.01),
+    "gpu_memory_used": GpuSeries("gpu_memory_used_avg", "sum"),
+    "gpu_memory_total": GpuSeries("gpu_memory_total", "sum"),
+    "mfu": MfuSeries(),
     **{f"slo_{key}_per_s": SloSeries(key)
        for key in ("judged", "missed_ttft", "missed_tpot", "rejected_late", "served_late")},
 }
@@ -141,7 +164,11 @@ def deployment_series(deployment, series: str, start: datetime, end: datetime, s
     if steps > MAX_POINTS:
         raise ValueError(f"step_s: {steps} points requested, at most {MAX_POINTS}; "
                          "use a larger step")
-    rows = rows_model(start, now).objects.filter(
+    model = rows_model(start, now)
+    facts = mfu_facts(deployment) if isinstance(spec, MfuSeries) else None
+    if facts is not None and facts.reason:
+        return [[(start + timedelta(seconds=index * step_s)).isoformat(), None] for index in range(steps)]
+    rows = model.objects.filter(
         deployment=deployment, start__gte=start, start__lt=end)
     if isinstance(version, ModelVersion):
         rows = rows.filter(version=version)
@@ -154,9 +181,15 @@ def deployment_series(deployment, series: str, start: datetime, end: datetime, s
     cut = min(end, now or timezone.now())
     return [
         [(start + timedelta(seconds=index * step_s)).isoformat(),
-         _value(spec, in_step[index], _covered_s(start, index, step_s, cut)) if index in in_step else None]
+         _value(spec, in_step[index], _covered_s(start, index, step_s, cut), mfu=facts,
+                period_s=_period_s(model))
+         if index in in_step else None]
         for index in range(steps)
     ]
+
+
+def _period_s(model) -> float:
+    return 60.0 if model is ReplicaMetricsMinute else 3600.0
 
 
 def _covered_s(start: datetime, index: int, step_s: int, cut: datetime) -> float:
@@ -172,10 +205,14 @@ def _columns(spec) -> list[str]:
         return ["start", "requests_by_reason" if spec.counter == "requests" else spec.counter]
     if isinstance(spec, SloSeries):
         return ["start", "slo_scheduling"]
+    if isinstance(spec, GpuSeries):
+        return ["start", "gpu_scrapes", "gpu_devices", spec.column]
+    if isinstance(spec, MfuSeries):
+        return ["start", "version_id", "prompt_tokens", "generation_tokens"]
     return ["start", spec.column]
 
 
-def _value(spec, rows: list, step_s: float) -> float | None:
+def _value(spec, rows: list, step_s: float, *, mfu: MfuFacts | None = None, period_s: float = 60.0) -> float | None:
     if isinstance(spec, PercentileSeries):
         summed: dict[str, float] = defaultdict(float)
         for row in rows:
@@ -186,6 +223,11 @@ def _value(spec, rows: list, step_s: float) -> float | None:
     if isinstance(spec, SloSeries):
         counts = [row.slo_scheduling[spec.key] for row in rows if spec.key in row.slo_scheduling]
         return sum(counts) / step_s if counts else None
+    if isinstance(spec, GpuSeries):
+        return _gpu_value(spec, [row for row in rows if row.gpu_scrapes])
+    if isinstance(spec, MfuSeries):
+        flops, gpu_seconds, _ = mfu.totals(rows, period_s)
+        return flops / (mfu.peak_flops * gpu_seconds) if gpu_seconds else None
     if isinstance(spec, RateSeries):
         if spec.counter == "requests":
             total = sum(sum(row.requests_by_reason.values()) for row in rows)
@@ -199,6 +241,103 @@ def _value(spec, rows: list, step_s: float) -> float | None:
     combine = sum if spec.across_replicas == "sum" else (lambda values: sum(values) / len(values))
     per_period = [combine(values) for values in by_period.values()]
     return sum(per_period) / len(per_period)
+
+
+def _gpu_value(spec: GpuSeries, rows: list) -> float | None:
+    if not rows:  # no GPU telemetry in the step: unknown, not idle
+        return None
+    by_period: dict[datetime, list] = defaultdict(list)
+    for row in rows:
+        by_period[row.start].append(row)
+    per_period = []
+    for period in by_period.values():
+        if spec.across_replicas == "sum":
+            per_period.append(sum(getattr(row, spec.column) for row in period))
+        else:
+            devices = sum(row.gpu_devices for row in period)
+            per_period.append(sum(getattr(row, spec.column) * row.gpu_devices for row in period) / devices)
+    return sum(per_period) / len(per_period) * spec.scale
+
+
+# ---------------------------------------------------------------------------- model FLOPs utilisation
+
+FLOPS_PER_TOKEN_NOTE = ("FLOPs per token ≈ 2 × parameters: a dense transformer's forward pass, one multiply and "
+                        "one add per weight for each prompt or generated token; attention over the context, the "
+                        "work of speculative or preempted tokens and padding are left out")
+
+
+@dataclass(frozen=True)
+class MfuFacts:
+    """What model FLOPs utilisation needs of a deployment, or why it cannot be estimated."""
+
+    gpu_type: str = ""
+    gpus_per_replica: int = 0
+    peak_flops: float = 0.0  # per GPU, dense BF16
+    parameters: dict = field(default_factory=dict)  # version id -> (parameter count, how it is known)
+    reason: str = ""  # why no MFU is shown, or ""
+
+    def flops_per_token(self, version_id: int) -> float:
+        return 2.0 * self.parameters[version_id][0]
+
+    def totals(self, rows: list, period_s: float) -> tuple[float, float, int]:
+        """(FLOPs, GPU-seconds held, tokens) of metric rows: each row is one replica for one period."""
+        tokens = flops = 0.0
+        for row in rows:
+            counted = row.prompt_tokens + row.generation_tokens
+            tokens += counted
+            flops += counted * self.flops_per_token(row.version_id)
+        return flops, len(rows) * period_s * self.gpus_per_replica, int(tokens)
+
+
+def mfu_facts(deployment) -> MfuFacts:
+    resources = deployment.resources or {}
+    gpus = int(resources.get("gpu_count") or 0)
+    gpu_type = str(resources.get("gpu_type") or "")
+    if gpus < 1:
+        return MfuFacts(reason="the deployment holds no GPUs (resources.gpu_count is 0)")
+    if not gpu_type:
+        return MfuFacts(reason="resources.gpu_type is not set, so the GPUs' peak FLOPs are unknown")
+    peak = peak_flops(gpu_type)
+    if peak is None:
+        why = "" if known_type(gpu_type) else " (not a type inferops knows)"
+        return MfuFacts(reason=f"no peak FLOPs are known for GPU type {gpu_type!r}{why}: see deployments/gpus.py")
+    counts = {}
+    for version in ModelVersion.objects.filter(model_id=deployment.model_id).select_related("model"):
+        count, how = parameters(version)
+        if count is None:
+            if version.pk == deployment.version_id:
+                return MfuFacts(reason=f"the parameter count is unknown: {how}")
+            continue
+        counts[version.pk] = (count, how)
+    return MfuFacts(gpu_type=gpu_type, gpus_per_replica=gpus, peak_flops=peak, parameters=counts)
+
+
+def mfu_summary(deployment, start: datetime, end: datetime, *, now: datetime | None = None) -> dict:
+    """Model FLOPs utilisation over [start, end), with every figure of its formula, or the reason it
+    is not shown: {"mfu", "tokens_per_s", "flops_per_token", "parameters", "parameters_from",
+    "peak_tflops", "gpus", "gpu_type", "seconds"} or {"reason"}."""
+    facts = mfu_facts(deployment)
+    if facts.reason:
+        return {"reason": facts.reason}
+    model = rows_model(start, now)
+    rows = list(model.objects.filter(deployment=deployment, start__gte=start, start__lt=end)
+                .only(*_columns(MfuSeries())))
+    rows = [row for row in rows if row.version_id in facts.parameters]
+    seconds = (min(end, now or timezone.now()) - start).total_seconds()
+    if not rows or seconds <= 0:
+        return {"reason": "no replica of the deployment was scraped in this window"}
+    flops, gpu_seconds, tokens = facts.totals(rows, _period_s(model))
+    counts = {facts.parameters[row.version_id] for row in rows}
+    count, how = max(counts)  # the one shown; the FLOPs above count each version's own
+    return {
+        "mfu": flops / (facts.peak_flops * gpu_seconds),
+        "tokens_per_s": tokens / seconds,
+        "flops_per_token": flops / tokens if tokens else 2.0 * count,
+        "parameters": count, "parameters_from": how, "versions": len(counts),
+        "peak_tflops": facts.peak_flops / 1e12, "gpu_type": facts.gpu_type,
+        "gpus": gpu_seconds / seconds, "seconds": seconds,
+        "note": FLOPS_PER_TOKEN_NOTE,
+    }
 
 
 # ---------------------------------------------------------------------------- error rate
@@ -391,3 +530,28 @@ def slo_scheduling_summary(deployment, *, minutes: int = 60, now: datetime | Non
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
+
+
+# ------------------------------------------------------------------- GPU telemetry summary
+
+GPU_TELEMETRY_LOOKBACK = timedelta(days=7)  # the longest range the deployment page charts
+
+
+def gpu_telemetry_summary(deployment, *, now: datetime | None = None) -> dict:
+    """Whether any replica of the deployment reported GPU series lately ("measured"), why not
+    ("why_none"), and the notes its live replicas' last scrapes left (a source that failed, a
+    dcgm-exporter without pod mapping)."""
+    now = now or timezone.now()
+    measured = ReplicaMetricsMinute.objects.filter(
+        deployment=deployment, start__gte=now - GPU_TELEMETRY_LOOKBACK, gpu_devices__gt=0).exists()
+    notes = []
+    for replica in deployment.replica_set.filter(state__in=ReplicaState.live()).order_by("id"):
+        for state in targets_from_json(replica.scrape_state or {}).values():
+            if state.get("gpu_note") and (replica.pk, state["gpu_note"]) not in notes:
+                notes.append((replica.pk, state["gpu_note"]))
+    why_none = ""
+    if not measured:
+        why_none = ("the deployment holds no GPUs" if not (deployment.resources or {}).get("gpu_count")
+                    else "no replica of it reported GPU series in the last 7 days")
+    return {"measured": measured, "why_none": why_none,
+            "notes": [{"replica": pk, "note": note} for pk, note in notes]}
