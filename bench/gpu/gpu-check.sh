@@ -16,7 +16,7 @@ BUNDLE="$ROOT/bench/gpu/.bundle"
 PYTHON="${PYTHON:-python3}"
 # The packages the engine, the replica server, the load generator and the tests import that a
 # GPU machine with torch, transformers, triton and nvidia-ml-py may not have.
-BUNDLED=(starlette uvicorn httptools prometheus-client aiohttp pytest pytest-timeout nvidia-ml-py tqdm)
+BUNDLED=(starlette uvicorn httptools prometheus-client aiohttp httpx pytest pytest-timeout nvidia-ml-py tqdm)
 
 if [[ "${1:-}" == "bundle" ]]; then
   rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/wheels"
