@@ -47,7 +47,7 @@ PEAK_DENSE_BF16_TFLOPS: dict[str, float] = {
     "nvidia-v100-16gb": 125.0,
 }
 # What each backend reserves of a GPU unless engine_args says otherwise (vLLM's own default).
-DEFAULT_MEMORY_UTILIZATION = {"vllm": 0.9, "builtin": 1.0}
+DEFAULT_MEMORY_UTILIZATION = {"vllm": 0.9, "builtin": 0.9}
 # With no max_num_seqs given, one full-length sequence: the least vLLM itself needs to start.
 DEFAULT_SEQUENCES = 1
 
@@ -104,6 +104,8 @@ def memory_need(*, weight_bytes: int, kv_bytes_per_token: int, max_context: int,
 def check(*, version, backend: str, engine_args: dict, resources: dict) -> dict[str, list[str]]:
     """DRF-style errors ({field: [reason]}) for a GPU deployment of version; {} when it fits."""
     gpu_count = resources.get("gpu_count") or 0
+    if backend == "builtin" and (builtin := builtin_device_error(engine_args, gpu_count)):
+        return {"engine_args": [builtin]}
     if gpu_count < 1:
         return {}
     errors: dict[str, list[str]] = {}
@@ -123,6 +125,22 @@ def check(*, version, backend: str, engine_args: dict, resources: dict) -> dict[
             utilization = engine_args.get("gpu_memory_utilization", DEFAULT_MEMORY_UTILIZATION.get(backend, 1.0))
             errors["resources"] = [f"{version} does not fit: " + need.explain(gpu_type, gpu_count, utilization)]
     return errors
+
+
+def builtin_device_error(engine_args: dict, gpu_count: int) -> str | None:
+    """The built-in engine runs on the CPU or on one GPU: with resources.gpu_count 1 it runs on that
+    GPU unless engine_args.device says otherwise (ReplicaSpec.run_args). A GPU it is given but does
+    not use would sit idle, and one it uses must be given to it (a replica sees only its own)."""
+    device = str(engine_args.get("device") or ("cuda" if gpu_count else "cpu"))
+    if gpu_count > 1:
+        return (f"the built-in engine runs on one GPU, not resources.gpu_count {gpu_count}: ask for 1, or use "
+                "the vllm backend with tensor_parallel_size for several")
+    if device.startswith("cuda") and gpu_count != 1:
+        return (f"device {device} needs resources.gpu_count 1: a replica sees only the GPUs it is given")
+    if device == "cpu" and gpu_count:
+        return ("device cpu with resources.gpu_count 1 would leave the GPU idle: leave device out (the engine "
+                "then runs on the GPU) or set gpu_count to 0")
+    return None
 
 
 def peak_flops(gpu_type: str) -> float | None:

@@ -203,16 +203,16 @@ def test_scaling_shows_the_diff_and_applies_only_when_confirmed(operator, deploy
 
 
 def test_resources_autoscaling_and_alias_change_through_the_diff(operator, deployment):
-    fields = edit_form(deployment, version="tiny@champion", autoscale="on", max_replicas="5", gpu_count="2",
+    fields = edit_form(deployment, version="tiny@champion", autoscale="on", max_replicas="5", gpu_count="1",
                        gpu_type="nvidia-l4")
     page = text_of(operator.post("/deployments/chat/edit/", fields))
-    assert "v2 (alias champion)" in page and "gpu_type=nvidia-l4, gpu_count=2" in page
+    assert "v2 (alias champion)" in page and "gpu_type=nvidia-l4, gpu_count=1" in page
     token = re.search(r'name="confirm" value="(\w+)"', page)[1]
     operator.post("/deployments/chat/edit/", {**fields, "confirm": token})
     deployment.refresh_from_db()
     assert (deployment.version.number, deployment.alias, deployment.autoscale, deployment.max_replicas) == (
         2, "champion", True, 5)
-    assert deployment.resources == {"gpu_type": "nvidia-l4", "gpu_count": 2}
+    assert deployment.resources == {"gpu_type": "nvidia-l4", "gpu_count": 1}
 
 
 def test_edit_refusals_are_named_and_nothing_changes(operator, deployment):

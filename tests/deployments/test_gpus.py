@@ -44,7 +44,8 @@ def test_weights_plus_the_kv_cache_of_every_sequence_at_full_context():
     assert need({}, gpu_type="nvidia-h100", gpu_count=2).available_bytes == int(2 * 81559 * 1024 ** 2 * 0.9)
     assert need({"gpu_memory_utilization": 0.5}, gpu_type="nvidia-h100").available_bytes == int(
         81559 * 1024 ** 2 * 0.5)
-    assert need({}, backend="builtin").available_bytes == 23034 * 1024 ** 2
+    # The built-in engine on a GPU keeps the same 10 % back (its --gpu-memory-utilization).
+    assert need({}, backend="builtin").available_bytes == int(23034 * 1024 ** 2 * 0.9)
 
 
 def test_the_check_names_the_field_and_gives_the_bytes():
@@ -70,6 +71,37 @@ def test_tensor_parallel_size_must_match_the_gpu_count(engine_args, gpu_count, f
     errors = gpus.check(version=LLAMA_8B, backend="vllm", engine_args=engine_args,
                         resources={"gpu_type": "nvidia-h100", "gpu_count": gpu_count})
     assert fragment in errors["engine_args"][0]
+
+
+@pytest.mark.parametrize("engine_args,gpu_count,fragment", [
+    ({"device": "cuda"}, 0, "device cuda needs resources.gpu_count 1"),
+    ({"device": "cuda:0"}, 0, "device cuda:0 needs resources.gpu_count 1"),
+    ({}, 2, "the built-in engine runs on one GPU, not resources.gpu_count 2"),
+    ({"device": "cuda"}, 2, "runs on one GPU"),
+    ({"device": "cpu"}, 1, "device cpu with resources.gpu_count 1 would leave the GPU idle"),
+])
+def test_the_builtin_engine_runs_on_the_cpu_or_on_the_one_gpu_it_is_given(engine_args, gpu_count, fragment):
+    errors = gpus.check(version=LLAMA_8B, backend="builtin", engine_args=engine_args,
+                        resources={"gpu_count": gpu_count})
+    assert fragment in errors["engine_args"][0]
+
+
+def test_a_builtin_replica_given_a_gpu_runs_on_it_unless_told():
+    from deployments.replicas.drivers.base import ReplicaSpec
+
+    def run_args(backend="builtin", **resources_and_args):
+        gpu_count = resources_and_args.pop("gpu_count", 0)
+        return ReplicaSpec("chat", 1, "/m", backend, engine_args=resources_and_args,
+                           resources={"gpu_count": gpu_count}).run_args
+
+    assert run_args(gpu_count=1, max_num_seqs=8) == {"max_num_seqs": 8, "device": "cuda"}
+    assert run_args(gpu_count=1, device="cuda:0") == {"device": "cuda:0"}
+    assert run_args(max_num_seqs=8) == {"max_num_seqs": 8}  # no GPU: the CPU
+    assert run_args("vllm", gpu_count=1) == {}  # vLLM finds its GPUs itself
+    for engine_args in ({}, {"device": "cuda"}):
+        assert gpus.check(version=LLAMA_8B, backend="builtin", engine_args=engine_args,
+                          resources={"gpu_type": "nvidia-h200", "gpu_count": 1}) == {}
+    assert gpus.check(version=LLAMA_8B, backend="builtin", engine_args={"device": "cpu"}, resources={}) == {}
 
 
 @pytest.fixture
@@ -191,3 +223,16 @@ def test_a_rollout_to_a_version_that_does_not_fit_is_refused(api, big_model):
                            format="json")
     assert response.status_code == 400, response.content
     assert "does not fit" in response.json()["resources"][0]
+
+
+def test_both_drivers_start_a_builtin_replica_given_a_gpu_with_device_cuda(settings):
+    from deployments.replicas.drivers.base import ReplicaSpec
+    from deployments.replicas.drivers.kubernetes import KubernetesSettings, ManifestRenderer
+    from deployments.replicas.drivers.local import replica_command
+
+    spec = ReplicaSpec("chat", 1, "/models/chat", "builtin", engine_args={"max_num_seqs": 8},
+                       resources={"gpu_type": "nvidia-h200", "gpu_count": 1})
+    argv = replica_command(spec, "127.0.0.1", 9000)
+    assert argv[argv.index("--device") + 1] == "cuda"
+    _, _, args = ManifestRenderer(KubernetesSettings(models_root="/models")).container_command(spec)
+    assert args[args.index("--device") + 1] == "cuda"

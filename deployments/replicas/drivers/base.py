@@ -30,6 +30,14 @@ class ReplicaSpec:
     engine_args: dict = field(default_factory=dict)   # CLI options in snake case
     resources: dict = field(default_factory=dict)     # gpu_type, gpu_count, cpu, memory
 
+    @property
+    def run_args(self) -> dict:
+        """engine_args as the replica runs with them: a built-in replica given a GPU runs on it
+        unless its engine_args name a device (gpus.builtin_device_error refuses a contradiction)."""
+        if self.backend == "builtin" and self.resources.get("gpu_count") and "device" not in self.engine_args:
+            return {**self.engine_args, "device": "cuda"}
+        return self.engine_args
+
 
 @dataclass(frozen=True)
 class Started:

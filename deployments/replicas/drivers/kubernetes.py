@@ -291,7 +291,7 @@ class ManifestRenderer:
         model = model_path_in_pod(spec.model_path, self.config)
         served = ["--model", model, "--served-model-name", spec.deployment,
                   "--host", "0.0.0.0", "--port", str(PORT)]
-        extra = to_argv(spec.engine_args, spec.backend)
+        extra = to_argv(spec.run_args, spec.backend)
         if spec.backend == "vllm":
             # The vLLM image's entrypoint is its OpenAI server; only the options are ours.
             return self.config.vllm_image, None, served + extra

@@ -154,7 +154,7 @@ def vllm_missing() -> str | None:
 
 
 def replica_command(spec: ReplicaSpec, host: str, port: int) -> list[str]:
-    args = engine_args_mod.to_argv(spec.engine_args, spec.backend)
+    args = engine_args_mod.to_argv(spec.run_args, spec.backend)
     if spec.backend == "vllm":
         python = vllm_python()
         if python is None:
