@@ -319,6 +319,15 @@ class ReportSerializer(serializers.Serializer):
     completion_tokens = serializers.IntegerField()
     usd_per_mtok = serializers.CharField(allow_null=True)
     usd_per_mtok_slo_compliant = serializers.CharField(allow_null=True)
+    # Not required: a month closed before GPU telemetry answers its frozen report, which has none.
+    gpu_hours = serializers.CharField(
+        required=False, help_text="GPU-hours the ledger priced (minutes x GPUs held), decimal string.")
+    gpu_hours_busy = serializers.CharField(
+        required=False, help_text="Busy GPU-hours by the GPU telemetry: utilisation x the GPU-hours it measured.")
+    gpu_busy_share = serializers.CharField(required=False, allow_null=True, help_text=(
+        "Busy GPU-hours / GPU-hours measured by the GPU telemetry (0..1, decimal string); null: not measured."))
+    gpu_hours_not_measured = serializers.CharField(
+        required=False, help_text="GPU-hours no GPU telemetry covered: not measured, not idle.")
     by_tenant = serializers.ListField(child=serializers.DictField())
     by_deployment = serializers.ListField(child=serializers.DictField())
 

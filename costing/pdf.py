@@ -20,7 +20,7 @@ from reportlab.lib.units import mm
 from reportlab.pdfgen.canvas import Canvas
 from reportlab.platypus import Paragraph, SimpleDocTemplate, Spacer, Table, TableStyle
 
-from costing.report import allocation_method, report_in_cents
+from costing.report import NOT_MEASURED, allocation_method, gpu_busy_text, report_in_cents
 from inferops.numbers import grouped
 
 PALETTE = [colors.HexColor(c) for c in ("#2453d4", "#1f8a4c", "#b7791f", "#c53030", "#6b46c1", "#0e7490",
@@ -193,6 +193,20 @@ def report_pdf(report: dict, *, prices: list[dict], generated_at: datetime) -> b
             grouped(row["replica_hours"]), grouped(row["usd_per_mtok"]) or "-",
             grouped(row["usd_per_mtok_slo_compliant"]) or "-"]
            for row in report["by_deployment"]])]
+    gpu_rows = [row for row in report["by_deployment"] if gpu_busy_text(row)]
+    if gpu_rows:  # none in a month without GPUs, or closed before GPU telemetry
+        story += [Paragraph("GPU-hours", styles["Heading2"]), _table(
+            [["Deployment", "GPU-hours", "Busy GPU-hours", "GPU busy", "GPU-hours not measured"]]
+            + [[row["deployment"], grouped(row["gpu_hours"]), grouped(row["gpu_hours_busy"]),
+                NOT_MEASURED if row["gpu_busy_share"] is None else f"{Decimal(row['gpu_busy_share']) * 100:.1f} %",
+                grouped(row["gpu_hours_not_measured"])] for row in gpu_rows]
+            + [["Total", grouped(report["gpu_hours"]), grouped(report["gpu_hours_busy"]),
+                gpu_busy_text(report).split(" (")[0], grouped(report["gpu_hours_not_measured"])]]),
+            Spacer(1, 2 * mm), Paragraph(
+                "GPU-hours: the minutes each replica ran times the GPUs it held, as priced. GPU busy: busy "
+                "GPU-hours (each minute's mean utilisation of the replica's GPUs times its GPUs and the minute, "
+                "from GPU telemetry) over the GPU-hours that telemetry measured. GPU-hours no telemetry covered "
+                "are not measured, not idle.", styles["Normal"])]
     story += [Paragraph("Prices in effect", styles["Heading2"]),
               prices_table(prices) if prices else Paragraph("No price covered this period.", styles["Normal"])]
     doc.build(story, canvasmaker=_footed(f"inferops cost report {period} (UTC), generated "

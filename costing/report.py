@@ -8,6 +8,9 @@ Lines of offline batches are usage like any other: their tokens take their share
 same way (`batch_usd` is that share), and revenue charges them at the batch price, the list
 price less its `batch_discount_percent`.
 
+GPU-hours are the ledger's (minutes x GPUs held); their busy share comes from the GPU telemetry
+(costing/gpu_usage.py), over the GPU-minutes it covered; the rest is "not measured", never idle.
+
 Rounding happens once, on the finest cells (tenant × deployment × version, and idle ×
 deployment × version), by the largest-remainder method, so every grouping built from the
 rounded cells (by tenant, by deployment, the CSV, the total) adds up to the cent and beyond.
@@ -27,7 +30,9 @@ from django.conf import settings
 from django.db import connection, transaction
 
 from costing.choices import RESOURCE_UNITS
+from costing.gpu_usage import gpu_minutes
 from costing.models import Adjustment, ClosedMonth, ListPrice, Price
+from inferops import numbers
 
 PLACES = Decimal("0.0001")  # amounts in reports: hundredths of a cent
 CENTS = Decimal("0.01")  # amounts as people read them (the console, the PDF)
@@ -49,6 +54,13 @@ def month_start(day: date) -> datetime:
 
 def next_month(start: datetime) -> datetime:
     return datetime(start.year + (start.month == 12), start.month % 12 + 1, 1, tzinfo=UTC)
+
+
+SHARE_PLACES = Decimal("0.0001")  # a share (0..1), as the GPU busy share
+
+
+def hours(minutes: float) -> str:
+    return str((Decimal(str(minutes)) / 60).quantize(Decimal("0.01"), rounding=ROUND_HALF_EVEN))
 
 
 def money(value: Decimal | None) -> str | None:
@@ -84,6 +96,12 @@ class Cell:
     batch_completion_tokens: int = 0
     batch_usd: Decimal = Decimal(0)
     batch_revenue: Decimal | None = None
+    # A version's GPU-minutes (on its idle line, as its replica minutes): held (the ledger's), measured
+    # by GPU telemetry, busy (utilisation x measured), and held but not measured.
+    gpu_minutes: int = 0
+    gpu_measured_minutes: float = 0.0
+    gpu_busy_minutes: float = 0.0
+    gpu_unmeasured_minutes: float = 0.0
 
     def key(self) -> tuple:
         return (self.tenant or "", self.deployment, self.version)
@@ -96,7 +114,9 @@ class Cell:
                 "revenue": None if self.revenue is None else str(self.revenue),
                 "adjustment_from": self.adjustment_from, "batch_prompt_tokens": self.batch_prompt_tokens,
                 "batch_completion_tokens": self.batch_completion_tokens, "batch_usd": str(self.batch_usd),
-                "batch_revenue": None if self.batch_revenue is None else str(self.batch_revenue)}
+                "batch_revenue": None if self.batch_revenue is None else str(self.batch_revenue),
+                "gpu_minutes": self.gpu_minutes, "gpu_measured_minutes": self.gpu_measured_minutes,
+                "gpu_busy_minutes": self.gpu_busy_minutes, "gpu_unmeasured_minutes": self.gpu_unmeasured_minutes}
 
     @classmethod
     def from_json(cls, data: dict) -> Cell:
@@ -109,7 +129,12 @@ class Cell:
                    batch_prompt_tokens=data.get("batch_prompt_tokens", 0),
                    batch_completion_tokens=data.get("batch_completion_tokens", 0),
                    batch_usd=Decimal(data.get("batch_usd") or 0),
-                   batch_revenue=None if data.get("batch_revenue") is None else Decimal(data["batch_revenue"]))
+                   batch_revenue=None if data.get("batch_revenue") is None else Decimal(data["batch_revenue"]),
+                   # Months closed before GPU telemetry stored no GPU figures.
+                   gpu_minutes=data.get("gpu_minutes", 0),
+                   gpu_measured_minutes=data.get("gpu_measured_minutes", 0.0),
+                   gpu_busy_minutes=data.get("gpu_busy_minutes", 0.0),
+                   gpu_unmeasured_minutes=data.get("gpu_unmeasured_minutes", 0.0))
 
 
 # Per (deployment, version, hour), a slot: its cost, replica minutes and weighted tokens. A slot
@@ -207,6 +232,11 @@ def report_data(start: datetime, end: datetime) -> tuple[list[Cell], list[dict]]
             cursor.execute(_REVENUE, params)
             revenue = {(t, d, v): (usd, batch_usd) for t, d, v, usd, batch_usd in cursor.fetchall()}
         cursor.execute("DROP TABLE report_slots")
+    for (deployment, version), gpus in gpu_minutes(start, end).items():
+        cell = idle.setdefault((deployment, version), Cell(tenant=None, deployment=deployment, version=version,
+                                                          model=models.get(deployment, "")))
+        cell.gpu_minutes, cell.gpu_measured_minutes = gpus.held, gpus.measured
+        cell.gpu_busy_minutes, cell.gpu_unmeasured_minutes = gpus.busy, gpus.not_measured
     cells = []
     for (tenant, deployment, version, usd, prompt, completion, compliant, batch_usd, batch_prompt,
          batch_completion) in rows:
@@ -221,8 +251,9 @@ def report_data(start: datetime, end: datetime) -> tuple[list[Cell], list[dict]]
             cell.batch_revenue = Decimal(batch)
             cell.revenue = Decimal(interactive) + cell.batch_revenue
         cells.append(cell)
-    cells += [cell for cell in idle.values() if cell.usd or cell.replica_minutes]
-    return [c for c in cells if c.usd or c.prompt_tokens or c.completion_tokens or c.replica_minutes], daily
+    cells += [cell for cell in idle.values() if cell.usd or cell.replica_minutes or cell.gpu_minutes]
+    return [c for c in cells if c.usd or c.prompt_tokens or c.completion_tokens or c.replica_minutes
+            or c.gpu_minutes], daily
 
 
 def compute_cells(start: datetime, end: datetime) -> list[Cell]:
@@ -270,6 +301,10 @@ class Totals:
     batch_tokens: int = 0
     batch_usd: Decimal = Decimal(0)
     batch_revenue: Decimal | None = None
+    gpu_minutes: int = 0
+    gpu_measured: float = 0.0
+    gpu_busy: float = 0.0
+    gpu_unmeasured: float = 0.0
     children: dict = field(default_factory=dict)
 
     def add(self, cell: Cell) -> None:
@@ -286,8 +321,22 @@ class Totals:
         self.batch_usd += cell.batch_usd
         if cell.batch_revenue is not None:
             self.batch_revenue = (self.batch_revenue or Decimal(0)) + cell.batch_revenue
+        self.gpu_minutes += cell.gpu_minutes
+        self.gpu_measured += cell.gpu_measured_minutes
+        self.gpu_busy += cell.gpu_busy_minutes
+        self.gpu_unmeasured += cell.gpu_unmeasured_minutes
 
-    def figures(self) -> dict:
+    def gpu_figures(self) -> dict:
+        """GPU-hours held, measured by GPU telemetry, busy and not measured, and the busy share of the
+        measured ones (null: not measured at all)."""
+        share = None
+        if self.gpu_measured > 0:
+            share = str(Decimal(self.gpu_busy / self.gpu_measured).quantize(SHARE_PLACES, rounding=ROUND_HALF_EVEN))
+        return {"gpu_hours": hours(self.gpu_minutes), "gpu_hours_measured": hours(self.gpu_measured),
+                "gpu_hours_busy": hours(self.gpu_busy), "gpu_hours_not_measured": hours(self.gpu_unmeasured),
+                "gpu_busy_share": share}
+
+    def figures(self, *, gpus: bool = True) -> dict:
         wp, wc = weights()
         weighted = wp * self.prompt + wc * self.completion
         data = {
@@ -304,6 +353,8 @@ class Totals:
             # Offline batches' part of the figures above (tokens, allocated cost, revenue at the batch price).
             "batch_tokens": self.batch_tokens, "batch_usd": money(self.batch_usd),
             "batch_revenue_usd": money(self.batch_revenue),
+            # A tenant holds no GPUs: its lines leave the GPU figures out.
+            **(self.gpu_figures() if gpus else {}),
         }
         return data
 
@@ -336,8 +387,9 @@ def build_report(start: datetime, end: datetime, cells: list[Cell], *, daily: li
     by_tenant = []
     for name, totals in sorted(tenants.items(), key=lambda kv: (-kv[1].usd, kv[0])):
         deployments = _group([c for c in rounded_cells if c.tenant == name], lambda c: c.deployment)
-        by_tenant.append({"tenant": name, **totals.figures(), "deployments": [
-            {"deployment": d, **t.figures()} for d, t in sorted(deployments.items(), key=lambda kv: (-kv[1].usd, kv[0]))
+        by_tenant.append({"tenant": name, **totals.figures(gpus=False), "deployments": [
+            {"deployment": d, **t.figures(gpus=False)}
+            for d, t in sorted(deployments.items(), key=lambda kv: (-kv[1].usd, kv[0]))
         ]})
     by_deployment = [
         {"deployment": name, "model": next(c.model for c in rounded_cells if c.deployment == name), **t.figures()}
@@ -392,6 +444,21 @@ def allocation_method(report: dict) -> str:
         f"{weights_used['prompt']} + completion tokens x {weights_used['completion']}. An hour of a version "
         "without tokens is idle: its cost goes to no tenant and is shown as its own line, idle (no traffic). "
         "Amounts are rounded once, by the largest-remainder method, so the rows add up to the totals.")
+
+
+def gpu_busy_text(figures: dict) -> str:
+    """How busy the GPU-hours of a report (or of one of its rows) were, as people read it: "61.2 %",
+    "not measured" where no GPU telemetry covered them, and how many were not measured when some were
+    not; "" where no GPU was held (or the month was closed before GPU telemetry)."""
+    if not figures.get("gpu_hours") or Decimal(figures["gpu_hours"]) == 0:
+        return ""
+    share = figures.get("gpu_busy_share")
+    if share is None:
+        return NOT_MEASURED
+    text = f"{Decimal(share) * 100:.1f} %"
+    if Decimal(figures["gpu_hours_not_measured"]) > 0:
+        text += f" ({numbers.grouped(figures['gpu_hours_not_measured'])} GPU-hours {NOT_MEASURED})"
+    return text
 
 
 def rate_text(value: Decimal) -> str:
@@ -546,13 +613,26 @@ def report_for(start: datetime, end: datetime, *, now: datetime) -> dict:
 CSV_COLUMNS = ["start", "end", "tenant", "deployment", "version", "model", "usd", "prompt_tokens",
                "completion_tokens", "slo_compliant_tokens", "replica_hours", "usd_per_mtok",
                "usd_per_mtok_slo_compliant", "revenue_usd", "margin_usd", "adjustment_for", "batch_tokens",
-               "batch_usd", "batch_revenue_usd"]
+               "batch_usd", "batch_revenue_usd", "gpu_hours", "gpu_hours_busy", "gpu_busy_share",
+               "gpu_hours_not_measured"]
+NOT_MEASURED = "not measured"
+
+
+def _gpu_columns(figures: dict) -> list:
+    """GPU-hours, busy GPU-hours, busy share ("not measured" for GPU-hours no telemetry covered) and
+    GPU-hours not measured; empty where no GPU was held."""
+    if not figures.get("gpu_hours") or Decimal(figures["gpu_hours"]) == 0:
+        return ["", "", "", ""]
+    share = figures.get("gpu_busy_share")
+    return [figures["gpu_hours"], figures["gpu_hours_busy"], NOT_MEASURED if share is None else share,
+            figures["gpu_hours_not_measured"]]
 
 
 def report_csv(report: dict) -> str:
     """One row per tenant × deployment × version (the idle line has tenant "(idle)"). The batch columns
-    come last, so readers of the older columns by position still read them; a month closed before
-    batches were billed shows 0 there."""
+    come after the older ones, so readers of those by position still read them; a month closed before
+    batches were billed shows 0 there. The GPU columns come last; a version's GPU-hours are on its idle
+    line, as its replica hours are."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
@@ -568,13 +648,21 @@ def report_csv(report: dict) -> str:
             money(Decimal(revenue) - usd) if revenue is not None else "", row.get("adjustment_from") or "",
             row.get("batch_prompt_tokens", 0) + row.get("batch_completion_tokens", 0),
             money(Decimal(row.get("batch_usd") or 0)), row.get("batch_revenue") or "",
+            *_gpu_columns(_row_gpu_figures(row)),
         ])
     writer.writerow(["", "", "TOTAL", "", "", "", report["total_usd"], report["prompt_tokens"],
                      report["completion_tokens"], report["slo_compliant_tokens"], report["replica_hours"],
                      report["usd_per_mtok"] or "", report["usd_per_mtok_slo_compliant"] or "",
                      report["revenue_usd"] or "", report["margin_usd"] or "", "", report.get("batch_tokens", 0),
-                     money(Decimal(report.get("batch_usd") or 0)), report.get("batch_revenue_usd") or ""])
+                     money(Decimal(report.get("batch_usd") or 0)), report.get("batch_revenue_usd") or "",
+                     *_gpu_columns(report)])
     return out.getvalue()
+
+
+def _row_gpu_figures(row: dict) -> dict:
+    totals = Totals(gpu_minutes=row.get("gpu_minutes", 0), gpu_measured=row.get("gpu_measured_minutes", 0.0),
+                    gpu_busy=row.get("gpu_busy_minutes", 0.0), gpu_unmeasured=row.get("gpu_unmeasured_minutes", 0.0))
+    return totals.gpu_figures()
 
 
 def month_range(month: date) -> tuple[datetime, datetime]:

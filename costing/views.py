@@ -19,7 +19,7 @@ from costing.api import current_report, export_response, versions_compare_for
 from costing.choices import RESOURCE_UNITS, Tier
 from costing.ledger import resources_held
 from costing.models import Budget, Price
-from costing.report import allocation_method, report_in_cents
+from costing.report import allocation_method, gpu_busy_text, report_in_cents
 from inferops.console import tell_and_return
 from inferops.forms import apply_service
 from inferops.roles import require_operator
@@ -50,6 +50,8 @@ def report_page(request):
                       {"error": _first_error(exc), "month": request.GET.get("month", "")}, status=400)
     tenant = request.GET.get("tenant", "")
     report = report_in_cents(report)
+    for figures in (report, *report["by_deployment"]):
+        figures["gpu_busy_text"] = gpu_busy_text(figures)
     drill = next((row for row in report["by_tenant"] if row["tenant"] == tenant), None) if tenant else None
     return render(request, "costing/report.html", {
         "report": report, "month": start.strftime("%Y-%m"), "tenant": tenant, "drill": drill,

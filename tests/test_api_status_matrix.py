@@ -47,11 +47,12 @@ _OLD_SERIES = ("requests_per_s, output_tokens_per_s, ttft_p50, ttft_p95, ttft_p9
                "queue_depth")
 _SLO_SERIES = ("slo_judged_per_s, slo_missed_ttft_per_s, slo_missed_tpot_per_s, slo_rejected_late_per_s, "
                "slo_served_late_per_s")
+_GPU_SERIES = "gpu_utilization, gpu_memory_used, gpu_memory_total, mfu"
 CHANGED: dict[str, tuple[object, object, str]] = {
     f"api-deployment-metrics GET {role}": (
         {"body": {"series": [f"One of: {_OLD_SERIES}, error_rate."]}, "status": 400},
-        {"body": {"series": [f"One of: {_OLD_SERIES}, {_SLO_SERIES}, error_rate."]}, "status": 400},
-        "issue 39: the engine's SLO scheduling series, named among the choices")
+        {"body": {"series": [f"One of: {_OLD_SERIES}, {_GPU_SERIES}, {_SLO_SERIES}, error_rate."]}, "status": 400},
+        "issue 39: the engine's SLO scheduling series, named among the choices; issue 43: the GPU series and mfu")
     for role in ("viewer", "operator", "admin")
 }
 # Fields added to existing answers on purpose (field -> why); a client that ignores unknown fields sees no change.
@@ -64,6 +65,8 @@ ADDED_FIELDS = {
     "batch_usd": "issue 41: the cost report's offline batch tokens' share of the cost",
     "batch_revenue_usd": "issue 41: the cost report's revenue of offline batches at the batch price",
     "cold_start": "issue 42: a replica's latest start and the seconds of its cold start's phases",
+    **{name: "issue 43: the cost report's GPU-hours, measured and busy ones, their busy share and those not measured"
+       for name in ("gpu_hours", "gpu_hours_measured", "gpu_hours_busy", "gpu_busy_share", "gpu_hours_not_measured")},
 }
 
 

@@ -59,6 +59,8 @@ CHANGED: dict[tuple[tuple[str, ...], str], str] = {
         "issue 42: each replica's latest start and the seconds of its cold start's phases (`cold_start`, required)",
     (("GET /api/v1/deployments/{name}/metrics/",), "/parameters/query:series/"):
         "issue 43: the GPU series (gpu_utilization, gpu_memory_used, gpu_memory_total) and mfu in the series enum",
+    (("GET /api/v1/costing/report/",), "/responses/200/"):
+        "issue 43: the report's GPU-hours, busy GPU-hours, busy share (null: not measured) and GPU-hours not measured",
 }
 # Operations added since the fixture (operation -> why): the fixture has no "before" to compare them with; an
 # entry the live schema lacks fails the test.
