@@ -387,11 +387,11 @@ def paged_attention(
         keys = k_cache.index_select(0, group.blocks).view(n, -1, kv_heads, head_dim)
         values = v_cache.index_select(0, group.blocks).view(n, -1, kv_heads, head_dim)
         keys, values = keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q[group.start : group.end].unsqueeze(2), keys, values, attn_mask=group.mask,
-            enable_gqa=True,
-        )
-        out[group.start : group.end] = o.squeeze(2)
+        # The query heads that share a KV head go as that head's rows ([n, kv_heads, group, d]), so
+        # no backend copies the keys and values once per query head (SDPA's enable_gqa may).
+        queries = q[group.start : group.end].reshape(n, kv_heads, -1, head_dim)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask)
+        out[group.start : group.end] = o.view(n, -1, head_dim)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_end)
         if (paged := chunk.paged) is not None:

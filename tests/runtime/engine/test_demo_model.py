@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from runtime.engine.demo_model import PRESETS, build_demo_tokenizer, main, write_demo_model
+from runtime.engine.demo_model import PRESETS, add_arguments, build_demo_tokenizer, main, write_demo_model
 
 torch.set_num_threads(2)
 
@@ -102,9 +102,42 @@ def test_unknown_preset_is_refused(tmp_path):
 def test_cli_main_reports_parameter_count(tmp_path, capsys):
     import argparse
 
-    args = argparse.Namespace(out_dir=str(tmp_path / "cli"), preset="tiny", seed=1, train_steps=0)
-    assert main(args) == 0
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert main(parser.parse_args([str(tmp_path / "cli"), "--seed", "1"])) == 0
     assert "10,715,904 parameters" in capsys.readouterr().out
+
+
+def test_a_bf16_checkpoint_from_a_copied_vocabulary(tmp_path, capsys):
+    """What the GPU check does on a machine without the MiniLM package (bench/gpu/)."""
+    import argparse
+    import shutil
+
+    from safetensors import safe_open
+
+    from runtime.engine.encoder import find_packaged_minilm
+
+    vocab = tmp_path / "vocab.txt"
+    shutil.copy(find_packaged_minilm() / "vocab.txt", vocab)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "bf16"
+    assert main(parser.parse_args([str(out), "--dtype", "bfloat16", "--vocab", str(vocab)])) == 0
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), framework="pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.bfloat16}
+    assert (out / "tokenizer.json").read_bytes() == (write_demo_model(tmp_path / "f32") / "tokenizer.json").read_bytes()
+    with pytest.raises(ValueError, match="dtype='float16'"):
+        write_demo_model(tmp_path / "x", dtype="float16")
+
+
+def test_the_1b_preset_has_about_a_billion_parameters():
+    preset, vocab = PRESETS["1b"], 30522
+    hidden = preset.hidden_size
+    kv_width = preset.num_key_value_heads * hidden // preset.num_attention_heads
+    per_layer = hidden * (2 * hidden + 2 * kv_width) + 3 * hidden * preset.intermediate_size + 2 * hidden
+    parameters = vocab * hidden + preset.num_hidden_layers * per_layer + hidden  # tied embeddings
+    assert 1.0e9 < parameters < 1.1e9 and hidden // preset.num_attention_heads == 64
 
 
 def test_training_on_the_corpus_lowers_the_loss_reproducibly():
