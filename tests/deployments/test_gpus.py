@@ -150,6 +150,8 @@ def test_the_environment_names_only_the_assigned_devices(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # the worker's own: not for a replica
     spec = ReplicaSpec(deployment="chat", version=1, model_path="/m", backend="builtin")
     assert replica_env(spec, "i/1", ["2", "3"])["CUDA_VISIBLE_DEVICES"] == "2,3"
+    # Given none, it sees none: not the worker's four (it would report their telemetry as its own).
+    assert replica_env(spec, "i/1", None)["CUDA_VISIBLE_DEVICES"] == ""
 
 
 def gpu_spec(count: int) -> ReplicaSpec:

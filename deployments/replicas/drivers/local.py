@@ -251,8 +251,9 @@ def replica_env(spec: ReplicaSpec, marker: str, gpus: list[str] | None = None) -
     env = {**passed_env(dict(os.environ)), REPLICA_ENV: marker, "PYTHONUNBUFFERED": "1"}
     if spec.backend == "builtin":  # its admin API, for the SLO targets the control plane sets
         env[ADMIN_TOKEN_ENV] = replica_admin_token()
-    if gpus is not None:  # only its own devices: replicas on one node never share one
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    # Only its own devices: replicas on one node never share one, and a replica given none sees
+    # none (so it neither runs on nor reports a GPU of the node).
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus or [])
     preload = getattr(settings, "INFEROPS_VLLM_LD_PRELOAD", "auto")
     # An LD_PRELOAD the operator gave the worker is theirs to keep; "none" turns this off.
     if spec.backend == "vllm" and "LD_PRELOAD" not in env and preload != "none":
