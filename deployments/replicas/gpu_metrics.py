@@ -112,14 +112,22 @@ def _namespace(labels: dict) -> str:
     return labels.get("namespace") or labels.get("pod_namespace") or ""
 
 
+def samples_by_name(text: str, wanted_line: re.Pattern) -> dict[str, list]:
+    """The samples of a Prometheus text page's lines that `wanted_line` matches (the rest are never
+    parsed), by their own names (`..._total`, `..._bucket`), which holds whether or not the page
+    declared the families' types. Raises ValueError for text the parser cannot read."""
+    relevant = "\n".join(line for line in text.splitlines() if wanted_line.match(line)) + "\n"
+    by_name: dict[str, list] = defaultdict(list)
+    for family in text_string_to_metric_families(relevant):
+        for sample in family.samples:
+            by_name[sample.name].append(sample)
+    return by_name
+
+
 def parse_gpu_text(text: str, *, pod: str = "", namespace: str = "") -> tuple[GpuStats | None, str]:
     """gpu_stats of a Prometheus text page (dcgm-exporter's, or NVML's rendered); raises GpuParseError."""
-    relevant = "\n".join(line for line in text.splitlines() if _GPU_LINE.match(line)) + "\n"
-    by_name: dict[str, list] = defaultdict(list)
     try:
-        for family in text_string_to_metric_families(relevant):
-            for sample in family.samples:
-                by_name[sample.name].append(sample)
+        by_name = samples_by_name(text, _GPU_LINE)
     except ValueError as error:
         raise GpuParseError(f"unparsable GPU metrics: {error}") from None
     return gpu_stats(by_name, pod=pod, namespace=namespace)

@@ -40,7 +40,6 @@ from datetime import UTC, datetime, timedelta
 import httpx
 from django.db import transaction
 from django.utils import timezone
-from prometheus_client.parser import text_string_to_metric_families
 
 from deployments.choices import DriverName, ReplicaState
 from deployments.models import Replica, ReplicaMetricsMinute, ReplicaStart
@@ -54,6 +53,7 @@ from deployments.replicas.gpu_metrics import (
     gpu_stats,
     nvml_text,
     parse_gpu_text,
+    samples_by_name,
 )
 from inferops.locks import LockId, try_advisory_lock
 
@@ -158,14 +158,8 @@ class MetricsSample:
 
 def parse_metrics(text: str) -> MetricsSample:
     """Parse Prometheus text exposition into a MetricsSample; raises MetricsParseError."""
-    relevant = "\n".join(line for line in text.splitlines() if _WANTED_LINE.match(line)) + "\n"
-    # Samples are looked up by their own names (`..._total`, `..._bucket`), which holds whether
-    # or not the page declared the families' types.
-    by_name: dict[str, list] = defaultdict(list)
     try:
-        for family in text_string_to_metric_families(relevant):
-            for sample in family.samples:
-                by_name[sample.name].append(sample)
+        by_name = samples_by_name(text, _WANTED_LINE)
     except ValueError as error:
         raise MetricsParseError(f"unparsable metrics text: {error}") from None
     if not any(name.startswith("vllm:") for name in by_name):
