@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
 from deployments.choices import ReplicaState
 from registry import services
 
@@ -30,3 +33,44 @@ def metrics_row(model, replica, start, **fields):
     """Create a minute or hour row for `replica` at `start` with the given columns."""
     return model.objects.create(replica=replica, deployment_id=replica.deployment_id,
                                 version_id=replica.version_id, start=start, **fields)
+
+
+class MetricsPage:
+    """A /metrics endpoint on a loopback port (a replica's, or a dcgm-exporter's) serving `render()`,
+    by default the text the test sets, and counting the requests it answered."""
+
+    def __init__(self, text: str = "") -> None:
+        self.text, self.requests = text, 0
+        page = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's naming)
+                page.requests += 1
+                found = self.path == "/metrics"
+                body = page.render() if found else b"not found"
+                self.send_response(200 if found else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def render(self) -> bytes:
+        return self.text.encode()
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -7,10 +7,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import threading
 import time
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -34,6 +32,7 @@ from deployments.replicas.scraping import (
 )
 from registry import services as registry_services
 from runtime.engine.metrics import ServerMetrics
+from tests.deployments.metrics_helpers import MetricsPage
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -126,34 +125,6 @@ def test_only_the_latest_start_of_each_replica_is_filled(tiny_replica):
     assert old.process_started_at is None
     assert new.seconds() == {"process": 0.5, "weights_loaded": 2.0, "ready": None, "first_token": 5.0}
     assert fill_cold_starts({tiny_replica.pk: [parse_metrics(page(T0 + 0.5, T0 + 2, T0 + 5))]}) == 0
-
-
-class MetricsPage:
-    """A replica's /metrics on a loopback port, serving whatever text the test sets."""
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
-                body = stub.text.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -13,9 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-import threading
 from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -32,7 +30,7 @@ from inferops.models import installation_id
 from runtime import gpu_telemetry
 from runtime.engine.metrics import ServerMetrics
 from runtime.gpu_telemetry import GpuCollector, ReplayNvml
-from tests.deployments.metrics_helpers import deployment_with_replicas, metrics_row
+from tests.deployments.metrics_helpers import MetricsPage, deployment_with_replicas, metrics_row
 from tests.deployments.test_kubernetes_driver import FakeKubernetesApi, pod
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -52,48 +50,14 @@ OUR_POD_GPUS = GpuStats(devices=2, util_percent=89.0, memory_used_mib=148428.0, 
                         power_watts=pytest.approx(1052.437), temp_max_c=64.0, sm_clock_mhz=1972.5)
 
 
-class Page:
-    """An HTTP server answering GET /metrics with `text`, counting the requests."""
-
-    def __init__(self, text: str = "") -> None:
-        self.text, self.requests = text, 0
-        page = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
-                page.requests += 1
-                body = page.text.encode()
-                self.send_response(200 if self.path == "/metrics" else 404)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    @property
-    def port(self) -> int:
-        return self.server.server_address[1]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
 def pages():
-    made: list[Page] = []
+    made: list[MetricsPage] = []
 
-    def make(text: str = "") -> Page:
-        made.append(Page(text))
+    def make(text: str = "") -> MetricsPage:
+        made.append(MetricsPage(text))
         return made[-1]
 
     yield make

@@ -11,7 +11,6 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -38,37 +37,17 @@ from deployments.replicas.scraping import (
 )
 from runtime.engine.metrics import ServerMetrics
 from tests.conftest import free_port
-from tests.deployments.metrics_helpers import deployment_with_replicas
+from tests.deployments.metrics_helpers import MetricsPage, deployment_with_replicas
 
 VLLM_METRICS = Path(__file__).resolve().parents[2] / "bench/scrape/vllm-0.32-cpu-metrics.txt"
 
 
-class MetricsStub:
+class MetricsStub(MetricsPage):
     """A replica's /metrics endpoint whose gauges, counters and histograms the test drives."""
 
     def __init__(self) -> None:
         self.restart()
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
-                body = stub.render() if self.path == "/metrics" else b"not found"
-                self.send_response(200 if self.path == "/metrics" else 404)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        super().__init__()
 
     def restart(self) -> None:
         """A new process: every counter and histogram starts again from zero, and the process
@@ -91,9 +70,6 @@ class MetricsStub:
             self.metrics.ttft.observe(ttft_s)
             self.metrics.request_success["stop"].inc()
 
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
