@@ -65,6 +65,10 @@ def _limit_cpu_threads(num_threads: int | None) -> None:
 def build_backend(args: argparse.Namespace) -> AsyncEngine | AsyncEmbedder:
     """The model is loaded later, in the backend's thread, so the server can bind first."""
     if is_encoder_checkpoint(args.model):
+        if args.device != "cpu":
+            logger.warning("embedding models run on the CPU here: --device %s applies to generative "
+                           "checkpoints only", args.device)
+
         def load_encoder() -> EmbeddingModel:
             from runtime.engine.encoder import EmbeddingModel
             _limit_cpu_threads(args.cpu_threads)

@@ -213,7 +213,9 @@ class ReplicaServer:
         return JSONResponse({"status": "ready"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        return Response(self.metrics.render(),
+        # In a thread: a scrape reads NVML (seven driver calls a GPU), which must never hold up
+        # the event loop that streams tokens.
+        return Response(await asyncio.to_thread(self.metrics.render),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def models(self, request: Request) -> Response:
