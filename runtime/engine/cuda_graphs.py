@@ -14,8 +14,10 @@ graphs off with a warning, and the engine runs eagerly (--enforce-eager does so 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +69,49 @@ def smallest_at_least(options: list[int], wanted: int) -> int | None:
     return next((option for option in options if option >= wanted), None)
 
 
+class CudaRecorder:
+    """Records steps as CUDA graphs sharing one memory pool."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def warm_up(self, step: Callable[[], torch.Tensor]) -> None:
+        """One eager run on a side stream before any capture (lazy init, cuBLAS workspaces)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        return graph.replay, logits
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+class EagerRecorder:
+    """Stands in for CudaRecorder where there is no GPU (the tests): a replay runs the step again
+    into the recorded output, so everything around the graphs (static buffers, padding, choosing a
+    graph, reading its output) runs as it does on a GPU; only the capture itself does not."""
+
+    def warm_up(self, step: Callable[[], torch.Tensor]) -> None:
+        step()
+
+    def record(self, step: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        logits = step()
+        return (lambda: logits.copy_(step())), logits
+
+    def synchronize(self) -> None:
+        pass
+
+
+Recorder = CudaRecorder | EagerRecorder
+
+
 class DecodeGraphs:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], *,
                  block_size: int, max_num_seqs: int, max_model_len: int, sliding_window: int | None,
@@ -83,27 +128,22 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(size, width, dtype=torch.long, device=device)
         self.context_lens = torch.ones(size, dtype=torch.long, device=device)
         self.key_positions = torch.arange(width * block_size, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (batch size, width) -> (replay, the logits buffer each replay writes)
+        self.graphs: dict[tuple[int, int], tuple[Callable[[], None], torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def capture(self) -> bool:
+    def capture(self, recorder: Recorder | None = None) -> bool:
         """Record a graph for every (batch size, width), largest first so that they share one
-        memory pool; True when they replay what an eager step computes, else False (logged)."""
+        memory pool; True when they replay what an eager step computes, else False (logged).
+        `recorder`: how a step is recorded (default: as a CUDA graph)."""
         started = time.monotonic()
-        pool = torch.cuda.graph_pool_handle()
+        recorder = recorder or CudaRecorder()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside capture (lazy init, cuBLAS workspaces)
-                self.step(self.sizes[-1], self.widths[-1])
-            torch.cuda.current_stream().wait_stream(side)
+            recorder.warm_up(lambda: self.step(self.sizes[-1], self.widths[-1]))
             for width in reversed(self.widths):
                 for size in reversed(self.sizes):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        logits = self.step(size, width)
-                    self.graphs[(size, width)] = (graph, logits)
-            torch.cuda.synchronize()
+                    self.graphs[(size, width)] = recorder.record(functools.partial(self.step, size, width))
+            recorder.synchronize()
         except RuntimeError as error:
             logger.warning("CUDA graphs could not be captured (%s); decoding eagerly", error)
             self.graphs.clear()
@@ -132,8 +172,8 @@ class DecodeGraphs:
     def _replays_eager_step(self) -> bool:
         size, width = self.sizes[-1], self.widths[-1]
         self.fill(size, DecodeInputs.empty())
-        graph, logits = self.graphs[(size, width)]
-        graph.replay()
+        replay, logits = self.graphs[(size, width)]
+        replay()
         eager = self.step(size, width)
         return bool(torch.allclose(logits, eager, rtol=1e-3, atol=1e-3))
 
@@ -148,8 +188,8 @@ class DecodeGraphs:
         """Logits [decodes, vocab] of one decode step: a view of the graph's output, valid until
         the next replay."""
         self.fill(key[0], inputs)
-        graph, logits = self.graphs[key]
-        graph.replay()
+        replay, logits = self.graphs[key]
+        replay()
         return logits[: len(inputs.token_ids)]
 
     def fill(self, size: int, inputs: DecodeInputs) -> None:

@@ -510,3 +510,49 @@ def test_cuda_graph_sizes_cover_every_batch_and_context():
     assert capture_widths(128) == [16, 32, 64, 128] and capture_widths(100) == [16, 32, 64, 100]
     assert capture_widths(8) == [8]
     assert smallest_at_least([16, 32, 64, 100], 33) == 64 and smallest_at_least([16, 32], 33) is None
+
+
+def graphs_on_cpu(engine, recorder=None):
+    """The runner's CUDA-graph path on the CPU: EagerRecorder replays a step by running it again
+    into the recorded buffers, so all but the capture runs as on a GPU."""
+    from runtime.engine.cuda_graphs import DecodeGraphs, EagerRecorder
+
+    runner = engine.runner
+    # The cache's last block is never handed out here (the prompts need far fewer): the padding's.
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, block_size=4, max_num_seqs=4, max_model_len=128,
+                          sliding_window=runner.sliding_window, spare_block=255, device=torch.device("cpu"))
+    return graphs if graphs.capture(recorder or EagerRecorder()) else None
+
+
+def test_decoding_through_graphs_gives_the_eager_tokens(make_engine, prompts):
+    def plain():
+        return make_engine(ops_backend="torch", linear_backend="torch", num_kv_blocks=256, max_model_len=128)
+
+    # Five at once (more than a graph's 4 rows: eager), then fewer as they finish one by one.
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (12, 10, 8, 6, 4)]
+    mixed = [prompts[1] * 3, prompts[2], prompts[0], prompts[3], prompts[1]]
+    eager = plain().generate(mixed, params)
+    engine = plain()
+    engine.runner.graphs = graphs_on_cpu(engine)
+    replays = []
+    run = engine.runner.graphs.run
+    engine.runner.graphs.run = lambda key, inputs: replays.append(key) or run(key, inputs)
+    assert engine.generate(mixed, params) == eager
+    # Steps of 1-4 decodes replayed a graph (3 padded to 4 rows), beside the long prompt: 32 blocks.
+    assert {size for size, _ in replays} == {1, 2, 4} and {width for _, width in replays} == {32}
+    sampled = SamplingParams(max_tokens=3, temperature=0.8, seed=5)
+    assert engine.generate([prompts[0]], sampled) == plain().generate([prompts[0]], sampled)
+    assert replays[-1] == (1, 16)  # a short context: the narrower graph
+
+
+def test_graphs_that_do_not_replay_the_eager_step_are_turned_off(make_engine, caplog):
+    from runtime.engine.cuda_graphs import EagerRecorder
+
+    class Broken(EagerRecorder):
+        def record(self, step):
+            replay, logits = super().record(step)
+            return (lambda: (replay(), logits.add_(1.0))), logits
+
+    engine = make_engine(ops_backend="torch", linear_backend="torch", num_kv_blocks=256, max_model_len=128)
+    assert graphs_on_cpu(engine, Broken()) is None
+    assert "differ from the same step run eagerly; decoding eagerly" in caplog.text
