@@ -206,6 +206,14 @@ BUCKET_SHIFT = 16
 NUM_BUCKETS = (0x3F800000 >> BUCKET_SHIFT) + 1  # through 1.0's bits
 
 
+def device_argmax(logits: torch.Tensor) -> list[int]:
+    """Each row's most likely token, or INVALID_TOKEN for a row whose pick is not finite, computed
+    where the logits are (a GPU): only the ids come back."""
+    chosen = logits.argmax(dim=1)
+    usable = logits.gather(1, chosen.unsqueeze(1)).squeeze(1).isfinite()
+    return chosen.masked_fill(~usable, INVALID_TOKEN).tolist()
+
+
 class Sampler:
     """Picks one token per row of logits; each row has its own params and generator.
 
@@ -242,10 +250,8 @@ class Sampler:
             usable = np.isfinite(array[np.arange(len(array)), chosen])
             token_ids = [t if ok else INVALID_TOKEN
                          for t, ok in zip(chosen.tolist(), usable.tolist(), strict=True)]
-        else:  # on the GPU, where only the picked ids and their validity come back
-            chosen = logits.argmax(dim=1)
-            usable = logits.gather(1, chosen.unsqueeze(1)).squeeze(1).isfinite()
-            token_ids = chosen.masked_fill(~usable, INVALID_TOKEN).tolist()
+        else:
+            token_ids = device_argmax(logits)
         if not random_rows:
             return token_ids
         if len(random_rows) < len(params):

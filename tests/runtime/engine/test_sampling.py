@@ -17,6 +17,7 @@ from runtime.engine.sampling import (
     apply_min_p,
     apply_penalties,
     ban_tokens,
+    device_argmax,
     token_logprobs,
 )
 
@@ -121,6 +122,13 @@ def test_rows_without_a_usable_maximum_get_invalid_token_and_spare_the_others():
     assert [tokens[i] for i in (0, 8, 9, 10)] == alone
     assert INVALID_TOKEN not in alone
     assert Sampler()(nan.unsqueeze(0), [plain], [gen(0)]) == [INVALID_TOKEN]
+    # The GPU's greedy pick (torch's argmax where the logits are) agrees with the CPU's (numpy's),
+    # first maximum and unusable rows alike.
+    ties = torch.zeros(vocab)
+    ties[[7, 9]] = 1.0
+    greedy_rows = torch.stack([clean, nan, posinf, all_masked, ties])
+    assert device_argmax(greedy_rows) == Sampler()(greedy_rows, [greedy] * 5, [gen(0)] * 5) == [
+        int(clean.argmax()), INVALID_TOKEN, INVALID_TOKEN, INVALID_TOKEN, 7]
 
 
 def reference_probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
